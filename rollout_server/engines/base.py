@@ -1,0 +1,285 @@
+"""The narrow engine seam of the rollout server (DESIGN.md §2–§4, STYLE.md §4).
+
+Routes talk only to `Engine`; `VllmEngine`, `HfEngine` and `EngineGroup` (data parallel) satisfy it, so no
+route ever sees DP or a backend. This module also holds the pieces every engine shares: the staged weight
+update handed over at commit, the prompt-length check, the chat-template helpers, the adapter check and
+the result-order check.
+
+Dtypes are named with safetensors header codes (`"F32"`, `"BF16"`, …) everywhere on this seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from rollout_server.errors import (
+    BadRequestError,
+    EngineError,
+    LoraDisabledError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
+from shared_schemas.infer import InferBatch, InferRequest, InferResult
+
+__all__ = [
+    "AdapterUpdate",
+    "Engine",
+    "EngineHealth",
+    "FullUpdate",
+    "ParamSpec",
+    "StagedUpdate",
+    "check_adapter_request",
+    "check_prompt_lengths",
+    "check_results",
+    "encode_chat_prompt",
+    "render_chat_prompt",
+    "request_prompt_ids",
+]
+
+ParamSpec = tuple[str, tuple[int, ...]]
+"""`(safetensors dtype code, shape)` of one parameter, e.g. `("BF16", (1024, 128))`."""
+
+
+@dataclass(frozen=True)
+class FullUpdate:
+    """A complete staged full-weight sync: every bucket received and validated against the manifest.
+
+    Attributes:
+        version: target weight version (> the engine's current version).
+        buckets: safetensors-encoded buckets in manifest order; names are the base model's parameter
+            names, dtypes and shapes already checked against `Engine.parameter_specs()`. Bytes (not
+            tensors) because vLLM workers receive them through `collective_rpc`.
+    """
+
+    version: int
+    buckets: tuple[bytes, ...]
+    mode: Literal["full"] = field(default="full", init=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Total encoded size of the buckets in bytes."""
+        return sum(len(b) for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class AdapterUpdate:
+    """A complete staged adapter sync (PEFT LoRA/DoRA), served as a LoRA on later requests.
+
+    Attributes:
+        version: target weight version (> the engine's current version).
+        adapter_name: name requests use in `request_config.adapter`; a re-sync under the same name
+            replaces the adapter.
+        adapter_config: the PEFT `adapter_config.json` content.
+        adapter_safetensors: one safetensors blob with the adapter state dict (PEFT key names).
+    """
+
+    version: int
+    adapter_name: str
+    adapter_config: dict[str, Any]
+    adapter_safetensors: bytes
+    mode: Literal["adapter"] = field(default="adapter", init=False)
+
+
+StagedUpdate = FullUpdate | AdapterUpdate
+"""What `Engine.apply_update` receives at commit."""
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """An engine's view of itself; the app adds `status: loading` and `uptime_s` (DESIGN.md §3 `/health`).
+
+    Attributes:
+        status: `ok` when it can serve, `error` when it cannot (see `detail`).
+        engine: backend name.
+        model: resolved local model directory (or hub-less name) the engine serves.
+        weight_version: version of the weights now served (0 = as loaded).
+        dp: data-parallel engines behind this one.
+        tp: tensor-parallel size of each engine.
+        lora_enabled: whether adapter syncs and adapter requests are accepted.
+        max_model_len: prompt + new tokens limit.
+        detail: why the status is `error`.
+    """
+
+    status: Literal["ok", "error"]
+    engine: Literal["vllm", "hf"]
+    model: str
+    weight_version: int
+    dp: int
+    tp: int
+    lora_enabled: bool
+    max_model_len: int
+    detail: str | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the routes need from a generation backend."""
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether adapter syncs and `request_config.adapter` are supported."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights served now; results carry the version that produced them."""
+        ...
+
+    async def generate(self, batch: InferBatch) -> list[InferResult]:
+        """Generates every request of `batch`; result i answers request i, with index first_index + i.
+
+        Raises `PromptTooLongError` (400) for a request that cannot fit, `UnknownAdapterError` /
+        `LoraDisabledError` for a bad `request_config.adapter`, `EngineError` on backend failure. Must not
+        block the event loop; requests in flight when an update commits finish on the old weights.
+        """
+        ...
+
+    async def apply_update(self, update: StagedUpdate) -> None:
+        """Applies a staged update all or nothing, resets the prefix cache, sets `weight_version`.
+
+        Raises `LoraDisabledError` for an adapter update without LoRA, `EngineError` when applying
+        failed (the engine then still serves the previous weights).
+        """
+        ...
+
+    async def health(self) -> EngineHealth:
+        """Cheap status; must answer while a generation runs."""
+        ...
+
+    async def aclose(self) -> None:
+        """Releases the engine (processes, threads, memory); idempotent."""
+        ...
+
+    def parameter_specs(self) -> Mapping[str, ParamSpec]:
+        """Base-model parameter name → `(safetensors dtype code, shape)`, the table full syncs are checked
+        against."""
+        ...
+
+
+def check_prompt_lengths(
+    prompt_lengths: Sequence[int], max_tokens: int, max_model_len: int, first_index: int = 0
+) -> None:
+    """Rejects the batch when any prompt cannot fit with its `max_tokens` new tokens.
+
+    Args:
+        prompt_lengths: prompt token counts, in request order.
+        max_tokens: new tokens asked per completion.
+        max_model_len: the engine's limit on prompt + new tokens.
+        first_index: global index of the first request (named in the message).
+
+    Raises:
+        PromptTooLongError: naming the first offending request's global index and the fix (400).
+    """
+    for i, length in enumerate(prompt_lengths):
+        if length + max_tokens > max_model_len:
+            index = first_index + i
+            raise PromptTooLongError(
+                f"request {index}: {length} prompt + {max_tokens} new tokens > max_model_len {max_model_len};"
+                " lower max_tokens or raise server.vllm.max_model_len",
+                detail={
+                    "index": index,
+                    "prompt_tokens": length,
+                    "max_tokens": max_tokens,
+                    "max_model_len": max_model_len,
+                },
+            )
+
+
+def check_adapter_request(adapter: str | None, lora_enabled: bool, loaded: Sequence[str]) -> None:
+    """Rejects a request that names an adapter the engine cannot serve.
+
+    Raises:
+        LoraDisabledError: an adapter is named but LoRA is off (409).
+        UnknownAdapterError: LoRA is on but no adapter of that name was synced (404).
+    """
+    if adapter is None:
+        return
+    if not lora_enabled:
+        raise LoraDisabledError(
+            f"request_config.adapter {adapter!r} given but the server runs without LoRA;"
+            " drop the adapter field or start the server with server.vllm.enable_lora: true"
+        )
+    if adapter not in loaded:
+        names = ", ".join(sorted(loaded)) or "none"
+        raise UnknownAdapterError(
+            f"adapter {adapter!r} is not loaded (loaded: {names}); sync it with mode 'adapter' first"
+        )
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """Applies the model's chat template with the generation prompt (`<|im_start|>assistant\\n`).
+
+    Args:
+        tokenizer: a transformers tokenizer or processor with `apply_chat_template`.
+        messages: rollout messages (spec/STAGE2.md §3.3), passed unchanged.
+
+    Returns:
+        The prompt text.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise EngineError(f"chat template returned {type(text).__name__}, expected str")
+    return text
+
+
+def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Prompt ids of a text-only chat: the rendered template tokenized without extra special tokens.
+
+    The template already holds every special token, so none is added (same ids vLLM derives).
+    """
+    text = render_chat_prompt(tokenizer, messages)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in ids]
+
+
+def request_prompt_ids(tokenizer: Any, request: InferRequest, index: int) -> list[int]:
+    """Prompt ids of a text-only request: its `prompt_token_ids`, or its templated `messages`.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        request: the request.
+        index: its global index (named in errors).
+
+    Raises:
+        BadRequestError: the request carries images (this path is text-only) or its template fails.
+    """
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids)
+    if request.all_image_refs():
+        raise BadRequestError(
+            f"request {index}: images are not supported by this text-only engine path;"
+            " serve a vision-language model with backend vllm",
+            type="images_unsupported",
+        )
+    assert request.messages is not None
+    try:
+        return encode_chat_prompt(tokenizer, request.messages)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise BadRequestError(
+            f"request {index}: the chat template rejected the messages ({type(exc).__name__}: {exc});"
+            " send role/content messages as in spec/STAGE2.md §3.1",
+            type="bad_messages",
+        ) from exc
+
+
+def check_results(batch: InferBatch, results: Sequence[InferResult]) -> list[InferResult]:
+    """Verifies count, order (`index == first_index + i`), request ids and `n` before returning results.
+
+    Raises:
+        EngineError: any mismatch (an engine bug, reported as 500).
+    """
+    if len(results) != len(batch.infer_requests):
+        raise EngineError(f"engine returned {len(results)} results for {len(batch.infer_requests)} requests")
+    n = batch.request_config.n
+    for i, (request, result) in enumerate(zip(batch.infer_requests, results, strict=True)):
+        if result.index != batch.first_index + i or result.request_id != request.request_id:
+            raise EngineError(
+                f"engine result {i} has index {result.index} / request_id {result.request_id!r}, expected"
+                f" {batch.first_index + i} / {request.request_id!r}"
+            )
+        if len(result.choices) != n:
+            raise EngineError(f"engine result {result.index} has {len(result.choices)} choices, expected {n}")
+    return list(results)
+

@@ -1,0 +1,36 @@
+"""Body of `GET /health` (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Health"]
+
+
+class Health(BaseModel):
+    """Server status; HTTP 200 only when `status == "ok"`, 503 otherwise (same body)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
+
+    status: Literal["ok", "loading", "error"]
+    """`loading` while the engine starts, `error` when it failed (see `detail`)."""
+    engine: Literal["vllm", "hf"]
+    """Backend."""
+    model: str
+    """Resolved local model directory."""
+    weight_version: int = Field(ge=0)
+    """Version of the weights served (0 = as loaded)."""
+    dp: int = Field(ge=1)
+    """Data-parallel engines behind this endpoint."""
+    tp: int = Field(ge=1)
+    """Tensor-parallel size per engine."""
+    lora_enabled: bool
+    """Whether adapter syncs are accepted (else the learner falls back to full syncs)."""
+    max_model_len: int = Field(ge=1)
+    """Prompt + new tokens limit."""
+    uptime_s: float = Field(ge=0.0)
+    """Seconds since the server process started."""
+    detail: str | None = None
+    """Why the status is not `ok` (load failure message)."""
