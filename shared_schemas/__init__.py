@@ -1,1 +1,101 @@
-"""rollmatch."""
+"""Wire contract of rollmatch: pydantic v2 models of every message, the chunk plan and the bucket codec.
+
+Imports pydantic, numpy and safetensors only (never torch, vllm or fastapi), so a client can install it
+alone.
+"""
+
+from shared_schemas.buckets import (
+    BucketMismatchError,
+    RawTensor,
+    check_bucket,
+    decode_bucket,
+    encode_bucket,
+    plan_buckets,
+    read_header,
+)
+from shared_schemas.chunking import Chunk, plan_chunks
+from shared_schemas.errors import ErrorBody, ErrorEnvelope
+from shared_schemas.health import Health
+from shared_schemas.infer import (
+    MAX_TOKENS_CAP,
+    SEED_MASK,
+    Choice,
+    FinishReason,
+    InferBatch,
+    InferRequest,
+    InferResponse,
+    InferResult,
+    RepeatTerminateConfig,
+    RequestConfig,
+    Timing,
+    image_ref_kind,
+    iter_image_refs,
+    request_seed,
+    resolve_seeds,
+)
+from shared_schemas.sync import (
+    BUCKET_PATH,
+    BUCKET_SHM_PATH,
+    DTYPE_NBYTES,
+    SYNC_ABORT_PATH,
+    SYNC_BEGIN_PATH,
+    SYNC_COMMIT_PATH,
+    BucketAck,
+    BucketSpec,
+    ShmBucketRef,
+    SyncAbortRequest,
+    SyncAbortResponse,
+    SyncBeginRequest,
+    SyncBeginResponse,
+    SyncCommitRequest,
+    SyncCommitResponse,
+    SyncManifest,
+    TensorSpec,
+)
+
+__all__ = [
+    "BUCKET_PATH",
+    "BUCKET_SHM_PATH",
+    "DTYPE_NBYTES",
+    "MAX_TOKENS_CAP",
+    "SEED_MASK",
+    "SYNC_ABORT_PATH",
+    "SYNC_BEGIN_PATH",
+    "SYNC_COMMIT_PATH",
+    "BucketAck",
+    "BucketMismatchError",
+    "BucketSpec",
+    "Choice",
+    "Chunk",
+    "ErrorBody",
+    "ErrorEnvelope",
+    "FinishReason",
+    "Health",
+    "InferBatch",
+    "InferRequest",
+    "InferResponse",
+    "InferResult",
+    "RawTensor",
+    "RepeatTerminateConfig",
+    "RequestConfig",
+    "ShmBucketRef",
+    "SyncAbortRequest",
+    "SyncAbortResponse",
+    "SyncBeginRequest",
+    "SyncBeginResponse",
+    "SyncCommitRequest",
+    "SyncCommitResponse",
+    "SyncManifest",
+    "TensorSpec",
+    "Timing",
+    "check_bucket",
+    "decode_bucket",
+    "encode_bucket",
+    "image_ref_kind",
+    "iter_image_refs",
+    "plan_buckets",
+    "plan_chunks",
+    "read_header",
+    "request_seed",
+    "resolve_seeds",
+]

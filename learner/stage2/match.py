@@ -1,0 +1,309 @@
+"""Hungarian matching of valid predictions to GT objects (spec/STAGE2.md §8).
+
+Geometries are ``(geom_type, bins)`` with ``geom_type`` in ``{"bbox_2d", "poly"}`` and ``bins`` a flat
+sequence of norm1000 integers (bbox: ``x1, y1, x2, y2``; poly: ``x0, y0, x1, y1, ...``). ``desc`` plays
+no part. All indices in a :class:`MatchResult` are 0-based positions in the prediction / GT lists passed
+to :func:`match`.
+
+maskIoU choice: the spec's reference is COCO polygon rasterization at ``R = maskiou_resolution``
+(pycocotools is not installed here). This module computes the EXACT polygon IoU instead (shapely 2 /
+GEOS: area of intersection over area of union of the rings clamped to [0, 999]); the raster IoU is an
+estimate of it, within the tolerances of §20.7. Self-intersecting rings are repaired with
+``shapely.make_valid`` (linework method = even-odd fill, the fill rule of COCO's rasterizer). IoU is
+scale-invariant, so ``(R - 1) / 999`` scaling is not applied and ``resolution`` is accepted only for
+interface compatibility. bbox↔bbox pairs use the closed-form rectangle IoU (identical to the polygon IoU
+of their corner rings), so shapely is only called for pairs involving a polygon whose boxes overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import shapely
+from pydantic import BaseModel, ConfigDict, Field
+from scipy.optimize import linear_sum_assignment
+
+__all__ = [
+    "INFEASIBLE",
+    "Geom",
+    "MatchResult",
+    "MatchingConfig",
+    "aabb",
+    "aabb_iou",
+    "aabb_iou_matrix",
+    "candidate_lists",
+    "mask_iou",
+    "mask_iou_pairs",
+    "match",
+]
+
+logger = logging.getLogger(__name__)
+
+Geom = tuple[str, Sequence[int]]
+"""``(geom_type, flat bins)``; geom_type is ``"bbox_2d"`` or ``"poly"``."""
+
+INFEASIBLE = 1e6
+"""Cost of a non-candidate or gated-out pair (finite so the solver always succeeds)."""
+_MATCH_COST_LIMIT = 5e5
+
+
+class MatchingConfig(BaseModel):
+    """``stage2.matching.*`` knobs (§8.2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    candidate_top_k: int = Field(default=5, ge=1)
+    """GT candidates kept per prediction (AABB IoU ranking, or center distance when all AABB IoUs are 0)."""
+    maskiou_resolution: int = Field(default=256, ge=2)
+    """Raster size R of the reference definition; unused by the exact polygon IoU (scale-invariant)."""
+    maskiou_gate: float = Field(default=0.3, ge=0.0, le=1.0)
+    """Minimum maskIoU for a feasible pair."""
+    fp_cost: float = Field(default=1.0, ge=0.0)
+    """Cost of leaving a prediction unmatched."""
+    fn_cost: float = Field(default=1.0, ge=0.0)
+    """Cost of leaving a GT unmatched."""
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Outcome of :func:`match` (§8.2 step 7).
+
+    Attributes:
+        pairs: ``(pred_i, gt_j, mask_iou)`` sorted by ``pred_i``.
+        fp: unmatched prediction indices, ascending.
+        fn: unmatched GT indices, ascending.
+        gating_rejections: candidate pairs with maskIoU below the gate.
+        candidate_pairs: number of candidate pairs whose maskIoU was evaluated.
+        iou_sum: sum of maskIoU over ``pairs``.
+        iou_count: ``len(pairs)``.
+    """
+
+    pairs: tuple[tuple[int, int, float], ...]
+    fp: tuple[int, ...]
+    fn: tuple[int, ...]
+    gating_rejections: int
+    candidate_pairs: int
+    iou_sum: float
+    iou_count: int
+
+
+def _points(geom: Geom) -> np.ndarray:
+    """Ring vertices ``[n, 2]`` (float64); a bbox gives its 4 corners (x1,y1),(x2,y1),(x2,y2),(x1,y2)."""
+    geom_type, bins = geom
+    v = np.asarray(bins, dtype=np.float64)
+    if geom_type == "bbox_2d":
+        if v.shape != (4,):
+            raise ValueError(f"bbox_2d geometry needs 4 bins, got {len(v)}: {list(bins)}")
+        x1, y1, x2, y2 = v
+        return np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
+    if geom_type == "poly":
+        if v.ndim != 1 or v.size % 2:
+            raise ValueError(f"poly geometry needs an even number of bins, got {len(v)}")
+        return v.reshape(-1, 2)
+    raise ValueError(f"unknown geom_type {geom_type!r}; expected 'bbox_2d' or 'poly'")
+
+
+def aabb(geom: Geom) -> tuple[float, float, float, float]:
+    """Axis-aligned box ``(min x, min y, max x, max y)`` of a geometry (§8.2 step 2)."""
+    pts = _points(geom)
+    if len(pts) == 0:
+        return (0.0, 0.0, 0.0, 0.0)
+    lo = pts.min(axis=0)
+    hi = pts.max(axis=0)
+    return (float(lo[0]), float(lo[1]), float(hi[0]), float(hi[1]))
+
+
+def aabb_iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pairwise IoU of sorted boxes ``a [P, 4]`` and ``b [G, 4]`` with continuous areas; zero union → 0."""
+    ix1 = np.maximum(a[:, None, 0], b[None, :, 0])
+    iy1 = np.maximum(a[:, None, 1], b[None, :, 1])
+    ix2 = np.minimum(a[:, None, 2], b[None, :, 2])
+    iy2 = np.minimum(a[:, None, 3], b[None, :, 3])
+    inter = np.clip(ix2 - ix1, 0.0, None) * np.clip(iy2 - iy1, 0.0, None)
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    union = area_a[:, None] + area_b[None, :] - inter
+    out = np.zeros_like(inter)
+    np.divide(inter, union, out=out, where=union > 0)
+    return out
+
+
+def aabb_iou(a: Geom, b: Geom) -> float:
+    """AABB IoU of two geometries (§8.2 step 2)."""
+    return float(aabb_iou_matrix(np.array([aabb(a)]), np.array([aabb(b)]))[0, 0])
+
+
+def candidate_lists(pred_boxes: np.ndarray, gt_boxes: np.ndarray, top_k: int) -> list[np.ndarray]:
+    """GT candidates per prediction (§8.2 step 3), best first.
+
+    Rank GTs by AABB IoU descending; if a prediction's best AABB IoU is 0, rank by squared center
+    distance ascending instead. Ties: lower GT index first (stable sorts). Keep the first ``top_k``.
+    """
+    iou = aabb_iou_matrix(pred_boxes, gt_boxes)
+    k = min(top_k, gt_boxes.shape[0])
+    by_iou = np.argsort(-iou, axis=1, kind="stable")[:, :k]
+    pc = (pred_boxes[:, :2] + pred_boxes[:, 2:]) / 2.0
+    gc = (gt_boxes[:, :2] + gt_boxes[:, 2:]) / 2.0
+    d2 = ((pc[:, None, :] - gc[None, :, :]) ** 2).sum(axis=2)
+    by_dist = np.argsort(d2, axis=1, kind="stable")[:, :k]
+    use_dist = iou.max(axis=1) <= 0.0
+    return [by_dist[i] if use_dist[i] else by_iou[i] for i in range(pred_boxes.shape[0])]
+
+
+def _shapes(geoms: Sequence[Geom]) -> tuple[np.ndarray, np.ndarray]:
+    """Valid polygonal shapely geometries (clamped to [0, 999]) and their areas; None for < 3 points."""
+    out = np.empty(len(geoms), dtype=object)
+    for i, g in enumerate(geoms):
+        pts = np.clip(_points(g), 0.0, 999.0)
+        out[i] = shapely.Polygon(pts) if len(pts) >= 3 else None
+    present = np.array([o is not None for o in out], dtype=bool)
+    if present.any():
+        sub = out[present]
+        bad = ~shapely.is_valid(sub)
+        if bad.any():
+            # Self-intersecting rings: even-odd repair (linework), as COCO's rasterizer fills them.
+            sub[bad] = shapely.make_valid(sub[bad])
+        out[present] = sub
+    areas = np.zeros(len(geoms))
+    if present.any():
+        areas[present] = shapely.area(out[present])
+    return out, areas
+
+
+def _pair_iou(a: object, b: object, area_a: float, area_b: float) -> float:
+    """Exact IoU of two prepared shapes; any geometry error → 0 (§8.2 step 4)."""
+    if a is None or b is None:
+        return 0.0
+    try:
+        inter = float(shapely.area(shapely.intersection(a, b)))
+    except shapely.errors.GEOSException:
+        logger.debug("maskIoU: GEOS error, IoU set to 0", exc_info=True)
+        return 0.0
+    union = area_a + area_b - inter
+    return inter / union if union > 0 and np.isfinite(inter) else 0.0
+
+
+def mask_iou(a: Geom, b: Geom, resolution: int = 256) -> float:
+    """Exact polygon IoU of two geometries clamped to [0, 999] (see module docstring).
+
+    Args:
+        a: first geometry ``(geom_type, bins)``.
+        b: second geometry.
+        resolution: raster size of the reference definition; unused (IoU is scale-invariant).
+
+    Returns:
+        IoU in [0, 1]; 0 for fewer than 3 points, zero union or a geometry error.
+    """
+    del resolution
+    shapes, areas = _shapes([a, b])
+    return _pair_iou(shapes[0], shapes[1], areas[0], areas[1])
+
+
+def mask_iou_pairs(
+    preds: Sequence[Geom],
+    gts: Sequence[Geom],
+    pairs: np.ndarray,
+    gate: float,
+) -> np.ndarray:
+    """maskIoU for candidate pairs ``pairs [N, 2]`` (pred index, GT index).
+
+    Values below ``gate`` are only guaranteed to be below ``gate`` (an upper bound is used to skip the
+    exact computation when it cannot pass the gate); values at or above ``gate`` are exact.
+    """
+    n = pairs.shape[0]
+    out = np.zeros(n)
+    if n == 0:
+        return out
+    pb = np.array([aabb(g) for g in preds]).reshape(-1, 4).clip(0.0, 999.0)
+    gb = np.array([aabb(g) for g in gts]).reshape(-1, 4).clip(0.0, 999.0)
+    pi, gj = pairs[:, 0], pairs[:, 1]
+    box_iou = aabb_iou_matrix(pb, gb)[pi, gj]
+    both_bbox = np.array(
+        [preds[i][0] == "bbox_2d" and gts[j][0] == "bbox_2d" for i, j in zip(pi.tolist(), gj.tolist())],
+        dtype=bool,
+    )
+    out[both_bbox] = box_iou[both_bbox]
+    need = ~both_bbox & (box_iou > 0.0)
+    if not need.any():
+        return out
+    used_p = np.unique(pi[need])
+    used_g = np.unique(gj[need])
+    ps, pa = _shapes([preds[i] for i in used_p])
+    gs, ga = _shapes([gts[j] for j in used_g])
+    p_loc = {int(i): k for k, i in enumerate(used_p)}
+    g_loc = {int(j): k for k, j in enumerate(used_g)}
+    # Upper bound: intersection ≤ min(AABB overlap, area_a, area_b); IoU is increasing in it.
+    ix = np.clip(np.minimum(pb[pi, 2], gb[gj, 2]) - np.maximum(pb[pi, 0], gb[gj, 0]), 0.0, None)
+    iy = np.clip(np.minimum(pb[pi, 3], gb[gj, 3]) - np.maximum(pb[pi, 1], gb[gj, 1]), 0.0, None)
+    todo: list[int] = []
+    for t in np.flatnonzero(need).tolist():
+        area_a, area_b = pa[p_loc[int(pi[t])]], ga[g_loc[int(gj[t])]]
+        bound_inter = min(ix[t] * iy[t], area_a, area_b)
+        denom = area_a + area_b - bound_inter
+        if denom > 0 and bound_inter / denom >= gate and area_a > 0 and area_b > 0:
+            todo.append(t)
+    if not todo:
+        return out
+    ia = np.array([p_loc[int(pi[t])] for t in todo])
+    ib = np.array([g_loc[int(gj[t])] for t in todo])
+    try:
+        inter = shapely.area(shapely.intersection(ps[ia], gs[ib]))
+    except shapely.errors.GEOSException:
+        # One bad pair must not zero the others: redo pair by pair (each error → IoU 0).
+        inter = None
+    for k, t in enumerate(todo):
+        a_i, b_j = int(ia[k]), int(ib[k])
+        if inter is None:
+            out[t] = _pair_iou(ps[a_i], gs[b_j], pa[a_i], ga[b_j])
+            continue
+        union = pa[a_i] + ga[b_j] - inter[k]
+        out[t] = inter[k] / union if union > 0 and np.isfinite(inter[k]) else 0.0
+    return out
+
+
+def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> MatchResult:
+    """Match predictions to GT objects (§8.2).
+
+    Args:
+        preds: geometries of the valid predictions, in appearance order.
+        gts: geometries of the well-formed GT objects, in GT order.
+        cfg: matching knobs.
+
+    Returns:
+        A :class:`MatchResult`; indices refer to positions in ``preds`` / ``gts``.
+    """
+    n_p, n_g = len(preds), len(gts)
+    if n_p == 0 or n_g == 0:
+        return MatchResult((), tuple(range(n_p)), tuple(range(n_g)), 0, 0, 0.0, 0)
+    pb = np.array([aabb(g) for g in preds])
+    gb = np.array([aabb(g) for g in gts])
+    cands = candidate_lists(pb, gb, cfg.candidate_top_k)
+    pairs = np.array([(i, int(j)) for i, row in enumerate(cands) for j in row], dtype=np.int64)
+    ious = mask_iou_pairs(preds, gts, pairs, cfg.maskiou_gate)
+    passed = ious >= cfg.maskiou_gate
+    cost = np.full((n_p + n_g, n_p + n_g), INFEASIBLE)
+    cost[pairs[passed, 0], pairs[passed, 1]] = 1.0 - ious[passed]
+    cost[:n_p, n_g:] = cfg.fp_cost
+    cost[n_p:, :n_g] = cfg.fn_cost
+    cost[n_p:, n_g:] = 0.0
+    rows, cols = linear_sum_assignment(cost)
+    iou_of = {(int(i), int(j)): float(v) for (i, j), v in zip(pairs[passed], ious[passed])}
+    matched: list[tuple[int, int, float]] = []
+    for r, c in zip(rows.tolist(), cols.tolist()):
+        if r < n_p and c < n_g and cost[r, c] < _MATCH_COST_LIMIT:
+            matched.append((r, c, iou_of[(r, c)]))
+    matched.sort()
+    mp = {p for p, _, _ in matched}
+    mg = {g for _, g, _ in matched}
+    return MatchResult(
+        pairs=tuple(matched),
+        fp=tuple(i for i in range(n_p) if i not in mp),
+        fn=tuple(j for j in range(n_g) if j not in mg),
+        gating_rejections=int((~passed).sum()),
+        candidate_pairs=int(pairs.shape[0]),
+        iou_sum=float(sum(v for _, _, v in matched)),
+        iou_count=len(matched),
+    )

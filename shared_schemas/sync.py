@@ -1,0 +1,263 @@
+"""Wire models of the weight sync (DESIGN.md §3 `/sync_weights/`).
+
+A sync is `begin(manifest)` → one upload per bucket → `commit` (or `abort`). Buckets are safetensors
+files of bounded size, sent either as the HTTP body (`PUT {BUCKET_PATH}`) or, on the same host, as the
+NAME of a file the learner wrote into the server's staging directory (`POST {BUCKET_SHM_PATH}` with a
+`ShmBucketRef`). Nothing is applied before `commit`, and a rejected or abandoned sync applies nothing.
+
+Routes (`{sync_id}` from `SyncBeginResponse`, `{index}` the bucket's index in the manifest):
+
+| phase | method and path | body → response |
+|---|---|---|
+| begin | `POST /sync_weights/begin` | `SyncBeginRequest` → `SyncBeginResponse` |
+| bucket (HTTP) | `PUT /sync_weights/{sync_id}/buckets/{index}` | safetensors bytes (`application/octet-stream`) → `BucketAck` |
+| bucket (shm) | `POST /sync_weights/{sync_id}/buckets/{index}/shm` | `ShmBucketRef` → `BucketAck` |
+| commit | `POST /sync_weights/commit` | `SyncCommitRequest` → `SyncCommitResponse` |
+| abort | `POST /sync_weights/abort` | `SyncAbortRequest` → `SyncAbortResponse` |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "BUCKET_PATH",
+    "BUCKET_SHM_PATH",
+    "DTYPE_NBYTES",
+    "SYNC_ABORT_PATH",
+    "SYNC_BEGIN_PATH",
+    "SYNC_COMMIT_PATH",
+    "BucketAck",
+    "BucketSpec",
+    "ShmBucketRef",
+    "SyncAbortRequest",
+    "SyncAbortResponse",
+    "SyncBeginRequest",
+    "SyncBeginResponse",
+    "SyncCommitRequest",
+    "SyncCommitResponse",
+    "SyncManifest",
+    "TensorSpec",
+]
+
+SYNC_BEGIN_PATH = "/sync_weights/begin"
+BUCKET_PATH = "/sync_weights/{sync_id}/buckets/{index}"
+BUCKET_SHM_PATH = "/sync_weights/{sync_id}/buckets/{index}/shm"
+SYNC_COMMIT_PATH = "/sync_weights/commit"
+SYNC_ABORT_PATH = "/sync_weights/abort"
+
+DTYPE_NBYTES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+"""Bytes per element of each safetensors dtype code accepted on the wire."""
+
+_SYNC_ID = r"^[0-9a-f]{8,64}$"
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return DTYPE_NBYTES[dtype] * math.prod(shape)
+
+
+class TensorSpec(BaseModel):
+    """Name, safetensors dtype code and shape of one tensor."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1, max_length=1024)
+    """Parameter name (base-model names for full syncs, PEFT key names for adapters)."""
+    dtype: str
+    """safetensors dtype code: one of `DTYPE_NBYTES` (`F32`, `BF16`, `F16`, …)."""
+    shape: tuple[int, ...]
+    """Dimensions (each >= 0); `()` is a scalar."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPE_NBYTES:
+            raise ValueError(f"unknown dtype {value!r}; use a safetensors code: {', '.join(DTYPE_NBYTES)}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(d < 0 for d in value):
+            raise ValueError(f"shape {list(value)} has a negative dimension")
+        return value
+
+    @property
+    def nbytes(self) -> int:
+        """Raw data size in bytes."""
+        return _nbytes(self.dtype, self.shape)
+
+
+class BucketSpec(BaseModel):
+    """One bucket of the manifest: the tensors its safetensors file holds, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
+
+    index: int = Field(ge=0)
+    """Position in the manifest (0-based, contiguous)."""
+    tensors: tuple[TensorSpec, ...] = Field(min_length=1)
+    """Tensors of this bucket."""
+    nbytes: int = Field(ge=0)
+    """Sum of the tensors' raw data sizes (the safetensors header is extra)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> BucketSpec:
+        total = sum(t.nbytes for t in self.tensors)
+        if total != self.nbytes:
+            raise ValueError(f"bucket {self.index}: nbytes {self.nbytes} != sum of tensor sizes {total}")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"bucket {self.index} lists a tensor name twice")
+        return self
+
+
+class SyncManifest(BaseModel):
+    """Everything a sync will send, declared up front so the server validates before any byte arrives."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
+
+    mode: Literal["full", "adapter"]
+    """`full`: merged base-model weights; `adapter`: a PEFT adapter served as a LoRA."""
+    version: int = Field(ge=1)
+    """Target weight version; must be greater than the server's current version."""
+    buckets: tuple[BucketSpec, ...] = Field(min_length=1)
+    """Buckets in upload order; indices 0..len-1."""
+    adapter_name: str | None = Field(default=None, min_length=1, max_length=128)
+    """Adapter mode: the name requests will use in `request_config.adapter`."""
+    adapter_config: dict[str, Any] | None = None
+    """Adapter mode: the PEFT `adapter_config.json` content."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SyncManifest:
+        indices = [b.index for b in self.buckets]
+        if indices != list(range(len(self.buckets))):
+            raise ValueError(f"bucket indices must be 0..{len(self.buckets) - 1} in order")
+        seen: set[str] = set()
+        for bucket in self.buckets:
+            for tensor in bucket.tensors:
+                if tensor.name in seen:
+                    raise ValueError(f"tensor {tensor.name!r} appears in more than one bucket")
+                seen.add(tensor.name)
+        if self.mode == "adapter" and (self.adapter_name is None or self.adapter_config is None):
+            raise ValueError("mode 'adapter' needs adapter_name and adapter_config")
+        if self.mode == "full" and (self.adapter_name is not None or self.adapter_config is not None):
+            raise ValueError("mode 'full' takes no adapter_name or adapter_config")
+        return self
+
+    @property
+    def tensors(self) -> list[TensorSpec]:
+        """Every tensor of every bucket, in order."""
+        return [t for b in self.buckets for t in b.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        """Total raw data size in bytes."""
+        return sum(b.nbytes for b in self.buckets)
+
+
+class SyncBeginRequest(BaseModel):
+    """Opens a sync. A new begin supersedes (aborts) a sync still staged on the server."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    manifest: SyncManifest
+    timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    """Idle seconds after which the staged sync is discarded (server default when None)."""
+
+
+class SyncBeginResponse(BaseModel):
+    """The id every later phase names."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sync_id: str = Field(pattern=_SYNC_ID)
+    current_version: int = Field(ge=0)
+    num_buckets: int = Field(ge=1)
+    expires_in_s: float = Field(gt=0)
+
+
+class ShmBucketRef(BaseModel):
+    """A bucket written by the learner into the server's staging directory, named by file NAME only."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    file_name: str = Field(min_length=1, max_length=255)
+    """Plain file name inside `server.shm_dir` (no directory part, no `..`)."""
+
+    @field_validator("file_name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if "/" in value or "\\" in value or "\x00" in value or value in {".", ".."}:
+            raise ValueError("file_name must be a plain file name inside the staging dir, not a path")
+        return value
+
+
+class BucketAck(BaseModel):
+    """A bucket was received and matches the manifest."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sync_id: str
+    index: int = Field(ge=0)
+    received: int = Field(ge=0)
+    """Buckets received so far."""
+    expected: int = Field(ge=1)
+    """Buckets in the manifest."""
+
+
+class SyncCommitRequest(BaseModel):
+    """Applies a fully received sync atomically."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sync_id: str = Field(pattern=_SYNC_ID)
+
+
+class SyncCommitResponse(BaseModel):
+    """The update is live: every later generation uses `weight_version`."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sync_id: str
+    mode: Literal["full", "adapter"]
+    weight_version: int = Field(ge=0)
+    num_tensors: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    apply_s: float = Field(ge=0)
+    """Seconds spent in the engine's apply."""
+
+
+class SyncAbortRequest(BaseModel):
+    """Discards a staged sync."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sync_id: str = Field(pattern=_SYNC_ID)
+
+
+class SyncAbortResponse(BaseModel):
+    """`aborted` is False when no such sync was staged (aborting is idempotent)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sync_id: str
+    aborted: bool
