@@ -214,7 +214,9 @@ async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
 
 async def _handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     request_id = request.headers.get("x-request-id", "-")
-    logger.exception("unhandled error in %s %s (x-request-id %s)", request.method, request.url.path, request_id)
+    logger.exception(
+        "unhandled error in %s %s (x-request-id %s)", request.method, request.url.path, request_id
+    )
     err = EngineError(f"internal error ({type(exc).__name__}); see the server log", type="internal_error")
     return error_response(err)
 

@@ -121,7 +121,9 @@ def encode_bucket(items: Iterable[RawTensor | tuple[str, str, Sequence[int], Any
     flat: dict[str, Any] = {}
     for name, dtype, shape, data in items:
         if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}; use one of {', '.join(_DTYPE_NAMES)}")
+            raise ValueError(
+                f"tensor {name!r}: unknown dtype {dtype!r}; use one of {', '.join(_DTYPE_NAMES)}"
+            )
         if name in flat:
             raise ValueError(f"tensor {name!r} given twice")
         buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
@@ -162,7 +164,9 @@ def read_header(data: bytes | bytearray | memoryview | Any) -> dict[str, TensorS
         raise BucketMismatchError(f"bucket is {len(view)} bytes; not a safetensors file")
     (header_len,) = struct.unpack("<Q", view[:8])
     if header_len > _MAX_HEADER_BYTES or 8 + header_len > len(view):
-        raise BucketMismatchError(f"safetensors header length {header_len} does not fit a {len(view)}-byte file")
+        raise BucketMismatchError(
+            f"safetensors header length {header_len} does not fit a {len(view)}-byte file"
+        )
     try:
         header = json.loads(bytes(view[8 : 8 + header_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

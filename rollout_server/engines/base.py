@@ -282,4 +282,3 @@ def check_results(batch: InferBatch, results: Sequence[InferResult]) -> list[Inf
         if len(result.choices) != n:
             raise EngineError(f"engine result {result.index} has {len(result.choices)} choices, expected {n}")
     return list(results)
-

@@ -1,0 +1,366 @@
+"""The learner's run configuration: one pydantic model per YAML section (DESIGN.md §8).
+
+Knob names and defaults follow spec/STAGE2.md (tables and Appendix A) and DESIGN.md §8. Every section
+forbids unknown keys; `load_run_config` turns validation errors into one-line `ConfigError`s naming the
+file and the dotted key. The `server:` section belongs to the rollout server and its launcher: the learner
+keeps it as an opaque mapping (a demo or compose file carries both). The `grpo:` section is validated by
+`learner.grpo.config` when the GRPO trainer runs.
+
+Cross-section guards (spec/STAGE2.md §5.3, §14.1, §16; issue "Learner loop" item 4) are checked by
+`RunConfig` and by `check_runtime_guards` (those that need the world size or the server's `/health`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from learner.stage2.guard import RepeatTerminateConfig
+from learner.stage2.losses import CoordLossConfig, LossConfig
+from learner.stage2.match import MatchingConfig
+from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
+from learner.stage2.packing import PackingConfig
+from learner.stage2.targets import TargetsConfig
+from learner.weights.sync import SyncConfig
+from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
+
+__all__ = [
+    "ConfigError",
+    "DecodingConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "Stage2Config",
+    "check_runtime_guards",
+    "deep_merge",
+    "load_run_config",
+    "load_yaml_with_extends",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(_Section):
+    """`model:` — the checkpoint to train and its adapters."""
+
+    path: str
+    """Local model directory (never a hub name: nothing is downloaded). Relative paths resolve against the repo."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Training dtype of the weights."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel; packed rows rely on position-id restarts (sdpa/eager) or varlen (flash)."""
+    adapter: Literal["none", "lora", "dora"] = "none"
+    """Train the full model or a PEFT LoRA/DoRA adapter on it."""
+    lora_r: int = Field(default=16, ge=1)
+    """Adapter rank."""
+    lora_alpha: int = Field(default=32, ge=1)
+    """Adapter scaling numerator."""
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Adapter dropout."""
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module name suffixes that get adapters."""
+
+
+class DataConfig(_Section):
+    """`data:` — dataset files (spec/STAGE2.md §1)."""
+
+    train: list[str]
+    """Training JSONL files, in dataset-namespace order (sample_id = namespace << 32 | row)."""
+    eval: list[str] = Field(default_factory=list)
+    """Held-out JSONL files for the rollout-only evaluation."""
+    image_root: str | None = None
+    """Base for relative image paths (default: the JSONL file's directory)."""
+    max_images_per_sample: int = Field(default=1, ge=0)
+    """Images per record; 0 = text-only records (the embedded demo's tiny LM has no vision tower)."""
+    object_ordering: Literal["sorted", "random"] = "sorted"
+    """GT object order (§1.4)."""
+    max_eval_samples: int | None = Field(default=None, ge=1)
+    """Evaluate on the first N held-out samples only."""
+
+
+class PromptsConfig(_Section):
+    """`prompts:` — the texts used for rollout and teacher forcing alike (§3.2)."""
+
+    system: str = DEFAULT_SYSTEM_PROMPT
+    """System prompt injected when a record has none."""
+    user: str = DEFAULT_USER_PROMPT
+    """User prompt; a record's `metadata.scene` text (synthetic demo data) is appended on a new line."""
+
+
+class ChatConfig(_Section):
+    """`chat:` — template tokens."""
+
+    end_of_turn_token: str = "<|im_end|>"
+    """Assistant terminator; supervised after the closing brace (§12)."""
+
+
+class DecodingConfig(_Section):
+    """`rollout.decoding:` — decoding knobs shared by rollout-matching SFT and GRPO (§5.2)."""
+
+    decode_mode: Literal["greedy", "beam"] = "greedy"
+    """`beam` only with the hf backend."""
+    max_new_tokens: int = Field(default=512, ge=1)
+    """New tokens per rollout."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 → argmax."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """-1 = off."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    """1.05 recommended for dense data."""
+    num_beams: int = Field(default=1, ge=1)
+    """Beam mode only."""
+    rollout_generate_batch_size: int = Field(default=1, ge=1)
+    """Padded batch size of in-process (hf) generation per rank; server mode sends a step's requests in one call."""
+    repeat_terminate: RepeatTerminateConfig = Field(default_factory=RepeatTerminateConfig)
+    """Degenerate-rollout guard (§5.4)."""
+
+
+class ServerEntry(_Section):
+    """One rollout server process (a DP server is ONE entry)."""
+
+    base_url: str
+    """`http(s)://host:port`; a trailing `/` is stripped."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        value = value.rstrip("/")
+        if not re.fullmatch(r"https?://[^/:]+(:\d{1,5})(/.*)?|https?://\[[0-9a-fA-F:]+\](:\d{1,5})(/.*)?", value):
+            raise ValueError(f"base_url {value!r} must look like http://host:port (the port is required)")
+        return value
+
+
+class ColocateVllmConfig(_Section):
+    """`rollout.vllm:` — the in-process engine of colocate mode (§16); ignored (with a warning) in server mode."""
+
+    gpu_memory_utilization: float = Field(default=0.45, gt=0.0, le=1.0)
+    """Leaves room for training on the same GPU."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """≥ longest prompt + max_new_tokens; required in colocate mode."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Divides the learner world size."""
+    enable_prefix_caching: bool = True
+    """Reset after every weight sync."""
+    load_format: Literal["dummy", "auto"] = "dummy"
+    """`dummy`: real weights arrive with the step-0 sync."""
+    infer_batch_size: int | None = Field(default=None, ge=1)
+    """Chunk requests per generate call (caps multimodal prefill memory)."""
+    enforce_eager: bool = False
+    """True is the safe choice with multimodal models."""
+    sleep_level: int = Field(default=0, ge=0, le=2)
+    """> 0: sleep after each rollout, wake before the next (GPU only)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype."""
+    kv_cache_space_gb: float | None = Field(default=None, gt=0)
+    """vLLM-CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+
+
+class RolloutConfig(_Section):
+    """`rollout:` — where rollouts come from and how weights reach them (DESIGN.md §2, §5; STAGE2 §5)."""
+
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Engine kind."""
+    mode: Literal["colocate", "server"] = "colocate"
+    """In-process engine, or rollout servers over HTTP."""
+    servers: list[ServerEntry] = Field(default_factory=list)
+    """Server mode: non-empty list of servers."""
+    timeout_s: float = Field(default=240.0, gt=0.0)
+    """Health wait at start-up (and connect timeout cap)."""
+    infer_timeout_s: float | None = Field(default=None, gt=0.0)
+    """Read timeout of one generate call (default: timeout_s)."""
+    auth_token: str | None = None
+    """Bearer token the servers require, if any."""
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    """Weight sync policy."""
+    vllm: ColocateVllmConfig = Field(default_factory=ColocateVllmConfig)
+    """Colocated engine knobs."""
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    """Decoding knobs."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.mode == "server" and not self.servers:
+            raise ValueError("rollout.servers must list at least one {base_url} in server mode")
+        if self.decoding.decode_mode == "beam" and self.backend != "hf":
+            raise ValueError("rollout.decoding.decode_mode 'beam' needs rollout.backend 'hf'")
+        return self
+
+    @property
+    def read_timeout_s(self) -> float:
+        """Effective read timeout of one generate call."""
+        return self.infer_timeout_s if self.infer_timeout_s is not None else self.timeout_s
+
+
+class ParseConfig(_Section):
+    """`stage2.parse:`."""
+
+    stop_markers: list[str] = Field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
+    """Hard stops (§6.2)."""
+
+
+class GtConfig(_Section):
+    """`stage2.gt:`."""
+
+    malformed_policy: Literal["skip", "raise"] = "skip"
+    """Malformed GT objects are counted and skipped, or raise (data audits)."""
+    malformed_log_max: int = Field(default=20, ge=0)
+    """Individually logged malformed objects per process."""
+
+
+class EncodeConfig(_Section):
+    """`stage2.encode:`."""
+
+    on_prompt_mismatch: Literal["drop", "raise"] = "drop"
+    """Teacher-forced prompt ids differ from the rollout's (§11.3)."""
+    oversize_policy: Literal["raise", "drop"] = "raise"
+    """Segment longer than packing_length (§11.5)."""
+    global_max_length: int = Field(default=4096, ge=16)
+    """Longest teacher-forced segment (= packing_length by default)."""
+
+
+class RolloutBufferConfig(_Section):
+    """`stage2.rollout_buffer:` (§15)."""
+
+    enabled: bool = False
+    """Reuse rollouts over M-steps."""
+    m_steps: int = Field(default=1, ge=1)
+    """Optimizer steps per E-step window (1 = no reuse)."""
+
+
+class OffloadConfig(_Section):
+    """`stage2.offload:` (§16) — colocated vLLM only."""
+
+    enabled: bool = False
+    model: bool = False
+    optimizer: bool = False
+
+
+class EvalConfig(_Section):
+    """`stage2.eval:` — decoding overrides for evaluation (default: inherit rollout.decoding)."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    at_start: bool = True
+    """Evaluate before the first step too (the demo reports F1 at step 0)."""
+
+
+class Stage2Config(_Section):
+    """`stage2:` — everything of spec/STAGE2.md between the rollout and the optimizer."""
+
+    parse: ParseConfig = Field(default_factory=ParseConfig)
+    gt: GtConfig = Field(default_factory=GtConfig)
+    matching: MatchingConfig = Field(default_factory=MatchingConfig)
+    targets: TargetsConfig = Field(default_factory=TargetsConfig)
+    encode: EncodeConfig = Field(default_factory=EncodeConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    coord_loss: CoordLossConfig = Field(default_factory=CoordLossConfig)
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    rollout_buffer: RolloutBufferConfig = Field(default_factory=RolloutBufferConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class RunConfig(_Section):
+    """A whole learner run."""
+
+    model: ModelConfig
+    data: DataConfig
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    training: dict[str, Any] = Field(default_factory=dict)
+    """Passed to HF `TrainingArguments` (keys checked against its fields)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    stage2: Stage2Config = Field(default_factory=Stage2Config)
+    server: dict[str, Any] | None = None
+    """The rollout server's section (opaque here; read by the server and its launcher)."""
+    grpo: dict[str, Any] | None = None
+    """GRPO section (validated by learner.grpo.config when the GRPO trainer runs)."""
+    output_dir: str = "runs/default"
+    """Where metrics.jsonl, TensorBoard events, checkpoints and the report go."""
+
+    @field_validator("training")
+    @classmethod
+    def _check_training(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from dataclasses import fields
+
+        from transformers import TrainingArguments
+
+        known = {f.name for f in fields(TrainingArguments)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainingArguments key(s) {unknown}")
+        gas = int(value.get("gradient_accumulation_steps", 1))
+        if gas > 99:
+            raise ValueError(f"gradient_accumulation_steps {gas} > 99 collides per-request seeds (STAGE2 §5.3)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.rollout.mode == "colocate" and self.rollout.backend == "vllm" and self.rollout.vllm.max_model_len is None:
+            raise ValueError("rollout.vllm.max_model_len is required for a colocated vLLM engine")
+        if self.stage2.offload.enabled and self.rollout.mode != "colocate":
+            raise ValueError("stage2.offload.enabled only applies to rollout.mode colocate")
+        return self
+
+
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Loads and validates a run YAML (with `extends`), applying optional overrides (deep-merged).
+
+    Raises:
+        ConfigError: one line naming the file and the dotted key.
+    """
+    raw = load_yaml_with_extends(path)
+    if overrides:
+        raw = deep_merge(raw, overrides)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, path)) from exc
+
+
+def check_runtime_guards(
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    server_lora_enabled: bool | None = None,
+    server_max_model_len: int | None = None,
+    longest_prompt_tokens: int | None = None,
+) -> None:
+    """Guards that need facts known only at start-up. Raises `ConfigError` naming the key.
+
+    Args:
+        world_size: learner processes.
+        server_lora_enabled: from the servers' `/health` (server mode).
+        server_max_model_len: smallest `max_model_len` over the servers (server mode).
+        longest_prompt_tokens: longest templated prompt of the data, when known.
+    """
+    per_device = int(cfg.training.get("per_device_train_batch_size", 8))
+    if world_size * per_device > 10_007:
+        raise ConfigError(
+            f"training.per_device_train_batch_size {per_device} × world size {world_size} > 10007 collides "
+            "per-request seeds (STAGE2 §5.3)"
+        )
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    if cfg.rollout.mode == "colocate" and world_size % tp:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size {tp} must divide the learner world size {world_size}")
+    if cfg.rollout.sync.mode == "adapter" and server_lora_enabled is False and not cfg.rollout.sync.fallback_to_full:
+        raise ConfigError(
+            "rollout.sync.mode is 'adapter' but the rollout server runs without LoRA and "
+            "rollout.sync.fallback_to_full is false; start the server with server.vllm.enable_lora: true or use "
+            "rollout.sync.mode: full"
+        )
+    max_len = server_max_model_len if cfg.rollout.mode == "server" else cfg.rollout.vllm.max_model_len
+    if max_len is not None and longest_prompt_tokens is not None:
+        need = longest_prompt_tokens + cfg.rollout.decoding.max_new_tokens
+        if need > max_len:
+            key = "server.vllm.max_model_len" if cfg.rollout.mode == "server" else "rollout.vllm.max_model_len"
+            raise ConfigError(
+                f"{key} {max_len} < longest prompt {longest_prompt_tokens} + rollout.decoding.max_new_tokens "
+                f"{cfg.rollout.decoding.max_new_tokens} = {need}; raise {key} or lower max_new_tokens"
+            )

@@ -1,0 +1,267 @@
+"""Prepared micro-batches: one packed padding-free row, or right-padded rows (spec/STAGE2.md §14.4–14.6).
+
+Both layouts give :func:`learner.stage2.losses.step_loss_sums` the same thing: ``labels [B, T]`` and
+coord slots as ``(batch index, absolute position, bin, is_prefix)``; a slot at ``p`` reads the logits
+at ``p - 1``, which §14.6 keeps inside the slot's own segment.
+
+Packed rows carry ``position_ids`` restarting at 0 in every segment plus ``cu_seqlens`` / ``max_seqlen``
+(int32, flash-attention varlen convention) and NO attention mask: transformers then isolates the
+segments itself (flash-attention varlen from the position restarts; sdpa/eager get a block-diagonal
+causal mask built from the same restarts — checked by ``tests/integration/test_packed_equivalence.py``).
+Models with multi-axis rotary positions (Qwen-VL) need their 3-row positions computed per segment by
+the trainer; ``position_ids`` here is the text row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from learner.stage2.segment import Segment
+
+__all__ = ["PackedBatch", "pack_segments", "pad_segments"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One prepared micro-batch (§14.4).
+
+    Attributes:
+        input_ids: ``[B, T]`` int64.
+        labels: ``[B, T]`` int64, -100 where unsupervised.
+        position_ids: ``[B, T]`` int64; packed: restarting at 0 per segment.
+        attention_mask: ``[B, T]`` (1 = token, 0 = padding) for padded rows; None when packed.
+        cu_seqlens: packed only: ``[k + 1]`` int32 segment boundaries ``[0, L1, L1+L2, ..., ΣL]``.
+        max_seqlen: longest segment.
+        coord_batch_idx: ``[K]`` row of each coord slot (0 when packed).
+        coord_pos: ``[K]`` absolute position of each coord slot in its row.
+        coord_bins: ``[K]`` target bin.
+        coord_is_prefix: ``[K]`` bool.
+        meta: segment metas as dicts (packed: concatenation order; padded: one per row).
+        mm_inputs: multimodal tensors concatenated along dim 0 in segment order.
+        packed: True for the single padding-free row.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+    coord_batch_idx: torch.Tensor
+    coord_pos: torch.Tensor
+    coord_bins: torch.Tensor
+    coord_is_prefix: torch.Tensor
+    meta: list[dict[str, Any]]
+    mm_inputs: dict[str, Any] = field(default_factory=dict)
+    packed: bool = False
+
+    @property
+    def n_ce(self) -> int:
+        """Supervised CE tokens (labels at positions ≥ 1; position 0 has no predecessor)."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
+    def n_coord(self) -> int:
+        """Supervised coord slots."""
+        return int(self.coord_pos.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        if self.attention_mask is None:
+            return int(self.input_ids.numel())
+        return int(self.attention_mask.sum())
+
+    def model_inputs(self, *, flash_varlen_kwargs: bool = False) -> dict[str, Any]:
+        """Keyword arguments for the model's forward (labels are never passed, §13.1).
+
+        Args:
+            flash_varlen_kwargs: also pass ``cu_seq_lens_q/k`` and ``max_length_q/k`` (packed rows with
+                ``attn_implementation="flash_attention_2"``; saves transformers recomputing them).
+        """
+        out: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask
+        if flash_varlen_kwargs and self.packed and self.cu_seqlens is not None:
+            out |= {
+                "cu_seq_lens_q": self.cu_seqlens,
+                "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_seqlen,
+                "max_length_k": self.max_seqlen,
+            }
+        out.update(self.mm_inputs)
+        return out
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """Copy with every tensor moved to ``device`` (meta untouched)."""
+
+        def mv(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        return PackedBatch(
+            input_ids=mv(self.input_ids),
+            labels=mv(self.labels),
+            position_ids=mv(self.position_ids),
+            attention_mask=mv(self.attention_mask),
+            cu_seqlens=mv(self.cu_seqlens),
+            max_seqlen=self.max_seqlen,
+            coord_batch_idx=mv(self.coord_batch_idx),
+            coord_pos=mv(self.coord_pos),
+            coord_bins=mv(self.coord_bins),
+            coord_is_prefix=mv(self.coord_is_prefix),
+            meta=self.meta,
+            mm_inputs={k: mv(v) for k, v in self.mm_inputs.items()},
+            packed=self.packed,
+        )
+
+
+def _check_segment(seg: Segment, index: int) -> None:
+    """§14.6 invariants of one segment (internal errors → raise)."""
+    m = seg.meta
+    length = len(seg.input_ids)
+    if length <= 0 or m.encoded_len != length or len(seg.labels) != length:
+        raise ValueError(
+            f"segment {index} (sample_id={m.sample_id}): encoded_len {m.encoded_len}, {length} ids and "
+            f"{len(seg.labels)} labels must be equal and > 0"
+        )
+    if tuple(seg.input_ids[: m.prompt_len]) != tuple(m.prompt_ids):
+        raise ValueError(
+            f"segment {index} (sample_id={m.sample_id}): the row's first prompt_len={m.prompt_len} ids differ "
+            "from meta.prompt_ids; segment and meta are out of sync (internal error)"
+        )
+    if not (len(seg.coord_pos) == len(seg.coord_bins) == len(seg.coord_is_prefix)):
+        raise ValueError(f"segment {index} (sample_id={m.sample_id}): coord_pos/bins/is_prefix lengths differ")
+    first_label = next((p for p, v in enumerate(seg.labels) if v != IGNORE_INDEX), None)
+    first_sup = min([p for p in (first_label, *seg.coord_pos) if p is not None], default=None)
+    if first_sup is not None and first_sup < max(m.prompt_len, 1):
+        raise ValueError(
+            f"segment {index} (sample_id={m.sample_id}): supervised position {first_sup} precedes "
+            f"prompt_len={m.prompt_len}; its logit would come from another segment"
+        )
+    if seg.coord_pos and max(seg.coord_pos) >= length:
+        raise ValueError(f"segment {index} (sample_id={m.sample_id}): coord position beyond the segment")
+
+
+def _concat_mm(segments: Sequence[Segment]) -> dict[str, Any]:
+    keys: list[str] = []
+    for seg in segments:
+        keys += [k for k in seg.mm_inputs if k not in keys]
+    out: dict[str, Any] = {}
+    for key in keys:
+        parts = [torch.as_tensor(seg.mm_inputs[key]) for seg in segments if key in seg.mm_inputs]
+        out[key] = torch.cat(parts, dim=0)
+    return out
+
+
+def _coord_tensors(
+    rows: list[int], pos: list[int], bins: list[int], is_prefix: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(pos, dtype=torch.long),
+        torch.tensor(bins, dtype=torch.long),
+        torch.tensor(is_prefix, dtype=torch.bool),
+    )
+
+
+def pack_segments(segments: Sequence[Segment]) -> PackedBatch:
+    """Concatenate segments (insertion order) into one padding-free row ``[1, ΣL]`` (§14.4–14.6).
+
+    Packed labels are the concatenation of the per-segment labels; coord positions are shifted by the
+    lengths of the preceding segments; bins and ``is_prefix`` are preserved; batch index 0.
+
+    Raises:
+        ValueError: no segment, or a violated §14.6 invariant (e.g. a segment whose ids do not start
+            with its ``meta.prompt_ids``).
+    """
+    if not segments:
+        raise ValueError("pack_segments needs at least one segment; an empty micro-step uses zero_loss")
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    bounds = [0]
+    c_pos: list[int] = []
+    c_bins: list[int] = []
+    c_pref: list[bool] = []
+    for index, seg in enumerate(segments):
+        _check_segment(seg, index)
+        offset = bounds[-1]
+        length = len(seg.input_ids)
+        ids += seg.input_ids
+        labels += seg.labels
+        positions += range(length)
+        c_pos += [offset + p for p in seg.coord_pos]
+        c_bins += seg.coord_bins
+        c_pref += seg.coord_is_prefix
+        bounds.append(offset + length)
+    if bounds[-1] != len(ids):
+        raise AssertionError(f"packed offsets end at {bounds[-1]} != row length {len(ids)}")
+    rows, pos, bins, pref = _coord_tensors([0] * len(c_pos), c_pos, c_bins, c_pref)
+    return PackedBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        labels=torch.tensor([labels], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        attention_mask=None,
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        max_seqlen=max(len(s.input_ids) for s in segments),
+        coord_batch_idx=rows,
+        coord_pos=pos,
+        coord_bins=bins,
+        coord_is_prefix=pref,
+        meta=[seg.meta.as_dict() for seg in segments],
+        mm_inputs=_concat_mm(segments),
+        packed=True,
+    )
+
+
+def pad_segments(segments: Sequence[Segment], pad_id: int) -> PackedBatch:
+    """Right-padded rows, one segment per row (packing off, §14.4): ``len(meta) == B``.
+
+    Padding has label -100 and attention mask 0; ``position_ids`` is ``arange(T)`` per row.
+
+    Raises:
+        ValueError: no segment, or a violated segment invariant.
+    """
+    if not segments:
+        raise ValueError("pad_segments needs at least one segment; an empty micro-step uses zero_loss")
+    width = max(len(s.input_ids) for s in segments)
+    batch = len(segments)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    labels = torch.full((batch, width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    rows: list[int] = []
+    c_pos: list[int] = []
+    c_bins: list[int] = []
+    c_pref: list[bool] = []
+    for r, seg in enumerate(segments):
+        _check_segment(seg, r)
+        length = len(seg.input_ids)
+        input_ids[r, :length] = torch.tensor(seg.input_ids, dtype=torch.long)
+        labels[r, :length] = torch.tensor(seg.labels, dtype=torch.long)
+        attention_mask[r, :length] = 1
+        rows += [r] * len(seg.coord_pos)
+        c_pos += seg.coord_pos
+        c_bins += seg.coord_bins
+        c_pref += seg.coord_is_prefix
+    rows_t, pos, bins, pref = _coord_tensors(rows, c_pos, c_bins, c_pref)
+    return PackedBatch(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=torch.arange(width, dtype=torch.long).unsqueeze(0).expand(batch, width).contiguous(),
+        attention_mask=attention_mask,
+        cu_seqlens=None,
+        max_seqlen=width,
+        coord_batch_idx=rows_t,
+        coord_pos=pos,
+        coord_bins=bins,
+        coord_is_prefix=pref,
+        meta=[seg.meta.as_dict() for seg in segments],
+        mm_inputs=_concat_mm(segments),
+        packed=False,
+    )

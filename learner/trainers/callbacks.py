@@ -1,0 +1,82 @@
+"""Trainer callbacks: metrics JSONL and a live tqdm bar (loss / F1 / step-time split)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+__all__ = ["LiveProgressCallback", "MetricsJsonlCallback"]
+
+
+class MetricsJsonlCallback(TrainerCallback):
+    """Appends every log record (train and eval) as one JSON line to `<output_dir>/metrics.jsonl`.
+
+    Each line holds `step`, `epoch`, `wall_s` (since training began) and the logged values; numbers that
+    are not finite are written as null so the file stays valid JSON.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.perf_counter()
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        record: dict[str, Any] = {"step": state.global_step, "epoch": state.epoch,
+                                  "wall_s": round(time.perf_counter() - self._t0, 3)}
+        for key, value in logs.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None
+            record[key] = value
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+class LiveProgressCallback(TrainerCallback):
+    """A tqdm bar over optimizer steps whose postfix shows loss, last eval F1 and the step-time split.
+
+    Replaces HF's own progress callback (remove `ProgressCallback` when adding this one).
+    """
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+        self.postfix: dict[str, str] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, desc="train", dynamic_ncols=True, initial=state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        if not logs:
+            return
+        if "loss" in logs:
+            self.postfix["loss"] = f"{logs['loss']:.3f}"
+            gen = logs.get("time/rollout_generate_s")
+            fwd = logs.get("time/forward_s")
+            sync = logs.get("time/weight_sync_s")
+            if gen is not None and fwd is not None:
+                self.postfix["gen/fwd/sync s"] = f"{gen:.2f}/{fwd:.2f}/{(sync or 0):.2f}"
+            if "rollout/f1" in logs:
+                self.postfix["train_f1"] = f"{logs['rollout/f1']:.2f}"
+        if "eval_rollout_f1" in logs:
+            self.postfix["eval_f1"] = f"{logs['eval_rollout_f1']:.3f}"
+        if self.bar is not None:
+            self.bar.set_postfix(self.postfix, refresh=True)
+        elif "eval_rollout_f1" in logs and state.is_world_process_zero:
+            tqdm.write(f"[eval] step {state.global_step}: eval_rollout_f1 = {logs['eval_rollout_f1']:.3f}")
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,177 @@
+"""Rollout-matching SFT on HF `Trainer` (spec/STAGE2.md §17, DESIGN.md §5).
+
+Extension points used, and why:
+- `get_batch_samples` — HF fetches the whole accumulation window here before the first forward; that is
+  exactly where §13.3 needs the step planned (all rollouts, all packs, the step-global `(N_ce, N_coord)`)
+  before any backward. We call `super()` to fetch the raw micro-batches, then plan (E-step) or replay the
+  rollout buffer's cache (M-step) and return prepared micro-batches.
+- `compute_loss` — one forward per prepared micro-batch, sum-form CE + coordinate losses, token-weighted
+  normalisation; `loss_is_scaled_for_ga = True` because the loss is already normalised for the window.
+- `evaluate` — rollout-only evaluation (no teacher forcing, no loss), reporting `eval_rollout_*`.
+- `log` — merges the step's rollout/loss/packing/time metrics, then `super().log`.
+
+The data order (shuffle + rollout-buffer repetition) lives in `RepeatedWindowDataset`; the trainer samples
+it sequentially, so checkpoint/resume continues with no sample skipped or repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from learner.metrics import StepMetrics, finalize_eval_metrics
+from learner.stage2.buffer import RolloutBuffer, TaggedBatch
+from learner.stage2.losses import micro_loss, step_loss_sums, zero_loss
+from learner.stage2.offload import offload_context
+from learner.trainers.planner import StepPlanner, to_device
+from learner.weights.sync import WeightSyncPolicy
+
+__all__ = ["RolloutMatchingTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutMatchingTrainer(Trainer):
+    """HF `Trainer` whose micro-batches are planned from fresh (or buffered) rollouts.
+
+    Args:
+        planner: builds prepared micro-batches from raw samples (owns the `RolloutSource`).
+        weight_sync: the once-per-step sync policy.
+        rollout_buffer: E/M-step state machine.
+        run_cfg: the validated `RunConfig` (stage2 knobs, eval decoding overrides).
+        eval_samples: held-out sample dicts for the rollout-only evaluation.
+        **kwargs: passed to `Trainer` (model, args, train_dataset, data_collator, callbacks, ...).
+    """
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *, planner: StepPlanner, weight_sync: WeightSyncPolicy, rollout_buffer: RolloutBuffer,
+                 run_cfg: Any, eval_samples: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.planner = planner
+        self.weight_sync = weight_sync
+        self.rollout_buffer = rollout_buffer
+        self.run_cfg = run_cfg
+        self.eval_samples = eval_samples or []
+        self.coord_ids = torch.tensor(planner.ctx.coord_vocab.ids, dtype=torch.long)
+        self.step_metrics = StepMetrics()
+
+    # -- step planning ------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
+        """Fetch the window's raw micro-batches, then plan or replay the whole optimizer step."""
+        raws, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        tagged = [_tag(raw) for raw in raws]
+        decision = self.rollout_buffer.begin_step(tagged, training=True)
+        step = self.state.global_step
+        if decision.reuse:
+            cached = self.rollout_buffer.reuse(decision, tagged)
+            prepared, n_ce, n_coord = cached.prepared, cached.n_ce, cached.n_coord
+            metrics = {"rollout/buffer_reuse": 1.0}
+        else:
+            plain = [t.batch for t in tagged]
+            offload = self.run_cfg.stage2.offload
+            t0 = time.perf_counter()
+            with offload_context(self.model, self.optimizer, offload_model=offload.model,
+                                 offload_optimizer=offload.optimizer, enabled=offload.enabled):
+                planned = self.planner.plan(plain, global_step=step, before_rollout=self._sync_now)
+            prepared, n_ce, n_coord = planned.prepared, planned.n_ce, planned.n_coord
+            metrics = dict(planned.metrics)
+            metrics["rollout/buffer_reuse"] = 0.0
+            metrics["time/plan_total_s"] = time.perf_counter() - t0
+            n_ce, n_coord = self._all_reduce_counts(n_ce, n_coord)
+            self.rollout_buffer.store(decision, tagged, prepared, n_ce, n_coord, global_step=step)
+        for batch in prepared:
+            batch["n_ce_total"], batch["n_coord_total"] = n_ce, n_coord
+        metrics["train/supervised_ce_tokens"] = float(n_ce)
+        metrics["train/supervised_coord_slots"] = float(n_coord)
+        metrics["train/micro_steps"] = float(len(prepared))
+        self.step_metrics.add(metrics)
+        return prepared, None
+
+    def _sync_now(self) -> float:
+        """The lazy §5.6 sync: runs only when this step has at least one rollout request."""
+        return self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
+
+    def _all_reduce_counts(self, n_ce: int, n_coord: int) -> tuple[int, int]:
+        if self.args.world_size <= 1:
+            return n_ce, n_coord
+        counts = torch.tensor([n_ce, n_coord], dtype=torch.long, device=self.args.device)
+        torch.distributed.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
+
+    # -- loss ---------------------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        # Prepared batches hold a dataclass (not a tensor mapping); moved to the device in compute_loss.
+        return inputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Sum-form CE + coord loss of one prepared micro-batch, normalised for the whole step (§13.3)."""
+        loss_cfg = self.run_cfg.stage2.loss
+        gas = self.args.gradient_accumulation_steps
+        if inputs.get("empty"):
+            loss = zero_loss(model)
+            return (loss, None) if return_outputs else loss
+        t0 = time.perf_counter()
+        batch = to_device(inputs["batch"], self.args.device)
+        forward_kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
+        if batch.attention_mask is not None:
+            forward_kwargs["attention_mask"] = batch.attention_mask
+        outputs = model(**forward_kwargs)
+        sums = step_loss_sums(outputs.logits, batch, coord_ids=self.coord_ids.to(outputs.logits.device),
+                              coord_cfg=self.run_cfg.stage2.coord_loss, eos_id=self.planner.ctx.eot_id)
+        loss = micro_loss(sums, inputs["n_ce_total"], inputs["n_coord_total"], self.args.world_size,
+                          loss_cfg.normalization, gas)
+        metrics = sums.metric_sums()
+        metrics["time/forward_s"] = time.perf_counter() - t0
+        metrics["train/samples_seen"] = float(inputs["samples"])
+        self.step_metrics.add(metrics)
+        return (loss, outputs) if return_outputs else loss
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Rollout-only evaluation on the held-out samples (§18): precision / recall / F1 and counts."""
+        samples = list(eval_dataset) if eval_dataset is not None else self.eval_samples
+        if not samples:
+            return {}
+        t0 = time.perf_counter()
+        self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
+        eval_cfg = self.run_cfg.stage2.eval
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            sums = self.planner.evaluate(
+                samples,
+                batch_size=max(len(samples), 1),
+                max_new_tokens=eval_cfg.max_new_tokens,
+                temperature=eval_cfg.temperature,
+            )
+        finally:
+            self.model.train(was_training)
+        runtime = time.perf_counter() - t0
+        metrics = finalize_eval_metrics(sums, n_samples=len(samples), runtime_s=runtime, prefix=metric_key_prefix)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # -- logging ------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the aggregated per-step metrics to training logs, then defers to HF."""
+        if "loss" in logs:
+            logs.update(self.step_metrics.flush())
+        super().log(logs, start_time)
+
+
+def _tag(raw: list[dict[str, Any]]) -> TaggedBatch:
+    """Rebuilds the repeater tag from the `_window_id` / `_repetition` the dataset put on each sample."""
+    tags = {(s.get("_window_id"), s.get("_repetition")) for s in raw}
+    if len(tags) != 1:
+        raise RuntimeError(
+            f"one micro-batch spans several rollout-buffer windows {sorted(tags)}; "
+            "per_device_train_batch_size must divide the window (check RepeatedWindowDataset block)"
+        )
+    window, rep = tags.pop()
+    return TaggedBatch(raw, int(window or 0), int(rep or 0))

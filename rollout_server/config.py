@@ -1,0 +1,321 @@
+"""The rollout server's configuration: the `server` section of a run YAML (DESIGN.md §8, GRPO_SUMMARY §2.2).
+
+YAML loading (`extends:` chains, deep merge, lists replace) is separate from the models. A file holding a
+whole run (a `server:` section next to learner sections) is read by taking ONLY its `server:` section; a
+file without a `server:` key is a server section by itself. Unknown keys are errors naming the file that
+set them and the dotted key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+
+__all__ = [
+    "LOOPBACK_HOSTS",
+    "REPO_ROOT",
+    "ConfigError",
+    "HfServerConfig",
+    "ServerConfig",
+    "VllmServerConfig",
+    "deep_merge",
+    "load_server_config",
+    "load_yaml_tree",
+    "server_config_from_mapping",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""Relative model paths resolve against this directory (the repository root)."""
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the file, the dotted key and the fix."""
+
+
+def _parse_gpus(value: Any) -> Any:
+    """Accepts `"0,1,2"`, `0` or `[0, 1, 2]`; `""`/`None` mean "do not set CUDA_VISIBLE_DEVICES"."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str):
+        try:
+            return tuple(int(part) for part in value.split(",") if part.strip() != "")
+        except ValueError as exc:
+            raise ValueError(f"gpus {value!r} is not a comma-separated list of GPU indices") from exc
+    return value
+
+
+GpuList = Annotated[tuple[Annotated[int, Field(ge=0)], ...] | None, BeforeValidator(_parse_gpus)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class VllmServerConfig(_Section):
+    """`server.vllm`: engine knobs (names as vLLM's `EngineArgs`)."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs per engine."""
+    data_parallel_size: int = Field(default=1, ge=1)
+    """Engine replicas behind one endpoint (requests are chunked over them in order)."""
+    gpu_memory_utilization: float = Field(default=0.6, gt=0.0, le=1.0)
+    """Fraction of each GPU's memory vLLM may use."""
+    max_model_len: int = Field(default=8192, ge=16)
+    """Prompt + new tokens limit (also used by the HF backend)."""
+    enable_lora: bool = False
+    """Serve synced adapters as LoRA; when off, adapter syncs are refused with 409 `lora_disabled`."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """Largest adapter rank accepted when `enable_lora` is true."""
+    max_loras: int = Field(default=1, ge=1)
+    """Adapters resident at once."""
+    enable_prefix_caching: bool = True
+    """Prefix cache (reset after every weight sync)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / compilation (true on CPU for fast start)."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """e.g. `{image: 1, video: 0}` (no video profiling)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """e.g. `{do_resize: false}` to keep image-token counts identical to the learner."""
+    mm_processor_cache_gb: float | None = Field(default=None, ge=0.0)
+    """Multimodal processor cache size."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Concurrent sequences per engine."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per engine step."""
+    kv_cache_space_gb: float | None = Field(default=None, gt=0.0)
+    """CPU backend only: KV cache GiB (exported as `VLLM_CPU_KVCACHE_SPACE` by `__main__`/launcher)."""
+    disable_custom_all_reduce: bool | None = None
+    """Passed through to vLLM when set."""
+    disable_cascade_attn: bool | None = None
+    """Passed through to vLLM when set."""
+    quantization: str | None = None
+    """Passed through to vLLM when set."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra `EngineArgs` keyword arguments, passed through unchanged (typed knobs above win)."""
+
+
+class HfServerConfig(_Section):
+    """`server.hf`: knobs of the transformers backend (tests and references, not throughput)."""
+
+    batch_size: int = Field(default=8, ge=1)
+    """Requests per left-padded `generate` call."""
+
+
+class ServerConfig(_Section):
+    """`server`: everything the rollout server process and its launcher read."""
+
+    host: str = "127.0.0.1"
+    """Bind address; non-loopback needs `allow_non_loopback: true`."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port."""
+    gpus: GpuList = None
+    """GPU indices for `CUDA_VISIBLE_DEVICES` (None: leave it as it is, e.g. on CPU)."""
+    allow_non_loopback: bool = False
+    """Allow binding an address reachable from other hosts."""
+    auth_token: SecretStr | None = None
+    """When set, every route except `/health` needs `Authorization: Bearer <token>`."""
+    model: str
+    """Local model directory (relative paths resolve against the repository root; never a hub name)."""
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Generation backend."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations dtype."""
+    seed: int = Field(default=0, ge=0)
+    """Base seed when a request config has none."""
+    max_body_mb: float = Field(default=1024.0, gt=0.0)
+    """Largest accepted request body in MiB (weight buckets included); larger → 413."""
+    shm_dir: str | None = None
+    """Staging directory for same-host bucket files (e.g. `/dev/shm/rollmatch`); None disables shm."""
+    sync_timeout_s: float = Field(default=600.0, gt=0.0)
+    """A staged sync idle for this long is discarded."""
+    vllm: VllmServerConfig = Field(default_factory=VllmServerConfig)
+    """vLLM engine knobs."""
+    hf: HfServerConfig = Field(default_factory=HfServerConfig)
+    """HF engine knobs."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerConfig:
+        if not self.allow_non_loopback and not _is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is not loopback (127.0.0.1, localhost, ::1); bind loopback or set"
+                " server.allow_non_loopback: true"
+            )
+        if self.gpus is not None:
+            need = self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
+            if len(self.gpus) != need:
+                raise ValueError(
+                    f"gpus {list(self.gpus)} has {len(self.gpus)} entries but tensor_parallel_size"
+                    f" {self.vllm.tensor_parallel_size} x data_parallel_size {self.vllm.data_parallel_size}"
+                    f" = {need}; list {need} GPUs or change TP/DP"
+                )
+        return self
+
+    @property
+    def model_path(self) -> Path:
+        """The model directory as an absolute path (relative → under `REPO_ROOT`)."""
+        path = Path(self.model).expanduser()
+        return path if path.is_absolute() else (REPO_ROOT / path).resolve()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """`max_body_mb` in bytes."""
+        return int(self.max_body_mb * 2**20)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Merges `override` into `base`: mappings merge recursively, everything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+Provenance = dict[tuple[str, ...], Path]
+
+
+def _record(tree: Mapping[str, Any], path: Path, prefix: tuple[str, ...], prov: Provenance) -> None:
+    for key, value in tree.items():
+        dotted = (*prefix, str(key))
+        prov[dotted] = path
+        if isinstance(value, Mapping):
+            _record(value, path, dotted, prov)
+
+
+def load_yaml_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Provenance]:
+    """Reads a YAML file with its `extends:` chain (parents first, relative to the file).
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        The merged mapping (without `extends`) and, for every dotted key, the file that set it last.
+
+    Raises:
+        ConfigError: missing file, invalid YAML, a non-mapping document or an `extends` cycle.
+    """
+    path = Path(path).expanduser().resolve()
+    if path in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise ConfigError(f"{path}: extends cycle: {cycle}; remove one of the extends entries")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist; pass an existing --config") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the document must be a mapping, got {type(doc).__name__}")
+    parents = doc.pop("extends", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError(f"{path}: extends must be a path or a list of paths")
+    merged: dict[str, Any] = {}
+    prov: Provenance = {}
+    for parent in parents:
+        tree, parent_prov = load_yaml_tree(path.parent / parent, (*_chain, path))
+        merged = deep_merge(merged, tree)
+        prov.update(parent_prov)
+    _record(doc, path, (), prov)
+    return deep_merge(merged, doc), prov
+
+
+def _format_errors(exc: ValidationError, prefix: tuple[str, ...], prov: Provenance, fallback: str) -> str:
+    lines = []
+    for err in exc.errors()[:10]:
+        loc = tuple(str(p) for p in err["loc"])
+        dotted = ".".join((*prefix, *loc)) or "<root>"
+        source = fallback
+        for n in range(len(loc), -1, -1):
+            if (*prefix, *loc[:n]) in prov:
+                source = str(prov[(*prefix, *loc[:n])])
+                break
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or fix its spelling"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg = err["msg"]
+        lines.append(f"{source}: {dotted}: {msg}")
+    return "; ".join(lines)
+
+
+def server_config_from_mapping(
+    tree: Mapping[str, Any],
+    *,
+    source: str = "<mapping>",
+    overrides: Mapping[str, Any] | None = None,
+    provenance: Provenance | None = None,
+) -> ServerConfig:
+    """Validates a run tree (or a bare server section) into a `ServerConfig`.
+
+    Args:
+        tree: a run mapping with a `server` key (only that section is read) or a bare server section.
+        source: file name used in error messages.
+        overrides: top-level server keys that win over the file (launcher flags: port, host, gpus).
+        provenance: dotted key → file that set it (from `load_yaml_tree`).
+
+    Raises:
+        ConfigError: naming the file and the dotted key of each problem (at most 10).
+    """
+    prefix: tuple[str, ...] = ()
+    section: Any = tree
+    if "server" in tree:
+        prefix, section = ("server",), tree["server"]
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{source}: {'.'.join(prefix) or '<root>'}: must be a mapping")
+    data = dict(section)
+    prov = dict(provenance or {})
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+            prov[(*prefix, key)] = Path("<command line>")
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, prefix, prov, source)) from exc
+
+
+def load_server_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ServerConfig:
+    """Loads the server section of a YAML file (with its `extends:` chain).
+
+    Args:
+        path: a server-only YAML or a whole run's YAML (only `server:` is read).
+        overrides: launcher flags that win over the file (`port`, `host`, `gpus`); None values are ignored.
+
+    Raises:
+        ConfigError: naming the file and dotted key.
+    """
+    tree, prov = load_yaml_tree(path)
+    return server_config_from_mapping(tree, source=str(path), overrides=overrides, provenance=prov)

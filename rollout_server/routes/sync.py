@@ -1,0 +1,72 @@
+"""`/sync_weights/...`: begin → buckets (HTTP body or shm file name) → commit | abort.
+
+The route split is documented in `shared_schemas.sync`; the state machine lives in
+`rollout_server.weights.staging`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+
+from rollout_server.deps import EngineDep, StateDep
+from shared_schemas.errors import ErrorEnvelope
+from shared_schemas.sync import (
+    BUCKET_PATH,
+    BUCKET_SHM_PATH,
+    SYNC_ABORT_PATH,
+    SYNC_BEGIN_PATH,
+    SYNC_COMMIT_PATH,
+    BucketAck,
+    ShmBucketRef,
+    SyncAbortRequest,
+    SyncAbortResponse,
+    SyncBeginRequest,
+    SyncBeginResponse,
+    SyncCommitRequest,
+    SyncCommitResponse,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["sync"])
+
+_ERRORS = {code: {"model": ErrorEnvelope} for code in (400, 401, 404, 409, 413, 422, 500, 503)}
+SyncId = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$")]
+BucketIndex = Annotated[int, Path(ge=0)]
+
+
+@router.post(SYNC_BEGIN_PATH, response_model=SyncBeginResponse, responses=_ERRORS)
+async def begin(body: SyncBeginRequest, state: StateDep, engine: EngineDep) -> SyncBeginResponse:
+    """Validates the manifest (names, dtypes, shapes, version, LoRA) and opens a staged sync."""
+    return await state.staging.begin(body, engine)
+
+
+@router.put(BUCKET_PATH, response_model=BucketAck, responses=_ERRORS)
+async def put_bucket(
+    sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep, engine: EngineDep
+) -> BucketAck:
+    """Stages one bucket sent as the safetensors body (`application/octet-stream`)."""
+    data = await request.body()
+    return await state.staging.put_bucket(sync_id, index, data)
+
+
+@router.post(BUCKET_SHM_PATH, response_model=BucketAck, responses=_ERRORS)
+async def put_shm_bucket(
+    sync_id: SyncId, index: BucketIndex, body: ShmBucketRef, state: StateDep, engine: EngineDep
+) -> BucketAck:
+    """Stages one bucket the learner wrote into the server's staging directory (named by file name)."""
+    return await state.staging.put_shm_bucket(sync_id, index, body)
+
+
+@router.post(SYNC_COMMIT_PATH, response_model=SyncCommitResponse, responses=_ERRORS)
+async def commit(body: SyncCommitRequest, state: StateDep, engine: EngineDep) -> SyncCommitResponse:
+    """Applies the staged sync atomically; on any failure nothing is applied and the sync is discarded."""
+    return await state.staging.commit(body.sync_id, engine)
+
+
+@router.post(SYNC_ABORT_PATH, response_model=SyncAbortResponse, responses=_ERRORS)
+async def abort(body: SyncAbortRequest, state: StateDep) -> SyncAbortResponse:
+    """Discards the staged sync (idempotent)."""
+    return await state.staging.abort(body.sync_id)
