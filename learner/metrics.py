@@ -184,6 +184,7 @@ class StepMetrics:
 
     def __init__(self, *, reduce_fn: ReduceFn | None = None, extra_sum_keys: Iterable[str] = ()) -> None:
         self.reduce_fn = reduce_fn
+        self._extra_keys = frozenset(extra_sum_keys)
         self._sum_keys = SUM_KEYS | frozenset(extra_sum_keys) | {f"{d}_sum" for d in DISTRIBUTIONS} | {
             f"{d}_count" for d in DISTRIBUTIONS
         }
@@ -283,9 +284,8 @@ class StepMetrics:
         out["train/micro_steps"] = s["train/micro_steps"]
         out["train/supervised_ce_tokens"] = s["loss/count_ce"]
         out["train/supervised_coord_slots"] = s["loss/count_coord"]
-        for key in self._sum_keys - SUM_KEYS:
-            if not key.endswith(("_sum", "_count")):
-                out[key] = s[key]
+        for key in self._extra_keys:
+            out[key] = s[key]
         self.reset()
         return out
 

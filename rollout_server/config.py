@@ -23,6 +23,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "LOOPBACK_HOSTS",
@@ -99,7 +100,7 @@ class VllmServerConfig(_Section):
     """Concurrent sequences per engine."""
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     """Tokens per engine step."""
-    kv_cache_space_gb: float | None = Field(default=None, gt=0.0)
+    kv_cache_space_gb: int | None = Field(default=None, ge=1)
     """CPU backend only: KV cache GiB (exported as `VLLM_CPU_KVCACHE_SPACE` by `__main__`/launcher)."""
     disable_custom_all_reduce: bool | None = None
     """Passed through to vLLM when set."""
@@ -153,17 +154,19 @@ class ServerConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         if not self.allow_non_loopback and not _is_loopback(self.host):
-            raise ValueError(
-                f"host {self.host!r} is not loopback (127.0.0.1, localhost, ::1); bind loopback or set"
-                " server.allow_non_loopback: true"
+            raise _rule_error(
+                "host",
+                f"{self.host!r} is not loopback (127.0.0.1, localhost, ::1); bind loopback or set"
+                " server.allow_non_loopback: true",
             )
         if self.gpus is not None:
             need = self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
             if len(self.gpus) != need:
-                raise ValueError(
-                    f"gpus {list(self.gpus)} has {len(self.gpus)} entries but tensor_parallel_size"
+                raise _rule_error(
+                    "gpus",
+                    f"{list(self.gpus)} has {len(self.gpus)} entries but tensor_parallel_size"
                     f" {self.vllm.tensor_parallel_size} x data_parallel_size {self.vllm.data_parallel_size}"
-                    f" = {need}; list {need} GPUs or change TP/DP"
+                    f" = {need}; list {need} GPUs or change TP/DP",
                 )
         return self
 
@@ -177,6 +180,11 @@ class ServerConfig(_Section):
     def max_body_bytes(self) -> int:
         """`max_body_mb` in bytes."""
         return int(self.max_body_mb * 2**20)
+
+
+def _rule_error(key: str, reason: str) -> PydanticCustomError:
+    """A cross-field error that still names its dotted key (model validators have no location)."""
+    return PydanticCustomError("server_rule", "{key}: {reason}", {"key": key, "reason": reason})
 
 
 def _is_loopback(host: str) -> bool:
@@ -255,6 +263,8 @@ def _format_errors(exc: ValidationError, prefix: tuple[str, ...], prov: Provenan
     lines = []
     for err in exc.errors()[:10]:
         loc = tuple(str(p) for p in err["loc"])
+        if err["type"] == "server_rule":
+            loc = (*loc, err["ctx"]["key"])
         dotted = ".".join((*prefix, *loc)) or "<root>"
         source = fallback
         for n in range(len(loc), -1, -1):
@@ -265,6 +275,8 @@ def _format_errors(exc: ValidationError, prefix: tuple[str, ...], prov: Provenan
             msg = "unknown key; remove it or fix its spelling"
         elif err["type"] == "missing":
             msg = "required key is missing"
+        elif err["type"] == "server_rule":
+            msg = err["ctx"]["reason"]
         else:
             msg = err["msg"]
         lines.append(f"{source}: {dotted}: {msg}")

@@ -33,6 +33,7 @@ from shared_schemas.infer import (
     request_seed,
     resolve_seeds,
 )
+from shared_schemas.repeat_guard import OBJECT_KEY_MARKER, needs_text, should_terminate
 from shared_schemas.sync import (
     BUCKET_PATH,
     BUCKET_SHM_PATH,
@@ -58,6 +59,7 @@ __all__ = [
     "BUCKET_SHM_PATH",
     "DTYPE_NBYTES",
     "MAX_TOKENS_CAP",
+    "OBJECT_KEY_MARKER",
     "SEED_MASK",
     "SYNC_ABORT_PATH",
     "SYNC_BEGIN_PATH",
@@ -93,9 +95,11 @@ __all__ = [
     "encode_bucket",
     "image_ref_kind",
     "iter_image_refs",
+    "needs_text",
     "plan_buckets",
     "plan_chunks",
     "read_header",
     "request_seed",
     "resolve_seeds",
+    "should_terminate",
 ]

@@ -34,7 +34,9 @@ def sequence_kl(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
 
 def _grouped(values: torch.Tensor, num_generations: int) -> torch.Tensor:
     if values.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [num_groups * num_generations], got shape {tuple(values.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D [num_groups * num_generations], got shape {tuple(values.shape)}"
+        )
     if num_generations < 2:
         raise ValueError(f"num_generations={num_generations}: a group needs at least 2 completions for a std")
     if values.numel() % num_generations:
@@ -75,7 +77,8 @@ def compute_advantages(
         eps: ε of the denominator.
 
     Returns:
-        ``[N]`` advantages in ``rewards.dtype`` (computed in float64).
+        ``[N]`` advantages in ``rewards.dtype`` (the default float dtype for integer rewards), computed in
+        float64.
 
     Raises:
         ValueError: bad shapes, ``G < 2``, an unknown mode, ``kl_in_reward`` with ``grpo`` or without ``kl``.
@@ -85,7 +88,9 @@ def compute_advantages(
         raise ValueError(f"kl_in_reward is defined for reinforce_plus_plus only, not estimator={estimator!r}")
     if kl_in_reward and beta > 0:
         if kl is None or kl.shape != rewards.shape:
-            raise ValueError("kl_in_reward with beta > 0 needs kl of the same shape as rewards (see sequence_kl)")
+            raise ValueError(
+                "kl_in_reward with beta > 0 needs kl of the same shape as rewards (see sequence_kl)"
+            )
         values = values - beta * _grouped(kl.detach().to(torch.float64), num_generations)
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'")
@@ -102,7 +107,8 @@ def compute_advantages(
         advantages = centered / (scaled_source.std(dim=1, keepdim=True) + eps)
     else:
         advantages = centered / (scaled_source.std() + eps)
-    return advantages.reshape(-1).to(rewards.dtype)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    return advantages.reshape(-1).to(out_dtype)
 
 
 def zero_variance_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -94,7 +94,9 @@ def dynamic_sample(
         missing = num_slots - len(kept)
         last_round = list(resample(missing, rounds))
         if len(last_round) != missing:
-            raise ValueError(f"resample round {rounds} returned {len(last_round)} groups, asked for {missing}")
+            raise ValueError(
+                f"resample round {rounds} returned {len(last_round)} groups, asked for {missing}"
+            )
         kept.extend(g for g in last_round if not is_zero_variance(g.rewards))
     missing = num_slots - len(kept)
     fillers = [g for g in last_round if is_zero_variance(g.rewards)][:missing]

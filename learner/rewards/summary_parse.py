@@ -135,7 +135,9 @@ def make_row(row: Mapping[str, Any]) -> SummaryRow:
     if isinstance(raw_ref, dict):
         return SummaryRow(task_mode, domain, raw_ref, "relevant")
     if task_mode == "summary":
-        logger.warning("summary row with an unusable summary_ref of type %s; its rewards are 0.0", type(raw_ref))
+        logger.warning(
+            "summary row with an unusable summary_ref of type %s; its rewards are 0.0", type(raw_ref)
+        )
     return SummaryRow(task_mode, domain, None, "invalid")
 
 

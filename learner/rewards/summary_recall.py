@@ -12,7 +12,19 @@ from typing import Any
 from learner.rewards.summary_parse import TEXT_KEY, SummarySample, categories, is_digits, pred_and_ref
 
 PATH_PARENTS: frozenset[str] = frozenset(
-    {"捆扎", "可见性", "符合性", "弯曲半径", "套管保护", "保护", "保护措施", "位置", "安装状态", "方向", "安装方向"}
+    {
+        "捆扎",
+        "可见性",
+        "符合性",
+        "弯曲半径",
+        "套管保护",
+        "保护",
+        "保护措施",
+        "位置",
+        "安装状态",
+        "方向",
+        "安装方向",
+    }
 )
 """Attributes whose child keys form the ``parent/child`` paths of ``summary.attr_path_recall``."""
 

@@ -176,6 +176,8 @@ def schema_tree_reward(sample: SummarySample, schemas: SummarySchemas) -> float:
     if schema is None:
         if domain not in _warned_domains:
             _warned_domains.add(domain)
-            logger.warning("summary.schema_tree: no schema for domain %r; it scores 0.0 for that domain", domain)
+            logger.warning(
+                "summary.schema_tree: no schema for domain %r; it scores 0.0 for that domain", domain
+            )
         return 0.0
     return schema_tree_score(pair[0], pair[1], schema, domain)

@@ -275,9 +275,7 @@ class RolloutBuffer:
         if repetition > 0:
             logger.info("no cached rollouts for window %d (e.g. after resume): running an E-step", window_id)
         # A repetition after which no further pass follows needs no cache.
-        return StepDecision(
-            False, window_id, repetition, cache=repetition < self.m_steps - 1, partial=False
-        )
+        return StepDecision(False, window_id, repetition, cache=repetition < self.m_steps - 1, partial=False)
 
     def store(
         self,
@@ -370,5 +368,9 @@ class RolloutBuffer:
         prepared = list(prepared)
         self.store(decision, raws, prepared, n_ce, n_coord, global_step=global_step)
         return PreparedStep(
-            prepared=prepared, n_ce=int(n_ce), n_coord=int(n_coord), decision=decision, window_step0=global_step
+            prepared=prepared,
+            n_ce=int(n_ce),
+            n_coord=int(n_coord),
+            decision=decision,
+            window_step0=global_step,
         )

@@ -85,7 +85,10 @@ class CoordVocab:
                 f"CoordVocab needs {COORD_BINS} distinct ids, got {len(self.ids)} ids of which "
                 f"{len(set(self.ids))} distinct"
             )
-        if any(self.id_to_bin.get(t) != k for k, t in enumerate(self.ids)) or len(self.id_to_bin) != COORD_BINS:
+        if (
+            any(self.id_to_bin.get(t) != k for k, t in enumerate(self.ids))
+            or len(self.id_to_bin) != COORD_BINS
+        ):
             raise CoordVocabError("CoordVocab.id_to_bin is not the inverse of CoordVocab.ids")
 
     @classmethod
@@ -129,7 +132,9 @@ class CoordVocab:
                     raise CoordVocabError(
                         f"coordinate token {s!r} encodes to {enc}, expected the single id [{ids[k]}]; {fix}"
                     )
-            raise CoordVocabError(f"the 1000 coordinate tokens written back to back do not encode to their ids; {fix}")
+            raise CoordVocabError(
+                f"the 1000 coordinate tokens written back to back do not encode to their ids; {fix}"
+            )
         for k in (0, 1, 500, _MAX_BIN):
             got = tokenizer.decode([ids[k]], skip_special_tokens=False)
             if got != _COORD_STRINGS[k]:
@@ -254,7 +259,8 @@ def canonicalize_poly(
     top = min(range(len(ordered)), key=lambda j: (ordered[j][1], ordered[j][0]))
     ordered = ordered[top:] + ordered[:top]
     twice_area = sum(
-        ordered[j][0] * ordered[(j + 1) % len(ordered)][1] - ordered[(j + 1) % len(ordered)][0] * ordered[j][1]
+        ordered[j][0] * ordered[(j + 1) % len(ordered)][1]
+        - ordered[(j + 1) % len(ordered)][0] * ordered[j][1]
         for j in range(len(ordered))
     )
     if len(ordered) < 3 or twice_area == 0:
@@ -320,7 +326,9 @@ def parse_coord_values(values: Iterable[Any]) -> list[int]:
             this = "number"
             k = _parse_number(v)
         else:
-            raise CoordValueError(f"coordinate {v!r} of type {type(v).__name__} is neither a coord string nor a number")
+            raise CoordValueError(
+                f"coordinate {v!r} of type {type(v).__name__} is neither a coord string nor a number"
+            )
         if form is None:
             form = this
         elif form != this:

@@ -167,7 +167,7 @@ def build_labels(
     labels = [IGNORE_INDEX] * n
     coord_pos: list[int] = []
     coord_bins: list[int] = []
-    for p, t in zip(prefix_coord_pos, prefix_coord_target_bins):
+    for p, t in zip(prefix_coord_pos, prefix_coord_target_bins, strict=True):
         q = prompt_len + p
         if not (0 <= p < prefix_len) or not is_coord(ids[q]):
             raise ValueError(

@@ -373,4 +373,3 @@ def zero_loss(model: torch.nn.Module) -> torch.Tensor:
     for p in params[1:]:
         total = total + p.sum().float().to(total.device)
     return total * 0.0
-

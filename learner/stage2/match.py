@@ -90,30 +90,41 @@ class MatchResult:
     iou_count: int
 
 
-def _points(geom: Geom) -> np.ndarray:
-    """Ring vertices ``[n, 2]`` (float64); a bbox gives its 4 corners (x1,y1),(x2,y1),(x2,y2),(x1,y2)."""
+def _ring(geom: Geom) -> list[tuple[float, float]]:
+    """Ring vertices; a bbox gives its corners (x1,y1),(x2,y1),(x2,y2),(x1,y2) (§8.2 step 4)."""
     geom_type, bins = geom
-    v = np.asarray(bins, dtype=np.float64)
     if geom_type == "bbox_2d":
-        if v.shape != (4,):
-            raise ValueError(f"bbox_2d geometry needs 4 bins, got {len(v)}: {list(bins)}")
-        x1, y1, x2, y2 = v
-        return np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
+        if len(bins) != 4:
+            raise ValueError(f"bbox_2d geometry needs 4 bins, got {len(bins)}: {list(bins)}")
+        x1, y1, x2, y2 = bins
+        return [(x1, y1), (x2, y1), (x2, y2), (x1, y2)]
     if geom_type == "poly":
-        if v.ndim != 1 or v.size % 2:
-            raise ValueError(f"poly geometry needs an even number of bins, got {len(v)}")
-        return v.reshape(-1, 2)
+        if len(bins) % 2:
+            raise ValueError(f"poly geometry needs an even number of bins, got {len(bins)}")
+        return list(zip(bins[0::2], bins[1::2], strict=True))
     raise ValueError(f"unknown geom_type {geom_type!r}; expected 'bbox_2d' or 'poly'")
 
 
 def aabb(geom: Geom) -> tuple[float, float, float, float]:
     """Axis-aligned box ``(min x, min y, max x, max y)`` of a geometry (§8.2 step 2)."""
-    pts = _points(geom)
-    if len(pts) == 0:
+    geom_type, bins = geom
+    if geom_type == "bbox_2d":
+        if len(bins) != 4:
+            raise ValueError(f"bbox_2d geometry needs 4 bins, got {len(bins)}: {list(bins)}")
+        x1, y1, x2, y2 = bins
+        return (float(min(x1, x2)), float(min(y1, y2)), float(max(x1, x2)), float(max(y1, y2)))
+    if geom_type != "poly":
+        raise ValueError(f"unknown geom_type {geom_type!r}; expected 'bbox_2d' or 'poly'")
+    if len(bins) % 2:
+        raise ValueError(f"poly geometry needs an even number of bins, got {len(bins)}")
+    if not bins:
         return (0.0, 0.0, 0.0, 0.0)
-    lo = pts.min(axis=0)
-    hi = pts.max(axis=0)
-    return (float(lo[0]), float(lo[1]), float(hi[0]), float(hi[1]))
+    xs, ys = bins[0::2], bins[1::2]
+    return (float(min(xs)), float(min(ys)), float(max(xs)), float(max(ys)))
+
+
+def _aabbs(geoms: Sequence[Geom]) -> np.ndarray:
+    return np.array([aabb(g) for g in geoms], dtype=np.float64).reshape(-1, 4)
 
 
 def aabb_iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -136,8 +147,8 @@ def aabb_iou(a: Geom, b: Geom) -> float:
     return float(aabb_iou_matrix(np.array([aabb(a)]), np.array([aabb(b)]))[0, 0])
 
 
-def candidate_lists(pred_boxes: np.ndarray, gt_boxes: np.ndarray, top_k: int) -> list[np.ndarray]:
-    """GT candidates per prediction (§8.2 step 3), best first.
+def candidate_lists(pred_boxes: np.ndarray, gt_boxes: np.ndarray, top_k: int) -> np.ndarray:
+    """GT candidates per prediction (§8.2 step 3), best first: ``[P, min(top_k, G)]`` GT indices.
 
     Rank GTs by AABB IoU descending; if a prediction's best AABB IoU is 0, rank by squared center
     distance ascending instead. Ties: lower GT index first (stable sorts). Keep the first ``top_k``.
@@ -150,26 +161,39 @@ def candidate_lists(pred_boxes: np.ndarray, gt_boxes: np.ndarray, top_k: int) ->
     d2 = ((pc[:, None, :] - gc[None, :, :]) ** 2).sum(axis=2)
     by_dist = np.argsort(d2, axis=1, kind="stable")[:, :k]
     use_dist = iou.max(axis=1) <= 0.0
-    return [by_dist[i] if use_dist[i] else by_iou[i] for i in range(pred_boxes.shape[0])]
+    return np.where(use_dist[:, None], by_dist, by_iou)
 
 
 def _shapes(geoms: Sequence[Geom]) -> tuple[np.ndarray, np.ndarray]:
-    """Valid polygonal shapely geometries (clamped to [0, 999]) and their areas; None for < 3 points."""
-    out = np.empty(len(geoms), dtype=object)
-    for i, g in enumerate(geoms):
-        pts = np.clip(_points(g), 0.0, 999.0)
-        out[i] = shapely.Polygon(pts) if len(pts) >= 3 else None
+    """Polygonal shapely geometries (clamped to [0, 999], repaired when invalid) and their areas.
+
+    One vectorized construction for all rings; a ring that GEOS rejects (fewer than 3 points) is None
+    with area 0.
+    """
+    rings = [_ring(g) for g in geoms]
+    out = np.full(len(geoms), None, dtype=object)
+    keep = [k for k, r in enumerate(rings) if len(r) >= 3]
+    if keep:
+        coords = np.clip(np.array([pt for k in keep for pt in rings[k]], dtype=np.float64), 0.0, 999.0)
+        index = np.repeat(np.arange(len(keep)), [len(rings[k]) for k in keep])
+        try:
+            out[keep] = shapely.polygons(shapely.linearrings(coords, indices=index))
+        except (shapely.errors.GEOSException, ValueError):
+            for k in keep:  # isolate the bad ring(s)
+                try:
+                    out[k] = shapely.Polygon(np.clip(np.array(rings[k], dtype=np.float64), 0.0, 999.0))
+                except (shapely.errors.GEOSException, ValueError):
+                    out[k] = None
     present = np.array([o is not None for o in out], dtype=bool)
+    areas = np.zeros(len(geoms))
     if present.any():
         sub = out[present]
         bad = ~shapely.is_valid(sub)
         if bad.any():
             # Self-intersecting rings: even-odd repair (linework), as COCO's rasterizer fills them.
             sub[bad] = shapely.make_valid(sub[bad])
-        out[present] = sub
-    areas = np.zeros(len(geoms))
-    if present.any():
-        areas[present] = shapely.area(out[present])
+            out[present] = sub
+        areas[present] = shapely.area(sub)
     return out, areas
 
 
@@ -210,57 +234,60 @@ def mask_iou_pairs(
 ) -> np.ndarray:
     """maskIoU for candidate pairs ``pairs [N, 2]`` (pred index, GT index).
 
-    Values below ``gate`` are only guaranteed to be below ``gate`` (an upper bound is used to skip the
-    exact computation when it cannot pass the gate); values at or above ``gate`` are exact.
+    Values at or above ``gate`` are exact. A value below ``gate`` may be reported as 0 when an upper
+    bound already rules the pair out (intersection ≤ min(AABB overlap, area_a, area_b)), which saves
+    the exact polygon intersection; the gate decision is the same either way.
     """
     n = pairs.shape[0]
     out = np.zeros(n)
     if n == 0:
         return out
-    pb = np.array([aabb(g) for g in preds]).reshape(-1, 4).clip(0.0, 999.0)
-    gb = np.array([aabb(g) for g in gts]).reshape(-1, 4).clip(0.0, 999.0)
+    pb = _aabbs(preds).clip(0.0, 999.0)
+    gb = _aabbs(gts).clip(0.0, 999.0)
     pi, gj = pairs[:, 0], pairs[:, 1]
-    box_iou = aabb_iou_matrix(pb, gb)[pi, gj]
-    both_bbox = np.array(
-        [preds[i][0] == "bbox_2d" and gts[j][0] == "bbox_2d" for i, j in zip(pi.tolist(), gj.tolist())],
-        dtype=bool,
-    )
-    out[both_bbox] = box_iou[both_bbox]
-    need = ~both_bbox & (box_iou > 0.0)
-    if not need.any():
-        return out
-    used_p = np.unique(pi[need])
-    used_g = np.unique(gj[need])
-    ps, pa = _shapes([preds[i] for i in used_p])
-    gs, ga = _shapes([gts[j] for j in used_g])
-    p_loc = {int(i): k for k, i in enumerate(used_p)}
-    g_loc = {int(j): k for k, j in enumerate(used_g)}
-    # Upper bound: intersection ≤ min(AABB overlap, area_a, area_b); IoU is increasing in it.
     ix = np.clip(np.minimum(pb[pi, 2], gb[gj, 2]) - np.maximum(pb[pi, 0], gb[gj, 0]), 0.0, None)
     iy = np.clip(np.minimum(pb[pi, 3], gb[gj, 3]) - np.maximum(pb[pi, 1], gb[gj, 1]), 0.0, None)
-    todo: list[int] = []
-    for t in np.flatnonzero(need).tolist():
-        area_a, area_b = pa[p_loc[int(pi[t])]], ga[g_loc[int(gj[t])]]
-        bound_inter = min(ix[t] * iy[t], area_a, area_b)
-        denom = area_a + area_b - bound_inter
-        if denom > 0 and bound_inter / denom >= gate and area_a > 0 and area_b > 0:
-            todo.append(t)
-    if not todo:
+    box_inter = ix * iy
+    p_box = np.array([t == "bbox_2d" for t, _ in preds], dtype=bool)
+    g_box = np.array([t == "bbox_2d" for t, _ in gts], dtype=bool)
+    both_bbox = p_box[pi] & g_box[gj]
+    if both_bbox.any():
+        # Rectangle rings: the polygon IoU is the AABB IoU of the clamped boxes.
+        pa = (pb[pi, 2] - pb[pi, 0]) * (pb[pi, 3] - pb[pi, 1])
+        ga = (gb[gj, 2] - gb[gj, 0]) * (gb[gj, 3] - gb[gj, 1])
+        union = pa + ga - box_inter
+        ok = both_bbox & (union > 0)
+        out[ok] = box_inter[ok] / union[ok]
+    need = ~both_bbox & (box_inter > 0.0)
+    if not need.any():
         return out
-    ia = np.array([p_loc[int(pi[t])] for t in todo])
-    ib = np.array([g_loc[int(gj[t])] for t in todo])
+    used_p, p_loc = np.unique(pi[need], return_inverse=True)
+    used_g, g_loc = np.unique(gj[need], return_inverse=True)
+    ps, pa = _shapes([preds[i] for i in used_p.tolist()])
+    gs, ga = _shapes([gts[j] for j in used_g.tolist()])
+    idx = np.flatnonzero(need)
+    area_a, area_b = pa[p_loc], ga[g_loc]
+    bound_inter = np.minimum(np.minimum(box_inter[idx], area_a), area_b)
+    denom = area_a + area_b - bound_inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.where(denom > 0, bound_inter / denom, 0.0)
+    todo = (bound >= gate) & (area_a > 0) & (area_b > 0)
+    if not todo.any():
+        return out
+    idx, p_loc, g_loc = idx[todo], p_loc[todo], g_loc[todo]
+    area_a, area_b = area_a[todo], area_b[todo]
     try:
-        inter = shapely.area(shapely.intersection(ps[ia], gs[ib]))
+        inter = shapely.area(shapely.intersection(ps[p_loc], gs[g_loc]))
     except shapely.errors.GEOSException:
         # One bad pair must not zero the others: redo pair by pair (each error → IoU 0).
-        inter = None
-    for k, t in enumerate(todo):
-        a_i, b_j = int(ia[k]), int(ib[k])
-        if inter is None:
-            out[t] = _pair_iou(ps[a_i], gs[b_j], pa[a_i], ga[b_j])
-            continue
-        union = pa[a_i] + ga[b_j] - inter[k]
-        out[t] = inter[k] / union if union > 0 and np.isfinite(inter[k]) else 0.0
+        out[idx] = [
+            _pair_iou(ps[a], gs[b], fa, fb)
+            for a, b, fa, fb in zip(p_loc.tolist(), g_loc.tolist(), area_a, area_b, strict=True)
+        ]
+        return out
+    union = area_a + area_b - inter
+    good = (union > 0) & np.isfinite(inter)
+    out[idx[good]] = inter[good] / union[good]
     return out
 
 
@@ -278,10 +305,8 @@ def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> Ma
     n_p, n_g = len(preds), len(gts)
     if n_p == 0 or n_g == 0:
         return MatchResult((), tuple(range(n_p)), tuple(range(n_g)), 0, 0, 0.0, 0)
-    pb = np.array([aabb(g) for g in preds])
-    gb = np.array([aabb(g) for g in gts])
-    cands = candidate_lists(pb, gb, cfg.candidate_top_k)
-    pairs = np.array([(i, int(j)) for i, row in enumerate(cands) for j in row], dtype=np.int64)
+    cands = candidate_lists(_aabbs(preds), _aabbs(gts), cfg.candidate_top_k)
+    pairs = np.stack([np.repeat(np.arange(n_p), cands.shape[1]), cands.ravel()], axis=1).astype(np.int64)
     ious = mask_iou_pairs(preds, gts, pairs, cfg.maskiou_gate)
     passed = ious >= cfg.maskiou_gate
     cost = np.full((n_p + n_g, n_p + n_g), INFEASIBLE)
@@ -290,9 +315,9 @@ def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> Ma
     cost[n_p:, :n_g] = cfg.fn_cost
     cost[n_p:, n_g:] = 0.0
     rows, cols = linear_sum_assignment(cost)
-    iou_of = {(int(i), int(j)): float(v) for (i, j), v in zip(pairs[passed], ious[passed])}
+    iou_of = {(int(i), int(j)): float(v) for (i, j), v in zip(pairs[passed], ious[passed], strict=True)}
     matched: list[tuple[int, int, float]] = []
-    for r, c in zip(rows.tolist(), cols.tolist()):
+    for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
         if r < n_p and c < n_g and cost[r, c] < _MATCH_COST_LIMIT:
             matched.append((r, c, iou_of[(r, c)]))
     matched.sort()

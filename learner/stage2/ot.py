@@ -63,7 +63,7 @@ def barycentric_batch(
     gg = np.zeros((bsz, m_max, 2))
     a = np.zeros((bsz, n_max))
     b = np.zeros((bsz, m_max))
-    for k, (p, g) in enumerate(zip(preds, gts)):
+    for k, (p, g) in enumerate(zip(preds, gts, strict=True)):
         n, m = ns[k], ms[k]
         if n == 0 or m == 0:
             continue

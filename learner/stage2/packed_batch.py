@@ -81,11 +81,19 @@ class PackedBatch:
     def model_inputs(self, *, flash_varlen_kwargs: bool = False) -> dict[str, Any]:
         """Keyword arguments for the model's forward (labels are never passed, §13.1).
 
+        ``use_cache=False`` is always set: transformers only detects packed sequences (and builds the
+        block-diagonal mask) when there is no KV-cache object, and ``Qwen2Config.use_cache`` defaults to
+        True, which would silently let segments attend to each other.
+
         Args:
             flash_varlen_kwargs: also pass ``cu_seq_lens_q/k`` and ``max_length_q/k`` (packed rows with
                 ``attn_implementation="flash_attention_2"``; saves transformers recomputing them).
         """
-        out: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        out: dict[str, Any] = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+        }
         if self.attention_mask is not None:
             out["attention_mask"] = self.attention_mask
         if flash_varlen_kwargs and self.packed and self.cu_seqlens is not None:
@@ -136,7 +144,9 @@ def _check_segment(seg: Segment, index: int) -> None:
             "from meta.prompt_ids; segment and meta are out of sync (internal error)"
         )
     if not (len(seg.coord_pos) == len(seg.coord_bins) == len(seg.coord_is_prefix)):
-        raise ValueError(f"segment {index} (sample_id={m.sample_id}): coord_pos/bins/is_prefix lengths differ")
+        raise ValueError(
+            f"segment {index} (sample_id={m.sample_id}): coord_pos/bins/is_prefix lengths differ"
+        )
     first_label = next((p for p, v in enumerate(seg.labels) if v != IGNORE_INDEX), None)
     first_sup = min([p for p in (first_label, *seg.coord_pos) if p is not None], default=None)
     if first_sup is not None and first_sup < max(m.prompt_len, 1):

@@ -22,18 +22,23 @@ from dataclasses import dataclass
 import binpacking
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from learner.stage2.labels import SegmentTooLongError
+from learner.stage2.labels import SegmentTooLongError, segment_too_long_message
+from learner.stage2.packed_batch import PackedBatch, pack_segments, pad_segments
 from learner.stage2.segment import Segment
 
 __all__ = [
     "CarryBuffer",
     "PackStats",
+    "PackedBatch",
     "PackingBufferOverflowError",
     "PackingConfig",
     "SegmentTooLongError",
     "best_bin",
+    "next_packed_batch",
+    "pack_segments",
+    "pad_segments",
     "select_segments",
-    "too_long_message",
+    "staleness_bound",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,16 +78,6 @@ class PackingBufferOverflowError(RuntimeError):
     """Inserting a micro-batch would exceed ``stage2.packing.packing_buffer`` segments (§14.2)."""
 
 
-def too_long_message(length: int, cap: int, sample_id: int | str) -> str:
-    """The §14.2 text for a segment longer than ``packing_length``."""
-    return (
-        f"segment of {length} tokens exceeds packing_length {cap} (sample_id={sample_id}). Mitigations: "
-        "raise global_max_length (and the engine max_model_len); lower max_new_tokens; enable "
-        "repeat_terminate or lower max_object_keys; filter or split images with very many objects; "
-        "lower the image pixel budget."
-    )
-
-
 def best_bin(bins: Iterable[Sequence[int]], lens: Sequence[int]) -> list[int]:
     """The bin of §14.3: largest total, then fewest items, then smallest sorted index tuple.
 
@@ -114,7 +109,9 @@ def select_segments(lens: Sequence[int], cap: int) -> list[int]:
     if not lens:
         raise ValueError("select_segments needs at least one segment; an empty buffer is an empty micro-step")
     if lens[0] > cap:
-        raise ValueError(f"oldest segment has {lens[0]} tokens > packing_length {cap}; it can never be packed")
+        raise ValueError(
+            f"oldest segment has {lens[0]} tokens > packing_length {cap}; it can never be packed"
+        )
     fifo, total_f = [0], lens[0]
     for i in range(1, len(lens)):
         if total_f + lens[i] <= cap:
@@ -222,7 +219,7 @@ class CarryBuffer:
         for seg in segments:
             if seg.meta.encoded_len > self.packing_length:
                 raise SegmentTooLongError(
-                    too_long_message(seg.meta.encoded_len, self.packing_length, seg.meta.sample_id)
+                    segment_too_long_message(seg.meta.encoded_len, self.packing_length, seg.meta.sample_id)
                 )
         if len(self._segments) + len(segments) > self.packing_buffer:
             raise PackingBufferOverflowError(
@@ -286,3 +283,21 @@ class CarryBuffer:
 def staleness_bound(m_steps: int, packing_buffer: int, gas: int) -> int:
     """Upper bound of §15.4 on segment staleness: ``m_steps · ceil(packing_buffer / gas) − 1``."""
     return m_steps * math.ceil(packing_buffer / gas) - 1
+
+
+def next_packed_batch(
+    buffer: CarryBuffer, segments: Sequence[Segment], *, global_step: int
+) -> tuple[PackedBatch | None, PackStats | None]:
+    """One micro-step of §14.2: insert the micro-batch's segments, select, pack.
+
+    Returns:
+        ``(None, None)`` for an empty micro-step (empty buffer, §14.7), else the packed row and its stats.
+
+    Raises:
+        SegmentTooLongError, PackingBufferOverflowError: see :meth:`CarryBuffer.insert`.
+    """
+    buffer.insert(segments)
+    selected, stats = buffer.take(global_step)
+    if not selected:
+        return None, None
+    return pack_segments(selected), stats

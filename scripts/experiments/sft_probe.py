@@ -133,7 +133,7 @@ def coord_loss(z: torch.Tensor, coord_ids: torch.Tensor, t: torch.Tensor, sigma:
     """§13.2 per-slot loss (softCE + W1 + gate, weights 1, τ 1, no truncation); z: [N, V], t: [N] bins."""
     z = z.float().nan_to_num(0.0, 1e4, -1e4).clamp(-1e4, 1e4)
     zc = z[:, coord_ids]
-    k = torch.arange(1000, dtype=torch.float32)
+    k = torch.arange(1000, dtype=torch.float32, device=z.device)
     q = torch.exp(-0.5 * ((k[None, :] - t[:, None].float()) / sigma) ** 2)
     q = q / q.sum(-1, keepdim=True)
     logp = F.log_softmax(zc, dim=-1)
@@ -224,6 +224,7 @@ def evaluate(model, tok, records: list[dict], gen_batch: int, max_new: int, stop
     for i in range(0, len(records), gen_batch):
         chunk = records[i : i + gen_batch]
         enc = tok([prompt_text(tok, r) for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(model.device)
         t0 = time.perf_counter()
         out = model.generate(
             **enc,
@@ -254,7 +255,7 @@ def evaluate(model, tok, records: list[dict], gen_batch: int, max_new: int, stop
         "gt": n_gt,
         "matched": m5,
         "gen_s_per_batch": round(sum(gen_times) / len(gen_times), 3),
-        "sample": texts[0][:300],
+        "sample": texts[0][:200],
     }
 
 
@@ -274,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", help="builder preset (tiny, demo) or a model directory")
     ap.add_argument("--model-seed", type=int, default=0)
+    ap.add_argument(
+        "--preset-arch",
+        default="",
+        help='JSON Qwen2 sizes for an experimental preset, e.g. {"hidden_size": 192, ...}; overrides --preset',
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--schedule", choices=["constant", "cosine", "linear"], default="cosine")
@@ -305,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(args.preset)
+    if args.preset_arch:
+        import hashlib
+
+        import build_tiny_models
+
+        arch = json.loads(args.preset_arch)
+        args.preset = "probe-" + hashlib.sha1(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:8]
+        build_tiny_models.PRESETS[args.preset] = arch  # experiment only; real presets live in the builder
+        model_dir = Path(args.preset)
     if not model_dir.is_dir():
         from build_tiny_models import build_tiny_lm
 

@@ -1,0 +1,198 @@
+"""JSONL data records and the sample dict handed to the learner (spec/STAGE2.md §1.1, §1.4, §1.5).
+
+Pure: reading and validating records, resolving image paths, building sample dicts. The torch ``Dataset``
+wrapper lives with the trainer. Record-level violations raise ``DataRecordError(path, line_no, reason)``;
+object-level ones are left to GT extraction (§7), which counts and logs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from learner.data.errors import DataRecordError
+from learner.stage2.format import serialize_objects
+from learner.stage2.gt import GTObject, MalformedObjectError, order_objects, parse_gt_object
+from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT, build_messages
+
+__all__ = [
+    "DataRecordError",
+    "build_sample",
+    "iter_records",
+    "load_records",
+    "make_sample_id",
+    "resolve_image",
+    "validate_record",
+]
+
+_PASSTHROUGH = ("summary", "metadata")
+
+
+def resolve_image(ref: str, jsonl_dir: str | Path, image_root: str | Path | None = None) -> str:
+    """Resolve one image reference (§1.1): URLs, data URLs and absolute paths are kept; a relative path is joined
+    to ``image_root`` when set, else to the JSONL file's directory, and made absolute."""
+    if ref.startswith("data:") or "://" in ref or os.path.isabs(ref):
+        return ref
+    base = image_root if image_root is not None else jsonl_dir
+    return os.path.join(os.path.abspath(base), ref)
+
+
+def _is_pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def validate_record(
+    record: Any,
+    *,
+    path: str | None = None,
+    line_no: int | None = None,
+    image_root: str | Path | None = None,
+    max_images_per_sample: int = 1,
+) -> dict[str, Any]:
+    """Check the record-level rules of §1.1 and return a copy with resolved image paths.
+
+    Args:
+        record: the decoded JSON line.
+        path: the JSONL file (for errors and relative image paths; the current directory when ``None``).
+        line_no: 1-based line number (for errors).
+        image_root: ``data.image_root``.
+        max_images_per_sample: ``data.max_images_per_sample``; a record holds 1 to this many images.
+
+    Raises:
+        DataRecordError: a missing field, a wrong type, a non-positive size, or a bad image count.
+    """
+
+    def fail(reason: str) -> DataRecordError:
+        return DataRecordError(path, line_no, reason)
+
+    if not isinstance(record, Mapping):
+        raise fail(f"record is a JSON {type(record).__name__}, expected an object")
+    for key in ("images", "width", "height", "objects"):
+        if key not in record:
+            raise fail(f"missing required field {key!r}")
+    images = record["images"]
+    if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+        raise fail("field 'images' must be a list of non-empty strings (paths, URLs or data URLs)")
+    if not 1 <= len(images) <= max_images_per_sample:
+        raise fail(
+            f"field 'images' has {len(images)} entries; expected 1 to {max_images_per_sample} "
+            "(data.max_images_per_sample)"
+        )
+    for key in ("width", "height"):
+        if not _is_pos_int(record[key]):
+            raise fail(f"field {key!r} = {record[key]!r} must be an int > 0 (pixel size of the stored image)")
+    if not isinstance(record["objects"], list):
+        raise fail(f"field 'objects' must be a list (may be empty), got {type(record['objects']).__name__}")
+    jsonl_dir = os.path.dirname(path) if path else "."
+    out = dict(record)
+    out["images"] = [resolve_image(i, jsonl_dir or ".", image_root) for i in images]
+    return out
+
+
+def iter_records(
+    path: str | Path,
+    *,
+    image_root: str | Path | None = None,
+    max_images_per_sample: int = 1,
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_no, validated record)`` for every non-blank line of a JSONL file.
+
+    Raises:
+        DataRecordError: a line is not valid JSON or violates §1.1.
+    """
+    p = str(path)
+    with open(p, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataRecordError(p, line_no, f"invalid JSON: {exc.msg} at column {exc.colno}") from exc
+            yield (
+                line_no,
+                validate_record(
+                    obj,
+                    path=p,
+                    line_no=line_no,
+                    image_root=image_root,
+                    max_images_per_sample=max_images_per_sample,
+                ),
+            )
+
+
+def load_records(
+    path: str | Path, *, image_root: str | Path | None = None, max_images_per_sample: int = 1
+) -> list[dict[str, Any]]:
+    """All validated records of a JSONL file (row ``j`` of the result has ``base_idx = j``)."""
+    return [
+        r for _, r in iter_records(path, image_root=image_root, max_images_per_sample=max_images_per_sample)
+    ]
+
+
+def make_sample_id(dataset_namespace: int, base_idx: int) -> int:
+    """``(dataset_namespace << 32) | base_idx`` (§1.5)."""
+    if dataset_namespace < 0:
+        raise ValueError(f"dataset namespace {dataset_namespace} must be >= 0")
+    if not 0 <= base_idx < 1 << 32:
+        raise ValueError(f"base_idx {base_idx} must be in [0, 2**32)")
+    return (dataset_namespace << 32) | base_idx
+
+
+def build_sample(
+    record: Mapping[str, Any],
+    *,
+    base_idx: int,
+    dataset: str,
+    dataset_namespace: int,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    user_prompt: str = DEFAULT_USER_PROMPT,
+    ordering: Literal["sorted", "random"] = "sorted",
+    seed: int = 0,
+    include_assistant: bool = False,
+) -> dict[str, Any]:
+    """Build the §1.5 sample dict from a validated record.
+
+    Args:
+        record: output of ``validate_record`` (image paths already resolved).
+        base_idx: row index within its dataset.
+        dataset: dataset name.
+        dataset_namespace: the dataset's stable position in the configured dataset list.
+        system_prompt / user_prompt: resolved ``prompts.system`` / ``prompts.user``.
+        ordering: ``data.object_ordering``; ``seed``: ``training.seed`` (used by ``random``).
+        include_assistant: append the GT answer (§4 format, well-formed objects only) as an assistant turn.
+
+    Returns:
+        ``{"messages", "gt_objects", "images", "width", "height", "base_idx", "dataset", "sample_id"}`` plus
+        ``summary`` / ``metadata`` when the record has them.
+    """
+    objects = order_objects(record["objects"], ordering, seed=seed, base_idx=base_idx)
+    assistant = None
+    if include_assistant:
+        good = []
+        for pos, obj in enumerate(objects, start=1):
+            try:
+                desc, geom, bins = parse_gt_object(obj)
+            except MalformedObjectError:
+                continue  # counted and logged by GT extraction, where the learner sees it
+            good.append(GTObject(index=pos, desc=desc, geom_type=geom, bins=bins))
+        assistant = serialize_objects(good)
+    sample: dict[str, Any] = {
+        "messages": build_messages(
+            record["images"], system_prompt=system_prompt, user_prompt=user_prompt, assistant_text=assistant
+        ),
+        "gt_objects": objects,
+        "images": list(record["images"]),
+        "width": record["width"],
+        "height": record["height"],
+        "base_idx": base_idx,
+        "dataset": dataset,
+        "sample_id": make_sample_id(dataset_namespace, base_idx),
+    }
+    for key in _PASSTHROUGH:
+        if key in record:
+            sample[key] = record[key]
+    return sample

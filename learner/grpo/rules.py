@@ -1,0 +1,289 @@
+"""The §2.3 rules of spec/GRPO_SUMMARY.md as small checks, each raising a one-line ``ConfigError``
+``<dotted key>: <problem> (GRPO_SUMMARY §2.3 rule N); <fix>``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ValidationError
+
+from learner.grpo.sections import GrpoConfig, GrpoServerConfig
+from learner.rewards.registry import PRESETS, REWARD_NAMES, SCHEMA_TREE
+from learner.rewards.summary_schema import load_schemas
+from learner.yaml_loader import ConfigError
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+DEFAULT_TIMEOUT_S = 300.0
+
+_RULE_BY_KEY = {
+    "server.host": "rule 2",
+    "server.allow_non_loopback": "rule 2",
+    "server.port": "rule 3",
+    "server.vllm.tensor_parallel_size": "rule 4",
+    "server.vllm.data_parallel_size": "rule 4",
+    "server.vllm.max_model_len": "rule 5",
+    "grpo.global_max_length": "rule 5",
+    "grpo.max_completion_length": "rule 5",
+    "server.vllm.enable_lora": "rule 6",
+    "server.gpus": "rule 7",
+    "train_gpus": "rule 7",
+    "grpo.generation_batch_size": "rule 8",
+    "grpo.num_generations": "rule 8",
+}
+_SCALARS = (int, float, bool)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def fail(key: str, problem: str, rule: str, fix: str) -> ConfigError:
+    """``key: problem (GRPO_SUMMARY §2.3 rule N); fix`` — ``rule`` is ``rule N`` or a spec section like ``§3``."""
+    where = f"GRPO_SUMMARY §2.3 {rule}" if rule.startswith("rule") else f"GRPO_SUMMARY {rule}"
+    return ConfigError(f"{key}: {problem} ({where}); {fix}")
+
+
+def validate_section(model: type[M], data: Any, prefix: str) -> M:
+    """Validates one section; the first pydantic error becomes a one-line ``ConfigError``."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join([prefix, *(str(part) for part in err["loc"])])
+        section_rule = {"server": "§2.2", "grpo": "§3", "batch_plan": "§2.4"}.get(prefix, "§2")
+        if err["type"] == "extra_forbidden":
+            rule = "rule 9" if prefix == "server" else section_rule
+            raise fail(
+                key, "unknown key", rule, "remove it (server.vllm takes only the §2.2 allow-list)"
+            ) from None
+        value = err.get("input")
+        shown = f" (got {value!r})" if isinstance(value, _SCALARS) else ""
+        rule = _RULE_BY_KEY.get(key, section_rule)
+        raise fail(key, f"{err['msg']}{shown}", rule, "fix the value") from None
+
+
+def check_lora(server_raw: Mapping[str, Any]) -> None:
+    vllm = server_raw.get("vllm") if isinstance(server_raw.get("vllm"), Mapping) else {}
+    if "max_lora_rank" in vllm:
+        raise fail(
+            "server.vllm.max_lora_rank",
+            "must be absent",
+            "rule 6",
+            "remove it: GRPO syncs full merged weights, engine-side LoRA is never used",
+        )
+    if vllm.get("enable_lora") not in (None, False):
+        raise fail(
+            "server.vllm.enable_lora",
+            f"{vllm['enable_lora']!r} is not false",
+            "rule 6",
+            "set it to false: GRPO syncs full merged weights",
+        )
+
+
+def check_host(server: GrpoServerConfig) -> None:
+    if server.host not in LOOPBACK_HOSTS and not server.allow_non_loopback:
+        raise fail(
+            "server.host",
+            f"{server.host!r} is not loopback (127.0.0.1, localhost, ::1)",
+            "rule 2",
+            "bind loopback or set server.allow_non_loopback: true",
+        )
+
+
+def check_tp_dp(server: GrpoServerConfig) -> None:
+    vllm = server.vllm
+    need = vllm.tensor_parallel_size * vllm.data_parallel_size
+    if need != len(server.gpus):
+        raise fail(
+            "server.gpus",
+            f"{len(server.gpus)} GPUs {list(server.gpus)} but tensor_parallel_size "
+            f"{vllm.tensor_parallel_size} × data_parallel_size {vllm.data_parallel_size} = {need}",
+            "rule 4",
+            f"list {need} GPUs or change server.vllm TP/DP",
+        )
+
+
+def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig) -> None:
+    if server.vllm.max_model_len < grpo.global_max_length:
+        raise fail(
+            "server.vllm.max_model_len",
+            f"{server.vllm.max_model_len} < grpo.global_max_length {grpo.global_max_length}",
+            "rule 5",
+            "raise server.vllm.max_model_len",
+        )
+    if grpo.global_max_length <= grpo.max_completion_length:
+        raise fail(
+            "grpo.global_max_length",
+            f"{grpo.global_max_length} <= grpo.max_completion_length {grpo.max_completion_length}",
+            "rule 5",
+            "leave room for the prompt",
+        )
+
+
+def check_gpu_sets(server_gpus: tuple[int, ...], train_gpus: tuple[int, ...]) -> None:
+    for key, gpus in (("server.gpus", server_gpus), ("train_gpus", train_gpus)):
+        if not gpus:
+            raise fail(key, "is empty", "rule 7", "list at least one GPU")
+        if len(set(gpus)) != len(gpus):
+            raise fail(key, f"{list(gpus)} repeats a GPU", "rule 7", "list each GPU once")
+    shared = sorted(set(server_gpus) & set(train_gpus))
+    if shared:
+        raise fail(
+            "train_gpus",
+            f"{list(train_gpus)} overlaps server.gpus {list(server_gpus)} on {shared}",
+            "rule 7",
+            "give the server and the learner disjoint GPUs",
+        )
+
+
+def batch_sizes(training: Mapping[str, Any], world: int, grpo: GrpoConfig) -> tuple[int, int, int, int]:
+    """``(per_device, gas, effective, generation_batch_size)`` after the rule-8 checks."""
+    per_device = int(training.get("per_device_train_batch_size", 8))
+    gas = int(training.get("gradient_accumulation_steps", 1))
+    effective = per_device * world * gas
+    generation = grpo.generation_batch_size or effective
+    if generation != effective:
+        raise fail(
+            "grpo.generation_batch_size",
+            f"{generation} != effective batch size {effective} "
+            f"(per_device_train_batch_size {per_device} × {world} learners × gas {gas})",
+            "rule 8",
+            "make them equal (batch_plan.effective_batch_size does it)",
+        )
+    if generation % grpo.num_generations:
+        raise fail(
+            "grpo.generation_batch_size",
+            f"{generation} is not a multiple of grpo.num_generations {grpo.num_generations}",
+            "rule 8",
+            "change the batch size or num_generations",
+        )
+    return per_device, gas, effective, generation
+
+
+def timeouts(rollout: Mapping[str, Any]) -> tuple[float, float]:
+    timeout = rollout.get("timeout_s", DEFAULT_TIMEOUT_S)
+    infer = rollout.get("infer_timeout_s", timeout)
+    for key, value in (("rollout.timeout_s", timeout), ("rollout.infer_timeout_s", infer)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise fail(key, f"{value!r} is not a number > 0", "rule 9", "set a positive number of seconds")
+    return float(timeout), float(infer)
+
+
+def check_servers(rollout: Mapping[str, Any], server: GrpoServerConfig) -> str:
+    servers = rollout.get("servers")
+    if not isinstance(servers, list) or len(servers) != 1 or not isinstance(servers[0], Mapping):
+        raise fail(
+            "rollout.servers",
+            "must hold exactly one {base_url} (one server process, DP included)",
+            "rule 2",
+            f"set rollout.servers: [{{base_url: http://{server.host}:{server.port}}}]",
+        )
+    base_url = str(servers[0].get("base_url", "")).rstrip("/")
+    parts = urlsplit(base_url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    host = (parts.hostname or "").lower()
+    host_ok = (
+        server.host in WILDCARD_HOSTS
+        or host == server.host.lower()
+        or (host in LOOPBACK_HOSTS and server.host in LOOPBACK_HOSTS)
+    )
+    if not host_ok or port != server.port:
+        raise fail(
+            "rollout.servers[0].base_url",
+            f"{base_url!r} does not point at server {server.host}:{server.port}",
+            "rule 2",
+            "make the learner's base_url use the server's host and port",
+        )
+    return base_url
+
+
+def check_sync(rollout: Mapping[str, Any]) -> None:
+    sync = rollout.get("sync") if isinstance(rollout.get("sync"), Mapping) else {}
+    if sync.get("mode", "full") != "full":
+        raise fail(
+            "rollout.sync.mode",
+            f"{sync['mode']!r} is not 'full'",
+            "rule 6",
+            "use full: engine-side LoRA is off, so adapters cannot be synced",
+        )
+
+
+def existing_dir(key: str, value: Any, base_dir: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise fail(key, "is missing", "rule 10", "set the local model directory")
+    path = Path(value).expanduser()
+    path = (path if path.is_absolute() else base_dir / path).resolve()
+    if not path.exists():
+        raise fail(
+            key,
+            f"{value!r} does not exist (looked at {path})",
+            "rule 10",
+            "point it at a local model directory (a relative path would be taken as a hub name)",
+        )
+    return path
+
+
+def reward_weights(grpo: GrpoConfig, base_dir: Path) -> tuple[dict[str, float], Path | None]:
+    unknown = sorted(set(grpo.reward_weights) - set(REWARD_NAMES))
+    if unknown:
+        raise fail(
+            f"grpo.reward_weights.{unknown[0]}",
+            "unknown reward",
+            "§5",
+            f"use one of {', '.join(REWARD_NAMES)}",
+        )
+    weights = {**PRESETS[grpo.reward_preset], **grpo.reward_weights}
+    if grpo.reward_schema_path is None:
+        if SCHEMA_TREE in weights:
+            raise fail(
+                "grpo.reward_schema_path",
+                f"is missing but {SCHEMA_TREE} is configured",
+                "§5.1",
+                "point it at a schema file (format: learner/rewards/schemas/README.md)",
+            )
+        return weights, None
+    path = Path(grpo.reward_schema_path).expanduser()
+    path = (path if path.is_absolute() else base_dir / path).resolve()
+    try:
+        load_schemas(path)
+    except ValueError as exc:
+        raise fail("grpo.reward_schema_path", str(exc), "§5.1", "fix the schema file") from None
+    return weights, path
+
+
+_DECODING_FROM_GRPO = {
+    "max_new_tokens": "max_completion_length",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def decoding(rollout: Mapping[str, Any], grpo: GrpoConfig) -> dict[str, Any]:
+    """``rollout.decoding`` with the sampling knobs taken from ``grpo`` (one source of truth)."""
+    decoding = dict(rollout.get("decoding") or {})
+    for key, grpo_key in _DECODING_FROM_GRPO.items():
+        value = getattr(grpo, grpo_key)
+        value = -1 if key == "top_k" and value is None else value
+        if key in decoding and decoding[key] != value:
+            raise fail(
+                f"rollout.decoding.{key}",
+                f"{decoding[key]!r} differs from grpo.{grpo_key} {value!r}",
+                "§3",
+                f"GRPO samples with grpo.{grpo_key}; remove rollout.decoding.{key}",
+            )
+        decoding[key] = value
+    return decoding
+
+
+def mapping(raw: Mapping[str, Any], key: str, rule: str) -> dict[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, Mapping):
+        raise fail(key, f"must be a mapping, got {type(value).__name__}", rule, f"write {key}: as a mapping")
+    return dict(value)

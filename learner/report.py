@@ -1,0 +1,105 @@
+"""PNG report of a run from its `metrics.jsonl`: loss, rollout F1, parse-valid rate, step-time split, packing fill.
+
+Usage: `python -m learner.report runs/demo/metrics.jsonl [-o runs/demo/report.png]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_metrics", "write_report"]
+
+TIME_KEYS = ("time/rollout_generate_s", "time/weight_sync_s", "time/rollout_parse_match_s",
+             "time/post_rollout_pack_s", "time/forward_s")
+
+
+def load_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics JSONL file, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        if r.get(key) is not None:
+            xs.append(r["step"])
+            ys.append(float(r[key]))
+    return xs, ys
+
+
+def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -> Path:
+    """Draws the five panels into a PNG next to the metrics file (or at `out_path`); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = load_metrics(metrics_path)
+    out = Path(out_path) if out_path else Path(metrics_path).with_name("report.png")
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
+
+    ax = axes[0]
+    ax.plot(*_series(records, "loss"), label="loss/total")
+    for key in ("loss/ce", "loss/coord"):
+        ax.plot(*_series(records, key), label=key, alpha=0.7)
+    ax.set_title("loss")
+    ax.set_xlabel("optimizer step")
+    ax.legend()
+
+    ax = axes[1]
+    xs, ys = _series(records, "eval_rollout_f1")
+    ax.plot(xs, ys, "o-", label="held-out eval_rollout_f1")
+    ax.plot(*_series(records, "rollout/f1"), alpha=0.6, label="train rollout/f1")
+    if ys:
+        ax.annotate(f"{ys[0]:.2f} → {ys[-1]:.2f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(-60, 8))
+    ax.set_ylim(0, 1)
+    ax.set_title("rollout F1")
+    ax.set_xlabel("optimizer step")
+    ax.legend()
+
+    ax = axes[2]
+    ax.plot(*_series(records, "rollout/parse_obj_valid_frac"), label="train: valid objects / parsed")
+    ax.plot(*_series(records, "eval_rollout_sample_valid_pred_rate"), "o-", label="eval: samples with a valid pred")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("parse-valid rate")
+    ax.legend()
+
+    ax = axes[3]
+    steps = [r["step"] for r in records if r.get("time/forward_s") is not None]
+    bottom = [0.0] * len(steps)
+    for key in TIME_KEYS:
+        vals = [float(r.get(key) or 0.0) for r in records if r.get("time/forward_s") is not None]
+        ax.bar(steps, vals, bottom=bottom, label=key.removeprefix("time/"), width=1.0)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_title("step-time split (s)")
+    ax.legend(fontsize=7)
+
+    ax = axes[4]
+    xs, ys = _series(records, "packing/post_rollout_fill")
+    if xs:
+        ax.plot(xs, ys)
+        ax.set_ylim(0, 1.05)
+    else:
+        ax.text(0.5, 0.5, "packing disabled", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title("packing fill")
+
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("metrics", type=Path)
+    parser.add_argument("-o", "--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    print(write_report(args.metrics, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,584 @@
+"""Token-aligned strict parser of rollouts (spec/STAGE2.md §6).
+
+``parse_rollout(response_token_ids, tokenizer, coord_vocab)`` turns the exact ids a rollout engine sampled into
+the objects it predicted, with the token positions of their coordinates, and the token prefix that ends after
+the last complete object. No JSON repair, no re-serialization; the only token edit is the re-encoding of the
+one token that straddles a cut (§6.6).
+
+Steps: pieces (§6.1, ``detok.token_pieces``) → hard stop at a stop marker (§6.2) → streaming scan (§6.3) →
+fallback when there is no ``{`` (§6.4) → prefix cut (§6.5) → per-object validation (§6.7) → max object index
+(§6.8). Invariants (§6.9): ``decode(prefix_token_ids) == prefix_text == text[:cut_char]`` (the §6.4 fallback is
+synthetic: its prefix is ``encode("{")``), every coord index of a valid object points at that coord id inside
+the prefix, ``prefix_text.rstrip()`` ends with ``{`` or ``}``, valid objects are in appearance order.
+
+Two refinements of §6.6, both no-ops unless a multi-byte character is split across tokens: the cut steps back
+over tokens that start while a character is incomplete (otherwise the kept ids would end with a dangling partial
+character and break §6.9), and the re-encoded text is ``text[start_i:cut]`` of that widened token run.
+
+Speed: the scan walks structural characters with one regex (strings are skipped whole), and an object value in
+the exact serializer format (§4) is recognised by one regex match; any other text takes the general path. Both
+paths give identical results (property-tested).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from learner.stage2.coords import COORD_BINS, COORD_TOKEN_RE, CoordVocab
+from learner.stage2.detok import TokenPieces, _detokenizer, decode_text, encode_text, token_pieces
+
+__all__ = [
+    "DEFAULT_STOP_MARKERS",
+    "CutRoundTripError",
+    "ObjectKey",
+    "ParseResult",
+    "ParsedObject",
+    "TokenPieces",
+    "parse_rollout",
+    "token_cut",
+    "token_pieces",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STOP_MARKERS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
+_GEOM_KEYS = ("bbox_2d", "poly")
+_ALLOWED_KEYS = frozenset(("desc", "bbox_2d", "poly"))
+
+# One event per structural character outside strings; a string (group 1 = raw content, group 2 = the closing
+# quote, absent when the text ends inside the string) is one event.
+_SCAN_RE = re.compile(r'"([^"\\]*(?:\\.[^"\\]*)*)(")?|[{}\[\],:]', re.DOTALL)
+_OBJECT_KEY_RE = re.compile(r"object_(\d+)", re.ASCII)
+# An object value exactly as format.serialize_entry writes it (desc without escapes or control characters).
+_C = r'"<\|coord_\d{1,3}\|>"'
+_CANONICAL_VALUE_RE = re.compile(
+    r'\{"desc": "([^"\\\x00-\x1f]*)", "(bbox_2d|poly)": '
+    rf"(\[{_C}(?:, {_C})*\]|\[\[{_C}, {_C}\](?:, \[{_C}, {_C}\])*\])\}}",
+    re.ASCII,
+)
+_COORD_NUM_RE = re.compile(r"coord_(\d+)", re.ASCII)
+
+
+class CutRoundTripError(ValueError):
+    """Re-encoding the text of the token straddling a cut does not decode back to that text (§6.6)."""
+
+
+class ObjectKey(NamedTuple):
+    """A top-level key and its char span ``[start, end)`` in ``text`` (quotes included)."""
+
+    key: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedObject:
+    """One predicted object (every ``object_N`` entry whose value is an object).
+
+    Attributes:
+        key: the raw key text, e.g. ``"object_3"``.
+        index: ``N`` of ``object_N``.
+        desc: the desc when the value parsed (``None`` otherwise).
+        geom_type: ``"bbox_2d"`` or ``"poly"`` when valid, else the geometry found (or ``None``).
+        bins: coordinate bins as parsed from the text (flat; empty when invalid).
+        coord_token_indices: indices into ``response_token_ids`` of the captured coordinate tokens.
+        key_start_char: char position of the key's opening quote.
+        value_span: ``(value_start, value_end)`` chars of the value ``{...}``; ``value_end`` is ``None`` when the
+            object never closed.
+        valid: passed every check of §6.7.
+        reason: why it is invalid (``None`` when valid).
+    """
+
+    key: str
+    index: int
+    desc: str | None
+    geom_type: str | None
+    bins: tuple[int, ...]
+    coord_token_indices: tuple[int, ...]
+    key_start_char: int
+    value_span: tuple[int, int | None]
+    valid: bool
+    reason: str | None = None
+
+    @property
+    def value_start(self) -> int:
+        return self.value_span[0]
+
+    @property
+    def value_end(self) -> int | None:
+        return self.value_span[1]
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    """Output of ``parse_rollout`` (§6).
+
+    Attributes:
+        response_token_ids: the rollout ids after the hard stop (§6.2).
+        text: ``decode(response_token_ids)``.
+        pieces: pieces and char spans of ``response_token_ids``.
+        prefix_token_ids: ids up to the cut (the last one possibly re-encoded); ``encode("{")`` in a fallback.
+        prefix_text: ``decode(prefix_token_ids)``; equals ``text[:cut_char]`` unless ``fallback``.
+        prefix_pieces: pieces and char spans of ``prefix_token_ids``.
+        cut_char: char position of the cut in ``text`` (0 in a fallback).
+        valid_objects: valid objects in appearance order.
+        all_objects: every started object (valid or not) in appearance order.
+        object_keys: every top-level key with its char span.
+        max_object_index_in_prefix: max ``N`` over ``object_N`` keys ending at or before the cut (§6.8), else 0.
+        dropped_invalid: number of invalid objects (an unclosed last object counts once).
+        truncated: the scan ended inside the top-level object (or there was no ``{``).
+        fallback: the §6.4 fallback was used (no ``{``, or a failed cut round trip).
+        cut_fallback: the fallback was caused by ``CutRoundTripError`` (metric ``rollout/parse_cut_fallback``).
+        hard_stopped: a stop marker was found and removed.
+        top_closed: the top-level object was closed.
+        first_open_brace: char position of the first ``{`` (``None`` when there is none).
+    """
+
+    response_token_ids: list[int]
+    text: str
+    pieces: TokenPieces = field(repr=False)
+    prefix_token_ids: list[int]
+    prefix_text: str
+    prefix_pieces: TokenPieces = field(repr=False)
+    cut_char: int
+    valid_objects: list[ParsedObject]
+    all_objects: list[ParsedObject]
+    object_keys: list[ObjectKey]
+    max_object_index_in_prefix: int
+    dropped_invalid: int
+    truncated: bool
+    fallback: bool
+    cut_fallback: bool = False
+    hard_stopped: bool = False
+    top_closed: bool = False
+    first_open_brace: int | None = None
+
+    @property
+    def obj_total(self) -> int:
+        """Number of started objects (valid + invalid)."""
+        return len(self.all_objects)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# §6.6 token cut
+
+
+def _slice_pieces(tp: TokenPieces, i: int) -> TokenPieces:
+    end = tp.ends[i - 1] if i else 0
+    unclean = frozenset(j for j in tp.unclean if j < i) if tp.unclean else frozenset()
+    return TokenPieces(tp.pieces[:i], tp.starts[:i], tp.ends[:i], tp.text[:end], unclean)
+
+
+def _cut(ids: Sequence[int], c: int, tokenizer: Any, tp: TokenPieces) -> tuple[list[int], TokenPieces]:
+    """``token_cut`` that also returns the pieces of the result."""
+    if c >= len(tp.text):
+        return list(ids), tp
+    if c < 0:
+        raise ValueError(f"cut position {c} must be >= 0")
+    i = tp.first_token_not_before(c)
+    while i > 0 and i in tp.unclean:  # token i starts inside a character begun by token i-1
+        i -= 1
+    start = tp.starts[i]
+    if start >= c:
+        return list(ids[:i]), _slice_pieces(tp, i)
+    sub = tp.text[start:c]
+    new = encode_text(tokenizer, sub)
+    got = decode_text(tokenizer, new)
+    if got != sub:
+        raise CutRoundTripError(
+            f"cut at char {c}: re-encoding {sub!r} (tokens {i}.. of the rollout) decodes to {got!r}; "
+            "the sample falls back to the empty prefix '{'"
+        )
+    out = list(ids[:i]) + new
+    if _detokenizer(tokenizer).byte_fn is None:
+        # Without a byte table, decode(a + b) == decode(a) + decode(b) is not guaranteed: check the whole prefix.
+        tp_out = token_pieces(out, tokenizer)
+        if tp_out.text != tp.text[:c]:
+            raise CutRoundTripError(f"cut at char {c}: the kept ids do not decode to the text before the cut")
+        return out, tp_out
+    # Byte-table tokenizers: ids[:i] ends on a character boundary, so the new ids decode independently.
+    head = _slice_pieces(tp, i)
+    tail = token_pieces(new, tokenizer)
+    pieces = head.pieces + tail.pieces
+    off = len(head.text)
+    return out, TokenPieces(
+        pieces,
+        head.starts + [s + off for s in tail.starts],
+        head.ends + [e + off for e in tail.ends],
+        head.text + tail.text,
+        head.unclean | frozenset(j + i for j in tail.unclean),
+    )
+
+
+def token_cut(ids: Sequence[int], c: int, tokenizer: Any, pieces: TokenPieces | None = None) -> list[int]:
+    """Cut ``ids`` so that they decode to ``text[:c]`` (§6.6), changing only the token straddling the cut.
+
+    Args:
+        ids: token ids; ``text = decode(ids)``.
+        c: char position of the cut in ``text``.
+        tokenizer: the rollout tokenizer.
+        pieces: ``token_pieces(ids, tokenizer)`` when already computed.
+
+    Returns:
+        ``ids`` unchanged when ``c >= len(text)``; ``ids[:i]`` when the cut falls on a token boundary; else
+        ``ids[:i] + encode(text[start_i:c])``.
+
+    Raises:
+        CutRoundTripError: the re-encoded text does not decode back to itself.
+    """
+    tp = pieces if pieces is not None else token_pieces(ids, tokenizer)
+    return _cut(ids, c, tokenizer, tp)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# §6.3 streaming scan
+
+
+@dataclass(slots=True)
+class _Obj:
+    key: str
+    n: int
+    key_start: int
+    value_start: int
+    value_end: int | None = None
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (pos of opening '[', pos of closing ']')
+    canonical: re.Match[str] | None = None
+
+
+@dataclass(slots=True)
+class _Scan:
+    objects: list[_Obj]
+    keys: list[ObjectKey]
+    last_complete_object_end: int | None
+    top_closed: bool
+    truncated: bool
+
+
+def _scan(text: str, first: int) -> _Scan:
+    """Run the §6.3 state machine from the first ``{`` (at ``first``) to the top-level close or the end."""
+    brace = 1
+    bracket = 0
+    expecting = [False, True]  # expecting_key per brace depth
+    objects: list[_Obj] = []
+    keys: list[ObjectKey] = []
+    last_key: str | None = None
+    pending: tuple[str, int, int] | None = None
+    cur: _Obj | None = None
+    capture = False
+    capture_depth = 0
+    cap_start = 0
+    last_end: int | None = None
+    top_closed = False
+    in_string = False
+    search = _SCAN_RE.search
+    pos = first + 1
+    n_text = len(text)
+    while True:
+        m = search(text, pos)
+        if m is None:
+            break
+        p = m.start()
+        pos = m.end()
+        ch = text[p]
+        if ch == '"':
+            if m.group(2) is None:
+                in_string = True
+                break
+            if bracket == 0 and expecting[brace]:
+                s = m.group(1)
+                last_key = s
+                if brace == 1:
+                    keys.append(ObjectKey(s, p, pos))
+                    km = _OBJECT_KEY_RE.fullmatch(s)
+                    pending = (s, int(km.group(1)), p) if km is not None else None
+        elif ch == "{":
+            brace += 1
+            if brace == len(expecting):
+                expecting.append(True)
+            else:
+                expecting[brace] = True
+            if brace == 2:
+                if pending is None:
+                    cur = None
+                    continue
+                cur = _Obj(key=pending[0], n=pending[1], key_start=pending[2], value_start=p)
+                objects.append(cur)
+                pending = None
+                cm = _CANONICAL_VALUE_RE.match(text, p)
+                if cm is not None:
+                    # The whole value in serializer format: the character-level scan would only set last_key to
+                    # the geometry key, capture [geometry '[', its ']'), and close the object at cm.end().
+                    cur.canonical = cm
+                    cur.captures.append((cm.start(3), cm.end(3) - 1))
+                    cur.value_end = last_end = cm.end()
+                    last_key = cm.group(2)
+                    expecting[2] = False
+                    brace = 1
+                    cur = None
+                    pos = cm.end()
+        elif ch == "}":
+            if brace == 2 and cur is not None:
+                cur.value_end = last_end = p + 1
+                if capture:
+                    cur.captures.append((cap_start, p))
+                    capture = False
+                cur = None
+            brace -= 1
+            if brace == 0:
+                top_closed = True
+                break
+        elif ch == "[":
+            bracket += 1
+            if brace == 2 and cur is not None and not capture and last_key in _GEOM_KEYS:
+                capture = True
+                capture_depth = bracket - 1
+                cap_start = p
+        elif ch == "]":
+            bracket -= 1
+            if capture and bracket <= capture_depth:
+                capture = False
+                assert cur is not None
+                cur.captures.append((cap_start, p))
+        elif ch == ",":
+            if bracket == 0:
+                expecting[brace] = True
+                if brace == 1:
+                    pending = None
+        elif bracket == 0:  # ':'
+            expecting[brace] = False
+    if capture and cur is not None:
+        cur.captures.append((cap_start, n_text))
+    truncated = not top_closed and (brace != 0 or bracket != 0 or in_string)
+    return _Scan(objects, keys, last_end, top_closed, truncated)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# §6.7 per-object validation
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise _DuplicateKey
+    return d
+
+
+def _bin(s: str) -> int | None:
+    m = COORD_TOKEN_RE.fullmatch(s)
+    if m is None:
+        return None
+    k = int(m.group(1))
+    return k if k < COORD_BINS else None
+
+
+def _check_geometry(geom: str, values: list[int], captured_bins: list[int]) -> str | None:
+    n = len(values)
+    if geom == "bbox_2d":
+        if n != 4:
+            return f"bbox_2d has {n} values, expected 4"
+    elif n < 6 or n % 2:
+        return f"poly has {n} values, expected an even number >= 6"
+    if len(captured_bins) != n:
+        return f"{len(captured_bins)} coordinate tokens captured for {n} values"
+    if captured_bins != values:
+        return "captured coordinate tokens differ from the written values (coordinate written as plain text?)"
+    return None
+
+
+def _validate_slow(
+    value_text: str, captured_bins: list[int]
+) -> tuple[str | None, str | None, list[int], str | None]:
+    """Rules 1–6 of §6.7 on arbitrary text; returns ``(desc, geom, bins, reason)``."""
+    try:
+        value = json.loads(value_text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey:
+        return None, None, [], "duplicate key in object"
+    except (ValueError, RecursionError):
+        return None, None, [], "value is not valid JSON"
+    if not isinstance(value, dict):
+        return None, None, [], "value is not a JSON object"
+    extra = set(value) - _ALLOWED_KEYS
+    if extra:
+        return None, None, [], f"unexpected keys {sorted(extra)}"
+    desc = value.get("desc")
+    if not isinstance(desc, str) or not desc.strip():
+        return None, None, [], "desc missing or empty"
+    geoms = [g for g in _GEOM_KEYS if g in value]
+    if len(geoms) != 1:
+        return desc, None, [], "needs exactly one of bbox_2d / poly"
+    geom = geoms[0]
+    raw = value[geom]
+    if not isinstance(raw, list):
+        return desc, geom, [], f"{geom} is not a list"
+    if all(isinstance(v, str) for v in raw):
+        flat = raw
+    elif all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in raw):
+        flat = [x for v in raw for x in v]
+    else:
+        return desc, geom, [], f"{geom} is neither a flat list of strings nor a list of [x, y] string pairs"
+    values: list[int] = []
+    for s in flat:
+        k = _bin(s)
+        if k is None:
+            return desc, geom, [], f"{geom} value {s[:40]!r} is not a coordinate token string"
+        values.append(k)
+    return desc, geom, values, _check_geometry(geom, values, captured_bins)
+
+
+def _finish_object(
+    o: _Obj, text: str, ids: Sequence[int], starts: list[int], id_to_bin: dict[int, int], cut_char: int
+) -> ParsedObject:
+    coord_idx: list[int] = []
+    for a, b in o.captures:
+        # A coord token is captured iff it starts after the opening '[' and before the closing ']'.
+        for j in range(bisect.bisect_right(starts, a), bisect.bisect_left(starts, b)):
+            if ids[j] in id_to_bin:
+                coord_idx.append(j)
+    base = dict(
+        key=o.key,
+        index=o.n,
+        coord_token_indices=tuple(coord_idx),
+        key_start_char=o.key_start,
+        value_span=(o.value_start, o.value_end),
+    )
+    if o.value_end is None or o.value_end > cut_char:
+        return ParsedObject(
+            desc=None, geom_type=None, bins=(), valid=False, reason="object not closed", **base
+        )
+    captured = [id_to_bin[ids[j]] for j in coord_idx]
+    reason: str | None
+    cm = o.canonical
+    if cm is not None and cm.group(1).strip():
+        desc, geom = cm.group(1), cm.group(2)
+        values = [int(k) for k in _COORD_NUM_RE.findall(cm.group(3))]  # \d{1,3}: always < 1000
+        reason = _check_geometry(geom, values, captured)
+    else:
+        desc, geom, values, reason = _validate_slow(text[o.value_start : o.value_end], captured)
+    if reason is not None:
+        return ParsedObject(desc=desc, geom_type=geom, bins=(), valid=False, reason=reason, **base)
+    return ParsedObject(desc=desc, geom_type=geom, bins=tuple(values), valid=True, **base)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _fallback(
+    ids: list[int], tp: TokenPieces, tokenizer: Any, *, cut_fallback: bool, hard_stopped: bool
+) -> ParseResult:
+    prefix_ids = encode_text(tokenizer, "{")
+    prefix_tp = token_pieces(prefix_ids, tokenizer)
+    if prefix_tp.text != "{":
+        raise ValueError(f"tokenizer encodes '{{' to {prefix_ids}, which decodes to {prefix_tp.text!r}")
+    return ParseResult(
+        response_token_ids=ids,
+        text=tp.text,
+        pieces=tp,
+        prefix_token_ids=prefix_ids,
+        prefix_text="{",
+        prefix_pieces=prefix_tp,
+        cut_char=0,
+        valid_objects=[],
+        all_objects=[],
+        object_keys=[],
+        max_object_index_in_prefix=0,
+        dropped_invalid=0,
+        truncated=True,
+        fallback=True,
+        cut_fallback=cut_fallback,
+        hard_stopped=hard_stopped,
+    )
+
+
+def _hard_stop(
+    ids: list[int], tp: TokenPieces, tokenizer: Any, stop_markers: Sequence[str], quiet: bool = False
+) -> tuple[bool, list[int], TokenPieces]:
+    """§6.2: cut at the earliest stop marker; ``quiet`` keeps the input when that cut fails its round trip."""
+    hits = [k for k in (tp.text.find(mk) for mk in stop_markers if mk) if k >= 0]
+    if not hits:
+        return False, ids, tp
+    try:
+        ids, tp = _cut(ids, min(hits), tokenizer, tp)
+    except CutRoundTripError:
+        if not quiet:
+            raise
+        return False, ids, tp
+    return True, ids, tp
+
+
+def _parse(
+    ids: list[int], tp: TokenPieces, tokenizer: Any, coord_vocab: CoordVocab, stop_markers: Sequence[str]
+) -> ParseResult:
+    hard_stopped, ids, tp = _hard_stop(ids, tp, tokenizer, stop_markers)
+    text = tp.text
+    first = text.find("{")
+    if first < 0:
+        return _fallback(ids, tp, tokenizer, cut_fallback=False, hard_stopped=hard_stopped)
+    scan = _scan(text, first)
+    cut_char = scan.last_complete_object_end if scan.last_complete_object_end is not None else first + 1
+    prefix_ids, prefix_tp = _cut(ids, cut_char, tokenizer, tp)
+    id_to_bin = coord_vocab.id_to_bin
+    objs = [_finish_object(o, text, ids, tp.starts, id_to_bin, cut_char) for o in scan.objects]
+    valid = [o for o in objs if o.valid]
+    max_n = 0
+    for k in scan.keys:
+        if k.end <= cut_char:
+            km = _OBJECT_KEY_RE.fullmatch(k.key)
+            if km is not None:
+                max_n = max(max_n, int(km.group(1)))
+    return ParseResult(
+        response_token_ids=ids,
+        text=text,
+        pieces=tp,
+        prefix_token_ids=prefix_ids,
+        prefix_text=text[:cut_char],
+        prefix_pieces=prefix_tp,
+        cut_char=cut_char,
+        valid_objects=valid,
+        all_objects=objs,
+        object_keys=scan.keys,
+        max_object_index_in_prefix=max_n,
+        dropped_invalid=len(objs) - len(valid),
+        truncated=scan.truncated,
+        fallback=False,
+        hard_stopped=hard_stopped,
+        top_closed=scan.top_closed,
+        first_open_brace=first,
+    )
+
+
+def parse_rollout(
+    response_token_ids: Sequence[int],
+    tokenizer: Any,
+    coord_vocab: CoordVocab,
+    stop_markers: Sequence[str] = DEFAULT_STOP_MARKERS,
+) -> ParseResult:
+    """Parse one rollout strictly and token-aligned (§6). Never raises on bad rollout content.
+
+    Args:
+        response_token_ids: the exact ids the engine sampled (may end with the end-of-turn id).
+        tokenizer: the rollout tokenizer (``decode``/``encode``; byte-level BPE or ``token_bytes`` for speed).
+        coord_vocab: the tokenizer's coordinate ids.
+        stop_markers: ``stage2.parse.stop_markers``.
+
+    Returns:
+        ``ParseResult``; on ``CutRoundTripError`` the §6.4 fallback with ``cut_fallback=True``.
+    """
+    ids = [int(t) for t in response_token_ids]
+    tp = token_pieces(ids, tokenizer)
+    try:
+        return _parse(ids, tp, tokenizer, coord_vocab, stop_markers)
+    except CutRoundTripError as exc:
+        logger.debug("parse cut fallback: %s", exc)
+        hard_stopped, ids, tp = _hard_stop(ids, tp, tokenizer, stop_markers, quiet=True)
+        return _fallback(ids, tp, tokenizer, cut_fallback=True, hard_stopped=hard_stopped)

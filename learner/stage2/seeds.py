@@ -1,0 +1,66 @@
+"""Per-request rollout seeds (spec/STAGE2.md §5.3).
+
+``seed = (training.seed + global_step * 1_000_003 + micro_idx * 10_007 + request_index) & 0x7FFFFFFF`` with
+``request_index = dp_rank * per_device_batch_size + i``. ``check_seed_layout`` is the config guard that keeps the
+seeds of one optimizer step collision-free: ``dp_world_size * per_device_batch_size <= 10_007`` and ``gas <= 99``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_GAS",
+    "MAX_REQUESTS_PER_MICRO_STEP",
+    "SEED_MASK",
+    "check_seed_layout",
+    "request_index",
+    "request_seed",
+]
+
+STEP_STRIDE = 1_000_003
+MICRO_STRIDE = 10_007
+SEED_MASK = 0x7FFFFFFF
+MAX_REQUESTS_PER_MICRO_STEP = MICRO_STRIDE
+MAX_GAS = 99
+
+
+def request_index(dp_rank: int, per_device_batch_size: int, i: int) -> int:
+    """Global index of the ``i``-th request of rank ``dp_rank``'s micro-batch."""
+    if not 0 <= i < per_device_batch_size:
+        raise ValueError(f"request position {i} is outside the micro-batch of size {per_device_batch_size}")
+    return dp_rank * per_device_batch_size + i
+
+
+def request_seed(base_seed: int, global_step: int, micro_idx: int, request_index: int) -> int:
+    """Seed of one rollout request (31-bit, non-negative).
+
+    Args:
+        base_seed: ``training.seed``.
+        global_step: optimizer step counter.
+        micro_idx: index of the micro-batch within the accumulation window (0..gas−1; 0 in evaluation).
+        request_index: global request index (``request_index(...)``; the sample's index in evaluation).
+    """
+    return (base_seed + global_step * STEP_STRIDE + micro_idx * MICRO_STRIDE + request_index) & SEED_MASK
+
+
+def check_seed_layout(dp_world_size: int, per_device_batch_size: int, gas: int) -> None:
+    """Reject layouts whose seeds could collide within one optimizer step.
+
+    Raises:
+        ValueError: naming the offending values and the limit.
+    """
+    if dp_world_size < 1 or per_device_batch_size < 1 or gas < 1:
+        raise ValueError(
+            f"dp_world_size {dp_world_size}, per_device_batch_size {per_device_batch_size} and gas {gas} "
+            "must all be >= 1"
+        )
+    if dp_world_size * per_device_batch_size > MAX_REQUESTS_PER_MICRO_STEP:
+        raise ValueError(
+            f"dp_world_size {dp_world_size} * per_device_batch_size {per_device_batch_size} = "
+            f"{dp_world_size * per_device_batch_size} > {MAX_REQUESTS_PER_MICRO_STEP}: per-request rollout seeds "
+            "would collide; lower the per-device batch size"
+        )
+    if gas > MAX_GAS:
+        raise ValueError(
+            f"gradient_accumulation_steps {gas} > {MAX_GAS}: per-request rollout seeds would collide across "
+            "optimizer steps; lower training.gradient_accumulation_steps"
+        )

@@ -1,0 +1,242 @@
+"""When and how the learner's weights reach the rollout engine (spec/STAGE2.md §5.6, DESIGN.md §5).
+
+`WeightSyncPolicy.maybe_sync` is called right before the first fresh rollout of an optimizer step (never
+on M-steps, never on zero-request steps); it syncs iff `global_step != last_synced_step` (which starts at
+−1, so step 0 syncs — mandatory when the engine starts with dummy weights). Every sync goes through the
+`RolloutSource` seam, so servers and the colocated engine are handled alike.
+
+Modes (`rollout.sync.mode`): `full` merges the adapters, exports base-model names and sends everything;
+`adapter` sends the PEFT adapter only (requests must then name it: `request_adapter`); `auto` picks
+adapter when the engine reports LoRA and the model is a PEFT model, else full. With `fallback_to_full`,
+any adapter failure warns once and switches to full for the rest of the run, syncing full at once.
+
+Multi-rank runs: only rank 0 sends; every rank meets at the barrier before the next rollout. The policy
+never imports `torch.distributed`: the trainer injects `is_rank0` and `barrier`. Under ZeRO-3 the export
+gathers are collectives, so ranks other than 0 run (and discard) the same export.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from learner.rollout.base import RolloutSource, SyncError, SyncReport, WeightUpdate
+from learner.stage2.seeds import MICRO_STRIDE, STEP_STRIDE, request_seed
+from learner.weights.export import (
+    adapter_state,
+    full_state_items,
+    full_state_specs,
+    is_peft_model,
+    is_zero3,
+    merged_adapters,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_ADAPTER_NAME", "SyncConfig", "WeightSyncPolicy"]
+
+DEFAULT_ADAPTER_NAME = "rollmatch"
+"""Name the synced adapter is served under (requests reference it in `request_config.adapter`)."""
+
+
+class SyncConfig(BaseModel):
+    """`rollout.sync:` — how weights reach the rollout engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    mode: Literal["full", "adapter", "auto"] = "full"
+    """`full`: merged base weights; `adapter`: the PEFT adapter only; `auto`: adapter when the engine has
+    LoRA and the model is a PEFT model, else full."""
+    fallback_to_full: bool = True
+    """On any adapter-sync failure: warn once, sync full now and for the rest of the run."""
+    transport: Literal["http", "shm"] = "http"
+    """Server mode: buckets as HTTP bodies, or as files in the shared staging dir (same host only)."""
+    bucket_mb: int = Field(default=512, ge=1)
+    """Upper bound of one safetensors bucket, MiB."""
+    shm_dir: str | None = None
+    """`shm` transport: the servers' `server.shm_dir` (`/health` does not expose it)."""
+
+
+class WeightSyncPolicy:
+    """Once-per-step lazy weight sync with adapter → full fallback.
+
+    Args:
+        config: `rollout.sync`.
+        is_rank0: whether this process sends (default: single process).
+        barrier: blocks until every rank arrives (default: no-op).
+        dtype: cast floating-point weights of a full sync to the engine's dtype (the server rejects a
+            dtype mismatch); None sends the training dtype.
+        seed: `training.seed`, logged with each sync's seed plan.
+        adapter_name: name the adapter is served under in adapter mode.
+    """
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        *,
+        is_rank0: Callable[[], bool] = lambda: True,
+        barrier: Callable[[], None] = lambda: None,
+        dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        adapter_name: str = DEFAULT_ADAPTER_NAME,
+    ) -> None:
+        self.config = config
+        self._is_rank0 = is_rank0
+        self._barrier = barrier
+        self._dtype = dtype
+        self._seed = seed
+        self._adapter_name = adapter_name
+        self.last_synced_step = -1
+        """Optimizer step of the last sync (−1: never)."""
+        self.version = 0
+        """Last weight version this policy sent (versions only grow; the server requires it)."""
+        self.mode: Literal["full", "adapter"] | None = None
+        """Effective mode, resolved at the first sync (`auto`) and switched to full by a fallback."""
+        self.last_report: SyncReport | None = None
+        """Report of the last successful sync (rank 0 only)."""
+
+    @property
+    def request_adapter(self) -> str | None:
+        """The adapter name generate requests must reference (adapter mode), else None."""
+        return self._adapter_name if self.mode == "adapter" else None
+
+    def maybe_sync(self, model: nn.Module, global_step: int, source: RolloutSource) -> float:
+        """Syncs iff `global_step != last_synced_step`; call right before the step's first fresh rollout.
+
+        Args:
+            model: the policy being trained (PEFT or plain; unwrapped from DDP/DeepSpeed).
+            global_step: the optimizer step about to roll out.
+            source: where rollouts come from.
+
+        Returns:
+            Seconds spent (0.0 when nothing was synced), for `time/weight_sync_s`.
+
+        Raises:
+            SyncError: the sync failed (and no fallback applied).
+        """
+        if global_step == self.last_synced_step:
+            return 0.0
+        started = time.perf_counter()
+        if self._is_rank0():
+            self._sync(model, global_step, source)
+        elif is_zero3(model):
+            _drain(self._full_items(model))  # take part in the ZeRO-3 gathers rank 0 runs
+        self._barrier()
+        self.last_synced_step = global_step
+        return time.perf_counter() - started
+
+    def _sync(self, model: nn.Module, global_step: int, source: RolloutSource) -> None:
+        if self.mode is None:
+            self.mode = self._resolve_mode(model, source)
+        if self.version == 0:
+            # A resumed run meets servers that already serve a higher version.
+            self.version = source.health().weight_version
+        if self.mode == "adapter":
+            try:
+                self.last_report = self._send_adapter(model, source)
+            except SyncError as exc:
+                if not self.config.fallback_to_full:
+                    raise
+                logger.warning(
+                    "adapter sync failed (%s); falling back to full weight syncs for the rest of the run", exc
+                )
+                self.mode = "full"
+        if self.mode == "full":
+            self.last_report = self._send_full(model, source)
+        report = self.last_report
+        assert report is not None
+        logger.info(
+            "weight sync step %d: %s v%d, %.1f MiB via %s to %s in %.2f s; %s",
+            global_step,
+            report.mode,
+            report.version,
+            report.bytes / 2**20,
+            report.transport,
+            ", ".join(source.endpoints),
+            report.seconds,
+            self._seed_plan(global_step),
+        )
+
+    def _resolve_mode(self, model: nn.Module, source: RolloutSource) -> Literal["full", "adapter"]:
+        wanted = self.config.mode
+        if wanted != "full" and is_zero3(model):
+            # Every rank must run the same gathers; a mode decided by rank 0 alone cannot promise that.
+            raise ValueError(
+                f"rollout.sync.mode {wanted!r} is not supported with ZeRO-3 partitioned weights; use 'full'"
+            )
+        if wanted == "auto":
+            mode: Literal["full", "adapter"] = (
+                "adapter" if is_peft_model(model) and source.health().lora_enabled else "full"
+            )
+        else:
+            mode = wanted
+        if mode == "adapter" and not is_peft_model(model):
+            raise ValueError(
+                "rollout.sync.mode 'adapter' needs a PEFT model (model.adapter: lora or dora); use 'full' or 'auto'"
+            )
+        logger.info("weight sync mode: %s (configured %s)", mode, wanted)
+        return mode
+
+    def _next_version(self) -> int:
+        # Every attempt takes a new number, so a retry never collides with a partly applied attempt.
+        self.version += 1
+        return self.version
+
+    def _send_adapter(self, model: nn.Module, source: RolloutSource) -> SyncReport:
+        started = time.perf_counter()
+        config, state = adapter_state(model)
+        update = WeightUpdate(
+            mode="adapter",
+            version=self._next_version(),
+            tensors=state,
+            adapter_config=config,
+            adapter_name=self._adapter_name,
+        )
+        report = source.sync_weights(update)
+        return _with_seconds(report, started)
+
+    def _send_full(self, model: nn.Module, source: RolloutSource) -> SyncReport:
+        started = time.perf_counter()
+        with merged_adapters(model):
+            items = self._full_items(model)
+            try:
+                update = WeightUpdate(
+                    mode="full",
+                    version=self._next_version(),
+                    tensors=items,
+                    specs=full_state_specs(model, self._dtype),
+                )
+                report = source.sync_weights(update)
+            finally:
+                if is_zero3(model):
+                    _drain(items)  # the other ranks wait in the remaining gathers
+        return _with_seconds(report, started)
+
+    def _full_items(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        return full_state_items(model, self._dtype, bucket_bytes=self.config.bucket_mb * 2**20)
+
+    def _seed_plan(self, global_step: int) -> str:
+        if self._seed is None:
+            return "seed plan: per-request seeds from the batch"
+        base = request_seed(self._seed, global_step, 0, 0)
+        return (
+            f"seed plan: training.seed {self._seed} + step {global_step} x {STEP_STRIDE}"
+            f" + micro x {MICRO_STRIDE} + request index (step base {base})"
+        )
+
+
+def _drain(items: Iterator[object]) -> None:
+    for _ in items:
+        pass
+
+
+def _with_seconds(report: SyncReport, started: float) -> SyncReport:
+    """The source times the transfer; the policy's figure includes the export (merge, gather, cast)."""
+    return replace(report, seconds=time.perf_counter() - started)

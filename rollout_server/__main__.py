@@ -1,0 +1,114 @@
+"""`python -m rollout_server --config <yaml> [--port N] [--host H] [--gpus 0,1]`.
+
+Reads only the `server:` section of the YAML (a whole run's file works), validates it (any problem → one
+line on stderr, exit 2), exports the engine's environment, serves until SIGINT/SIGTERM, and exits 1 when
+the engine fails to load. `--print-launch-env` prints the resolved launcher variables as shell-quoted
+`KEY=VALUE` lines and exits (used by `scripts/start_rollout_server.sh`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from rollout_server.config import ConfigError, ServerConfig, load_server_config
+
+logger = logging.getLogger("rollout_server")
+
+EXIT_CONFIG = 2
+EXIT_LOAD_FAILED = 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line flags; they override the YAML (hyperparameters stay in the YAML)."""
+    parser = argparse.ArgumentParser(prog="python -m rollout_server", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML with a server: section (extends: allowed)")
+    parser.add_argument("--port", type=int, default=None, help="override server.port")
+    parser.add_argument("--host", default=None, help="override server.host")
+    parser.add_argument("--gpus", default=None, help="override server.gpus, e.g. 0,1,2")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--print-launch-env", action="store_true", help="print KEY=VALUE lines for the launcher and exit"
+    )
+    return parser.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> ServerConfig:
+    """Loads and checks the config; the model directory must exist (never a hub name)."""
+    overrides = {"port": args.port, "host": args.host, "gpus": args.gpus}
+    cfg = load_server_config(args.config, overrides=overrides)
+    if not cfg.model_path.is_dir():
+        raise ConfigError(
+            f"{args.config}: server.model: {cfg.model!r} resolves to {cfg.model_path}, which is not a local"
+            " directory; build or download the model first (scripts/build_tiny_models.py for the tiny one)"
+        )
+    return cfg
+
+
+def launch_env(cfg: ServerConfig) -> dict[str, str]:
+    """The variables `start_rollout_server.sh` needs, resolved from the config."""
+    return {
+        "HOST": cfg.host,
+        "PORT": str(cfg.port),
+        "GPUS": ",".join(str(g) for g in cfg.gpus) if cfg.gpus is not None else "",
+        "MODEL": str(cfg.model_path),
+        "BACKEND": cfg.backend,
+        "DP": str(cfg.vllm.data_parallel_size),
+        "TP": str(cfg.vllm.tensor_parallel_size),
+        "KV_CACHE_SPACE_GB": str(cfg.vllm.kv_cache_space_gb or ""),
+        "AUTH": "1" if cfg.auth_token is not None else "0",
+    }
+
+
+def export_engine_env(cfg: ServerConfig) -> None:
+    """Environment the engine reads at start (set here, never deep in libraries)."""
+    if cfg.gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
+    if cfg.vllm.kv_cache_space_gb is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.kv_cache_space_gb)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_launch_env:
+        for key, value in launch_env(cfg).items():
+            print(f"{key}={shlex.quote(value)}")
+        return 0
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    export_engine_env(cfg)
+
+    import uvicorn
+
+    from rollout_server.app import create_app
+
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(cfg, on_load_failure=on_load_failure)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower())
+    )
+    logger.info("rollout server on http://%s:%d (%s, %s)", cfg.host, cfg.port, cfg.backend, cfg.model_path)
+    server.run()
+    return EXIT_LOAD_FAILED if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""`HfEngine`: the transformers backend of the rollout server (reference and tests, not throughput).
+
+Every blocking call (generate, weight apply) runs on ONE dedicated worker thread, so `/health` stays
+responsive and an update committed during a generation waits for it: in-flight requests finish on the old
+weights and no request sees a mix. Text-only: image requests are refused with 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from rollout_server.config import ServerConfig
+from rollout_server.engines.base import (
+    AdapterUpdate,
+    EngineHealth,
+    FullUpdate,
+    ParamSpec,
+    StagedUpdate,
+    check_adapter_request,
+    check_prompt_lengths,
+    request_prompt_ids,
+)
+from rollout_server.engines.hf_decode import RowOutput, decode_rows
+from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
+from shared_schemas.infer import SEED_MASK, Choice, InferBatch, InferResult, resolve_seeds
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HfEngine", "torch_dtype_code"]
+
+_DTYPE_CODES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHOICE_SEED_STRIDE = 0x9E3779B1
+"""Seed offset between the `n` completions of one request (odd, so completions never share a stream)."""
+
+
+def torch_dtype_code(dtype: torch.dtype) -> str:
+    """safetensors code of a torch dtype (`torch.bfloat16` → `"BF16"`)."""
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError as exc:
+        raise ValueError(f"dtype {dtype} has no safetensors code in this server") from exc
+
+
+class HfEngine:
+    """A transformers causal LM behind the `Engine` protocol.
+
+    Args:
+        model: a loaded causal LM in eval mode.
+        tokenizer: its tokenizer (chat template included).
+        model_name: what `/health` reports as `model` (the resolved local directory).
+        max_model_len: prompt + new tokens limit.
+        batch_size: rows (request × completion) per decode call.
+        default_seed: base seed when a request config has none.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        max_model_len: int,
+        batch_size: int = 8,
+        default_seed: int = 0,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self._batch_size = batch_size
+        self._default_seed = default_seed
+        self._version = 0
+        self._closed = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._eos_ids = _eos_ids(model, tokenizer)
+        self._end_of_turn_id = _end_of_turn_id(tokenizer, self._eos_ids)
+        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
+        self._specs = {
+            name: (torch_dtype_code(t.dtype), tuple(t.shape)) for name, t in model.state_dict().items()
+        }
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig) -> HfEngine:
+        """Loads model and tokenizer from `cfg.model_path` (local files only; blocking, ~seconds)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = cfg.model_path
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"server.model {cfg.model!r} resolves to {path}, which is not a directory"
+            )
+        dtype = _TORCH_DTYPES.get(cfg.dtype, "auto")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(
+            model,
+            tokenizer,
+            model_name=str(path),
+            max_model_len=cfg.vllm.max_model_len,
+            batch_size=cfg.hf.batch_size,
+            default_seed=cfg.seed,
+        )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Always False: this backend serves full weights only."""
+        return False
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights served now."""
+        return self._version
+
+    def parameter_specs(self) -> Mapping[str, ParamSpec]:
+        """State-dict names (tied duplicates included) → (dtype code, shape)."""
+        return self._specs
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        if self._closed:
+            raise EngineError("engine is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def generate(self, batch: InferBatch) -> list[InferResult]:
+        """Generates every request on the worker thread; see `Engine.generate`."""
+        check_adapter_request(batch.request_config.adapter, self.lora_enabled, ())
+        return await self._run(self._generate_sync, batch)
+
+    def _generate_sync(self, batch: InferBatch) -> list[InferResult]:
+        version = self._version
+        cfg = batch.request_config
+        prompts = [
+            request_prompt_ids(self._tokenizer, r, batch.first_index + i)
+            for i, r in enumerate(batch.infer_requests)
+        ]
+        check_prompt_lengths(
+            [len(p) for p in prompts], cfg.max_tokens, self._max_model_len, batch.first_index
+        )
+        seeds = resolve_seeds(batch, self._default_seed)
+        rows = [
+            (i, (seed + j * _CHOICE_SEED_STRIDE) & SEED_MASK)
+            for i, seed in enumerate(seeds)
+            for j in range(cfg.n)
+        ]
+        outputs: list[RowOutput] = []
+        for start in range(0, len(rows), self._batch_size):
+            chunk = rows[start : start + self._batch_size]
+            outputs += decode_rows(
+                self._model,
+                [prompts[i] for i, _ in chunk],
+                [seed for _, seed in chunk],
+                cfg,
+                pad_id=self._pad_id,
+                eos_ids=self._eos_ids,
+                end_of_turn_id=self._end_of_turn_id,
+                decode_text=self._decode,
+            )
+        results = []
+        for i, request in enumerate(batch.infer_requests):
+            choices = [self._choice(o) for o in outputs[i * cfg.n : (i + 1) * cfg.n]]
+            results.append(
+                InferResult(
+                    index=batch.first_index + i,
+                    request_id=request.request_id,
+                    prompt_token_ids=prompts[i],
+                    choices=choices,
+                    weight_version=version,
+                )
+            )
+        return results
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _choice(self, row: RowOutput) -> Choice:
+        text = self._decode(row.token_ids)
+        if row.stop_string is not None:
+            text = text[: text.find(row.stop_string)]
+        return Choice(
+            token_ids=row.token_ids, text=text, finish_reason=row.finish_reason, logprobs=row.logprobs
+        )
+
+    async def apply_update(self, update: StagedUpdate) -> None:
+        """Loads full weights atomically on the worker thread (after any running generation)."""
+        if isinstance(update, AdapterUpdate):
+            raise LoraDisabledError("the hf backend serves no adapters; sync full weights")
+        await self._run(self._apply_full, update)
+
+    def _apply_full(self, update: FullUpdate) -> None:
+        staged: dict[str, torch.Tensor] = {}
+        for bucket in update.buckets:
+            for name, tensor in load_safetensors(bucket).items():
+                spec = self._specs.get(name)
+                if spec is None or (torch_dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
+                    raise SyncValidationError(f"tensor {name!r} does not match the served parameter table")
+                staged[name] = tensor
+        state = self._model.state_dict()
+        # Everything is decoded and checked before the first copy: a bad bucket leaves the model untouched.
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                state[name].copy_(tensor)
+        self._version = update.version
+        logger.info("hf engine: weights version %d applied (%d tensors)", update.version, len(staged))
+
+    async def health(self) -> EngineHealth:
+        """Status without touching the worker thread (answers during a generation)."""
+        return EngineHealth(
+            status="error" if self._closed else "ok",
+            engine="hf",
+            model=self._model_name,
+            weight_version=self._version,
+            dp=1,
+            tp=1,
+            lora_enabled=False,
+            max_model_len=self._max_model_len,
+            detail="engine closed" if self._closed else None,
+        )
+
+    async def aclose(self) -> None:
+        """Waits for the running call, then stops the worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    gen_cfg = getattr(model, "generation_config", None)
+    for source in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
+        for value in source if isinstance(source, list) else [source]:
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
+        ids.append(im_end)
+    if not ids:
+        raise EngineError("the model defines no eos token id; set eos_token_id in its generation_config")
+    return ids
+
+
+def _end_of_turn_id(tokenizer: Any, eos_ids: list[int]) -> int:
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        return im_end
+    return eos_ids[0]

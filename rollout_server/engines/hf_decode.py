@@ -1,0 +1,180 @@
+"""A left-padded, KV-cached decode loop for transformers causal LMs with per-row seeds.
+
+`transformers.generate` draws every row from one global RNG, so a row's samples would depend on which
+other rows share its batch; here every row owns a `torch.Generator` seeded from its request seed, so
+results do not depend on chunking or batch size. The loop also applies the wire contract's rules exactly:
+`min_tokens`, `ignore_eos`, stop strings, the repeat-terminate guard and raw-logit logprobs (as vLLM v1
+reports them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared_schemas.infer import FinishReason, RequestConfig
+from shared_schemas.repeat_guard import needs_text, should_terminate
+
+__all__ = ["RowOutput", "choose_tokens", "decode_rows", "filter_top_k_top_p"]
+
+
+@dataclass
+class RowOutput:
+    """One finished sequence."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None
+    stop_string: str | None = None
+    """The stop string that ended the sequence (the caller cuts the text there)."""
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Masks (to -inf) tokens outside the top-k and outside the top-p nucleus of each row.
+
+    Args:
+        logits: `(B, V)` temperature-scaled logits.
+        top_k: keep the k largest (-1 = off).
+        top_p: keep the smallest set whose probability reaches `top_p` (1.0 = off); never empty.
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # A token is dropped when the mass before it already reaches top_p (the first token always stays).
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    cfg: RequestConfig,
+    generators: Sequence[torch.Generator],
+    seen: torch.Tensor,
+    block_eos: torch.Tensor,
+    eos_ids: Sequence[int],
+) -> torch.Tensor:
+    """Picks one token per row: repetition penalty, EOS blocking, then argmax or seeded sampling.
+
+    Args:
+        logits: `(B, V)` float32 raw logits of the last position.
+        cfg: sampling parameters.
+        generators: one CPU generator per row.
+        seen: `(B, V)` bool, tokens present in prompt or output (repetition penalty).
+        block_eos: `(B,)` bool, rows still below `min_tokens`.
+        eos_ids: ids that end a sequence.
+
+    Returns:
+        `(B,)` int64 token ids.
+    """
+    if cfg.repetition_penalty != 1.0:
+        p = cfg.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    if eos_ids and bool(block_eos.any()):
+        logits = logits.clone()
+        logits[block_eos.nonzero(as_tuple=True)[0].unsqueeze(1), torch.tensor(list(eos_ids))] = float("-inf")
+    if cfg.temperature == 0.0:
+        return torch.argmax(logits, dim=-1)
+    probs = torch.softmax(filter_top_k_top_p(logits / cfg.temperature, cfg.top_k, cfg.top_p), dim=-1).cpu()
+    picks = [torch.multinomial(probs[i], 1, generator=generators[i]) for i in range(probs.shape[0])]
+    return torch.cat(picks).to(logits.device)
+
+
+@torch.inference_mode()
+def decode_rows(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    cfg: RequestConfig,
+    *,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    end_of_turn_id: int,
+    decode_text: Callable[[list[int]], str],
+) -> list[RowOutput]:
+    """Generates one completion per prompt in one left-padded batch.
+
+    Args:
+        model: a causal LM returning `logits` and `past_key_values`.
+        prompts: prompt ids per row.
+        seeds: one sampling seed per row.
+        cfg: sampling parameters (`n` is handled by the caller: one row per completion).
+        pad_id: id used for left padding and for finished rows.
+        eos_ids: ids that end a sequence (unless `ignore_eos`).
+        end_of_turn_id: id emitted when the repeat guard fires.
+        decode_text: ids → text (stop strings and guard rule (c)).
+
+    Returns:
+        One `RowOutput` per prompt, in order.
+    """
+    device = next(model.parameters()).device
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        attention[i, width - len(prompt) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    seen = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
+    seen.scatter_(1, input_ids.clamp(max=vocab - 1), attention.bool())
+    guard, eos_set = cfg.repeat_terminate, set(eos_ids)
+    outputs: list[RowOutput | None] = [None] * batch
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    logprobs: list[list[float]] = [[] for _ in range(batch)]
+    cache = None
+    step_ids, step_pos = input_ids, positions
+    for _ in range(cfg.max_tokens):
+        out = model(
+            input_ids=step_ids,
+            attention_mask=attention,
+            position_ids=step_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        block_eos = torch.tensor([len(g) < cfg.min_tokens for g in generated], device=device)
+        chosen = choose_tokens(logits, cfg, generators, seen, block_eos, eos_ids).tolist()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if cfg.logprobs else None
+        for i in range(batch):
+            if outputs[i] is not None:
+                chosen[i] = pad_id
+                continue
+            g = generated[i]
+            token, reason, stop = chosen[i], None, None
+            if guard is not None and should_terminate(
+                g, decode_text(g) if needs_text(guard) else None, guard
+            ):
+                token, reason = end_of_turn_id, "repeat_terminate"
+            g.append(token)
+            chosen[i] = token
+            if raw_logprobs is not None:
+                logprobs[i].append(float(raw_logprobs[i, token]))
+            if reason is None and token in eos_set and not cfg.ignore_eos:
+                reason = "stop"
+            if reason is None and cfg.stop:
+                text = decode_text(g)
+                stop = next((s for s in cfg.stop if s in text), None)
+                reason = "stop" if stop is not None else None
+            if reason is None and len(g) >= cfg.max_tokens:
+                reason = "length"
+            if reason is not None:
+                outputs[i] = RowOutput(g, reason, logprobs[i] if cfg.logprobs else None, stop)
+        if all(o is not None for o in outputs):
+            break
+        step_ids = torch.tensor(chosen, dtype=torch.long, device=device).unsqueeze(1)
+        seen.scatter_(1, step_ids.clamp(max=vocab - 1), True)
+        attention = torch.cat(
+            [attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=1
+        )
+        step_pos = step_pos[:, -1:] + 1
+    return [o for o in outputs if o is not None]

@@ -1,0 +1,232 @@
+"""Turns one `InferRequest` into a vLLM engine input: templated prompt ids plus decoded images.
+
+The chat template is applied server-side with the model's own tokenizer (the same ids the HF engine and the
+learner derive: `render_chat_prompt` then tokenization without extra special tokens). Images stay
+UNEXPANDED — one `<|image_pad|>` per image — and travel as `multi_modal_data`; vLLM expands the placeholder
+itself (ids already expanded by an HF processor would be expanded a second time, silently wrong;
+notes/tiny_vlm_on_cpu.md). Image references are strings: a local path, a `file://` URL or a `data:` URL;
+the server never fetches from the network.
+
+Everything here blocks (file reads, image decoding, tokenization): callers run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, unquote_to_bytes, urlparse
+from urllib.request import url2pathname
+
+from rollout_server.engines.base import render_chat_prompt
+from rollout_server.errors import BadRequestError
+from shared_schemas.infer import InferRequest, image_ref_kind, iter_image_refs
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "IMAGE_TAG",
+    "PreparedPrompt",
+    "attach_images",
+    "image_bytes",
+    "load_image",
+    "prepare_prompt",
+]
+
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+"""The unexpanded per-image placeholder token of Qwen-VL chat templates."""
+IMAGE_TAG = "<image>"
+"""ms-swift's inline image marker in string message content."""
+_TAG_SPLIT = re.compile(f"({re.escape(IMAGE_TAG)})")
+
+
+@dataclass
+class PreparedPrompt:
+    """What vLLM receives for one request.
+
+    Attributes:
+        prompt_token_ids: templated ids, one placeholder per image (unexpanded).
+        images: decoded RGB images in placeholder order.
+    """
+
+    prompt_token_ids: list[int]
+    images: list[Any] = field(default_factory=list)
+
+    def engine_input(self) -> dict[str, Any]:
+        """The `TokensPrompt` dict for `AsyncLLM.generate`."""
+        if not self.images:
+            return {"prompt_token_ids": self.prompt_token_ids}
+        return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_data": {"image": list(self.images)}}
+
+
+def _bad_image(index: int, position: int, why: str) -> BadRequestError:
+    return BadRequestError(
+        f"request {index}: image {position}: {why}; send a readable local path, a file:// URL or a"
+        " base64 data: URL",
+        type="bad_image",
+        detail={"index": index, "image": position},
+    )
+
+
+def image_bytes(ref: str, index: int = 0, position: int = 0) -> bytes:
+    """Reads the encoded bytes behind an image reference.
+
+    Args:
+        ref: a local path, a `file://` URL or a `data:` URL.
+        index: global request index (named in errors).
+        position: the image's position in the request (named in errors).
+
+    Raises:
+        BadRequestError: unknown scheme, malformed URL, missing or unreadable file (400 `bad_image`).
+    """
+    try:
+        kind = image_ref_kind(ref)
+    except ValueError as exc:
+        raise _bad_image(index, position, str(exc)) from exc
+    if kind == "data":
+        header, sep, payload = ref.partition(",")
+        if not sep:
+            raise _bad_image(index, position, "data: URL without a ',' before the payload")
+        if header.endswith(";base64"):
+            try:
+                return base64.b64decode(payload, validate=False)
+            except (binascii.Error, ValueError) as exc:
+                raise _bad_image(index, position, "data: URL payload is not valid base64") from exc
+        return unquote_to_bytes(payload)
+    if kind == "file":
+        parsed = urlparse(ref)
+        if parsed.netloc not in ("", "localhost"):
+            raise _bad_image(index, position, f"file:// URL names host {parsed.netloc!r}; only local files")
+        path = Path(url2pathname(unquote(parsed.path)))
+    else:
+        path = Path(ref).expanduser()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise _bad_image(index, position, f"file {path.name!r} does not exist") from exc
+    except OSError as exc:
+        raise _bad_image(index, position, f"file {path.name!r} cannot be read ({exc.strerror})") from exc
+
+
+def load_image(ref: str, index: int = 0, position: int = 0) -> Any:
+    """Decodes an image reference to an RGB `PIL.Image`, as `transformers.image_utils.load_image` does.
+
+    EXIF orientation is applied and the image converted to RGB, so the server sees the same pixels as the
+    learner's HF processor.
+
+    Raises:
+        BadRequestError: unreadable reference or bytes that are not an image (400 `bad_image`).
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    data = image_bytes(ref, index, position)
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise _bad_image(index, position, "the bytes are not a decodable image") from exc
+    image = ImageOps.exif_transpose(image)
+    return image.convert("RGB")
+
+
+def _image_part(ref: str) -> dict[str, Any]:
+    return {"type": "image", "image": ref}
+
+
+def attach_images(messages: list[dict[str, Any]], extra_refs: Sequence[str]) -> list[dict[str, Any]]:
+    """Places ms-swift style `images` (refs not already in the messages) into the messages as image parts.
+
+    Each `<image>` tag in string content takes the next extra image, in order; images left over are
+    prepended, in order, to the first user message (Qwen-VL puts the image before the text).
+
+    Args:
+        messages: chat messages (not modified).
+        extra_refs: image refs from the request's `images` that no message part holds.
+
+    Returns:
+        New messages whose image parts, read in order, are the images of the prompt.
+    """
+    pending = list(extra_refs)
+    if not pending:
+        return messages
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and IMAGE_TAG in content and pending:
+            parts: list[dict[str, Any]] = []
+            for piece in _TAG_SPLIT.split(content):
+                if piece == IMAGE_TAG and pending:
+                    parts.append(_image_part(pending.pop(0)))
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
+            message = {**message, "content": parts}
+        out.append(message)
+    if pending:
+        first_user = next((i for i, m in enumerate(out) if m.get("role") == "user"), 0)
+        message = out[first_user]
+        content = message.get("content")
+        body = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        out[first_user] = {**message, "content": [*(_image_part(r) for r in pending), *body]}
+    return out
+
+
+def _encode(tokenizer: Any, messages: list[dict[str, Any]], index: int) -> list[int]:
+    try:
+        text = render_chat_prompt(tokenizer, messages)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise BadRequestError(
+            f"request {index}: the chat template rejected the messages ({type(exc).__name__}: {exc});"
+            " send role/content messages as in spec/STAGE2.md §3.1",
+            type="bad_messages",
+        ) from exc
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def prepare_prompt(
+    tokenizer: Any, request: InferRequest, index: int, *, placeholder_id: int | None
+) -> PreparedPrompt:
+    """Builds the unexpanded prompt of one request and loads its images.
+
+    Args:
+        tokenizer: the served model's tokenizer (chat template included).
+        request: the request (`messages` or `prompt_token_ids`, optional `images`).
+        index: its global index (named in errors).
+        placeholder_id: id of `<|image_pad|>` when the model takes images, else None.
+
+    Returns:
+        The prompt ids and the images in placeholder order.
+
+    Raises:
+        BadRequestError: images sent to a text-only model, a placeholder count that differs from the image
+            count, an unreadable image, or messages the template rejects.
+    """
+    if request.messages is not None:
+        in_messages = iter_image_refs(request.messages)
+        extra = [ref for ref in request.images if ref not in in_messages]
+        messages = attach_images(request.messages, extra)
+        refs = iter_image_refs(messages)
+        ids = _encode(tokenizer, messages, index)
+    else:
+        assert request.prompt_token_ids is not None
+        refs, ids = list(request.images), list(request.prompt_token_ids)
+    if not refs:
+        return PreparedPrompt(ids)
+    if placeholder_id is None:
+        raise BadRequestError(
+            f"request {index}: {len(refs)} image(s) sent but the served model takes no images;"
+            " serve a vision-language model or drop the images",
+            type="images_unsupported",
+        )
+    found = sum(1 for t in ids if t == placeholder_id)
+    if found != len(refs):
+        raise BadRequestError(
+            f"request {index}: prompt holds {found} {IMAGE_PLACEHOLDER} placeholder(s) for {len(refs)} image(s);"
+            f" send exactly one unexpanded {IMAGE_PLACEHOLDER} per image",
+            type="image_placeholder_mismatch",
+            detail={"index": index, "placeholders": found, "images": len(refs)},
+        )
+    return PreparedPrompt(ids, [load_image(ref, index, k) for k, ref in enumerate(refs)])

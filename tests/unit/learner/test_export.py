@@ -1,0 +1,157 @@
+"""Weight export for syncs (spec/STAGE2.md §5.6): base-model names, merged values, always unmerged."""
+
+from __future__ import annotations
+
+import copy
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from learner.weights.codec import dtype_code
+from learner.weights.export import (
+    adapter_state,
+    full_state_items,
+    full_state_specs,
+    merged_adapters,
+)
+
+
+def load_base(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def lora_model(model_dir: Path, *, use_dora: bool = False, modules_to_save: list[str] | None = None):
+    model = get_peft_model(
+        load_base(model_dir),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            modules_to_save=modules_to_save,
+            use_dora=use_dora,
+        ),
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # lora_B starts at zero (merge would be a no-op); make the adapter matter.
+            if "lora_B" in name or "lora_magnitude" in name:
+                param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_plain_model_exports_its_state_dict(tiny_model_dir: Path) -> None:
+    model = load_base(tiny_model_dir)
+    with merged_adapters(model):
+        items = list(full_state_items(model))
+    reference = model.state_dict()
+    assert [n for n, _ in items] == list(reference)
+    assert all(torch.equal(t, reference[n]) for n, t in items)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_lora_export_names_and_merged_values(tiny_model_dir: Path, use_dora: bool) -> None:
+    model = lora_model(tiny_model_dir, use_dora=use_dora)
+    base_names = list(load_base(tiny_model_dir).state_dict())
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    before = weights_snapshot(model)
+
+    with merged_adapters(model):
+        items = dict(full_state_items(model))
+
+    assert list(items) == base_names  # wrapper prefix stripped, .base_layer dropped, no lora_ key
+    assert not any("lora_" in n or "base_layer" in n for n in items)
+    for name in base_names:
+        torch.testing.assert_close(items[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The adapter changed the exported q_proj (the merge really happened) ...
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(
+        items[q], before[f"base_model.model.{q.replace('.weight', '.base_layer.weight')}"]
+    )
+    # ... and the live model is unmerged again, bit for bit.
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    after = weights_snapshot(model)
+    for name, value in before.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_unmerged_also_when_the_body_raises(tiny_model_dir: Path) -> None:
+    model = lora_model(tiny_model_dir)
+    before = weights_snapshot(model)
+    with pytest.raises(RuntimeError, match="send failed"), merged_adapters(model):
+        assert any(getattr(m, "merged", False) for m in model.modules())
+        raise RuntimeError("send failed")
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    after = weights_snapshot(model)
+    assert all(torch.allclose(after[n], v, atol=1e-6) for n, v in before.items())
+
+
+def test_modules_to_save_exports_the_trained_copy(tiny_model_dir: Path) -> None:
+    model = lora_model(tiny_model_dir, modules_to_save=["norm"])
+    names = list(model.state_dict())
+    assert any("modules_to_save" in n for n in names) and any("original_module" in n for n in names)
+    with torch.no_grad():
+        model.base_model.model.model.norm.modules_to_save["default"].weight.fill_(3.0)
+    with merged_adapters(model):
+        items = dict(full_state_items(model))
+    assert list(items) == list(load_base(tiny_model_dir).state_dict())
+    assert torch.equal(items["model.norm.weight"], torch.full_like(items["model.norm.weight"], 3.0))
+    assert not any("modules_to_save" in n or "original_module" in n for n in items)
+
+
+def test_specs_match_items_and_dtype_cast(tiny_model_dir: Path) -> None:
+    model = lora_model(tiny_model_dir)
+    specs = full_state_specs(model, torch.bfloat16)
+    with merged_adapters(model):
+        items = list(full_state_items(model, torch.bfloat16))
+    assert [s.name for s in specs] == [n for n, _ in items]
+    assert all(
+        s.dtype == dtype_code(t.dtype) == "BF16" and s.shape == tuple(t.shape)
+        for s, (_, t) in zip(specs, items, strict=True)
+    )
+
+
+def test_zero3_style_gather_groups_by_bucket(tiny_model_dir: Path) -> None:
+    """With an injected gather (what DeepSpeed's GatheredParameters does under ZeRO-3): every parameter is
+    gathered exactly once, groups stay within the bucket bound, yielded tensors are copies."""
+    model = load_base(tiny_model_dir)
+    groups: list[list[int]] = []
+    live = {id(p) for p in model.parameters()}
+
+    @contextmanager
+    def gather(params):
+        groups.append([id(p) for p in params])
+        yield
+
+    bucket = 200_000
+    items = list(full_state_items(model, gather=gather, bucket_bytes=bucket))
+    assert [n for n, _ in items] == list(model.state_dict())
+    gathered = [pid for group in groups for pid in group]
+    assert set(gathered) == live and len(groups) > 1
+    params = {id(p): p for p in model.parameters()}
+    for group in groups:
+        size = sum(params[pid].numel() * 4 for pid in group)
+        assert len(group) == 1 or size <= bucket
+    state = model.state_dict()
+    for name, tensor in items:
+        assert torch.equal(tensor, state[name]) and tensor.data_ptr() != state[name].data_ptr()
+
+
+def test_adapter_state(tiny_model_dir: Path) -> None:
+    model = lora_model(tiny_model_dir)
+    config, state = adapter_state(model)
+    json.dumps(config)  # JSON-able: it travels in the sync manifest
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert state and all("lora_" in k and ".default." not in k for k in state)
+    assert all(k.startswith("base_model.model.") for k in state)
+    with pytest.raises(ValueError, match="PEFT"):
+        adapter_state(load_base(tiny_model_dir))

@@ -1,0 +1,71 @@
+"""Token choice of the HF decode loop: filters, penalties, EOS blocking, per-row seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout_server.engines.hf_decode import choose_tokens, filter_top_k_top_p
+from shared_schemas.infer import RequestConfig
+
+NEG = float("-inf")
+
+
+def test_top_k_keeps_k_largest() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0]])
+    out = filter_top_k_top_p(logits, 2, 1.0)
+    assert out.tolist() == [[NEG, 4.0, 3.0, NEG]]
+
+
+def test_top_p_keeps_smallest_nucleus() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = filter_top_k_top_p(probs.log(), -1, 0.8)
+    kept = [not math.isinf(v) for v in out[0].tolist()]
+    assert kept == [True, True, False, False]
+    # the top token always survives even with a tiny top_p
+    assert not math.isinf(filter_top_k_top_p(probs.log(), -1, 1e-6)[0, 0].item())
+
+
+def test_filters_off_are_identity() -> None:
+    logits = torch.randn(3, 7)
+    assert torch.equal(filter_top_k_top_p(logits, -1, 1.0), logits)
+
+
+def choose(logits: torch.Tensor, seeds: list[int], **cfg: object) -> list[int]:
+    config = RequestConfig.model_validate({"max_tokens": 4, **cfg})
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    block = torch.zeros(logits.shape[0], dtype=torch.bool)
+    return choose_tokens(logits, config, gens, seen, block, [0]).tolist()
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    assert choose(logits, [0, 0]) == [1, 0]
+
+
+def test_sampling_depends_only_on_own_seed() -> None:
+    logits = torch.zeros(1, 50)
+    alone = [choose(logits, [s], temperature=1.0)[0] for s in (1, 2, 3)]
+    together = choose(logits.repeat(3, 1), [1, 2, 3], temperature=1.0)
+    assert together == alone
+    assert len(set(choose(logits.repeat(8, 1), list(range(8)), temperature=1.0))) > 1
+
+
+def test_repetition_penalty_and_eos_block() -> None:
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    config = RequestConfig(max_tokens=4, repetition_penalty=2.0)
+    seen = torch.tensor([[False, True, False]])
+    gens = [torch.Generator()]
+    assert choose_tokens(logits, config, gens, seen, torch.tensor([False]), [9]).tolist() == [0]
+    # eos id 0 blocked below min_tokens → the best other token wins (4.0 / 2 = 2.0 > 1.0)
+    assert choose_tokens(logits, config, gens, seen, torch.tensor([True]), [0]).tolist() == [1]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_top_k_one_is_greedy_when_sampling(top_k: int) -> None:
+    logits = torch.tensor([[0.0, 9.0, 8.9, 0.0]])
+    picks = {choose(logits, [s], temperature=5.0, top_k=top_k)[0] for s in range(20)}
+    assert picks <= {1, 2} and (top_k == 2 or picks == {1})

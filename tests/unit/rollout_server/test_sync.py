@@ -1,0 +1,297 @@
+"""Weight-sync state machine over HTTP with a fake engine (DESIGN.md §3 `/sync_weights/`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from rollout_server.app import create_app
+from rollout_server.config import ServerConfig
+from rollout_server.engines.base import AdapterUpdate, FullUpdate
+from rollout_server.weights.staging import SyncStaging
+from shared_schemas.buckets import RawTensor, encode_bucket, plan_buckets
+from shared_schemas.sync import TensorSpec
+from tests.unit.rollout_server.fakes import SPECS, FakeEngine
+
+SYNC = "/sync_weights"
+
+
+def tensors(seed: int = 0, names: tuple[str, ...] = tuple(SPECS)) -> list[RawTensor]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for name in names:
+        dtype, shape = SPECS[name]
+        size = TensorSpec(name=name, dtype=dtype, shape=shape).nbytes
+        out.append(RawTensor(name, dtype, shape, rng.integers(0, 256, size, dtype=np.uint8).tobytes()))
+    return out
+
+
+def manifest_for(items: list[RawTensor], version: int, bucket_bytes: int = 16, **kw: Any) -> dict[str, Any]:
+    specs = [TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape) for t in items]
+    buckets = plan_buckets(specs, bucket_bytes)
+    return {"mode": "full", "version": version, "buckets": [b.model_dump() for b in buckets], **kw}
+
+
+def bucket_blobs(items: list[RawTensor], manifest: dict[str, Any]) -> list[bytes]:
+    by_name = {t.name: t for t in items}
+    return [encode_bucket([by_name[t["name"]] for t in b["tensors"]]) for b in manifest["buckets"]]
+
+
+def begin(client: TestClient, manifest: dict[str, Any], **kw: Any) -> httpx.Response:
+    return client.post(f"{SYNC}/begin", json={"manifest": manifest, **kw})
+
+
+def full_sync(client: TestClient, items: list[RawTensor], version: int) -> httpx.Response:
+    manifest = manifest_for(items, version)
+    resp = begin(client, manifest)
+    assert resp.status_code == 200, resp.text
+    sync_id = resp.json()["sync_id"]
+    for i, blob in enumerate(bucket_blobs(items, manifest)):
+        ack = client.put(f"{SYNC}/{sync_id}/buckets/{i}", content=blob)
+        assert ack.status_code == 200, ack.text
+    return client.post(f"{SYNC}/commit", json={"sync_id": sync_id})
+
+
+def error_type(resp: httpx.Response) -> str:
+    return resp.json()["error"]["type"]
+
+
+def test_full_sync_over_http_applies_atomically(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 3)
+    assert len(manifest["buckets"]) == 3
+    sync_id = begin(client, manifest).json()["sync_id"]
+    for i, blob in enumerate(bucket_blobs(items, manifest)):
+        ack = client.put(f"{SYNC}/{sync_id}/buckets/{i}", content=blob).json()
+        assert (ack["index"], ack["received"], ack["expected"]) == (i, i + 1, 3)
+        assert engine.applied == []  # nothing before commit
+    resp = client.post(f"{SYNC}/commit", json={"sync_id": sync_id})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["weight_version"] == 3 and resp.json()["num_tensors"] == 3
+    assert len(engine.applied) == 1 and isinstance(engine.applied[0], FullUpdate)
+    assert engine.weights == {t.name: bytes(t.data) for t in items}
+    assert client.get("/health").json()["weight_version"] == 3
+    out = client.post(
+        "/infer/", json={"infer_requests": [{"prompt_token_ids": [1]}], "request_config": {"max_tokens": 2}}
+    )
+    assert out.json()["results"][0]["weight_version"] == 3
+    # the sync is finished: its id is gone
+    assert error_type(client.post(f"{SYNC}/commit", json={"sync_id": sync_id})) == "unknown_sync"
+
+
+def test_full_sync_through_shm_file_name(client: TestClient, engine: FakeEngine, shm_dir: Path) -> None:
+    items = tensors(seed=1)
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    for i, blob in enumerate(bucket_blobs(items, manifest)):
+        (shm_dir / f"bucket-{i}.safetensors").write_bytes(blob)
+        resp = client.post(f"{SYNC}/{sync_id}/buckets/{i}/shm", json={"file_name": f"bucket-{i}.safetensors"})
+        assert resp.status_code == 200, resp.text
+        os.remove(shm_dir / f"bucket-{i}.safetensors")  # the server copied it: the learner may reuse the name
+    assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
+    assert engine.weights == {t.name: bytes(t.data) for t in items}
+
+
+def assert_rejected(
+    resp: httpx.Response, status: int, kind: str, client: TestClient, engine: FakeEngine
+) -> None:
+    assert resp.status_code == status, resp.text
+    assert set(resp.json()) == {"error"} and error_type(resp) == kind
+    assert engine.applied == [] and engine.version == 0
+    assert client.get("/health").status_code == 200
+
+
+def test_wrong_shape_rejected_at_begin(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    bad = [RawTensor("model.w", "F32", (3, 2), items[0].data), *items[1:]]
+    assert_rejected(begin(client, manifest_for(bad, 1)), 400, "parameter_mismatch", client, engine)
+
+
+def test_wrong_dtype_rejected_at_begin(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    bad = [items[0], RawTensor("model.b", "F16", (4,), items[1].data), items[2]]
+    resp = begin(client, manifest_for(bad, 1))
+    assert_rejected(resp, 400, "parameter_mismatch", client, engine)
+    assert "BF16" in resp.json()["error"]["message"]
+
+
+def test_unknown_name_rejected_at_begin(client: TestClient, engine: FakeEngine) -> None:
+    bad = [*tensors(), RawTensor("model.extra", "F32", (1,), b"\x00" * 4)]
+    resp = begin(client, manifest_for(bad, 1))
+    assert_rejected(resp, 400, "unknown_parameter", client, engine)
+    assert "model.extra" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["below-current", "equal-to-current"])
+def test_stale_version_rejected(client: TestClient, engine: FakeEngine, version: int) -> None:
+    engine.version = 2
+    resp = begin(client, manifest_for(tensors(), version))
+    assert resp.status_code == 409 and error_type(resp) == "stale_version"
+    assert engine.applied == [] and engine.version == 2
+
+
+def test_version_overtaken_before_commit_is_rejected(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    for i, blob in enumerate(bucket_blobs(items, manifest)):
+        client.put(f"{SYNC}/{sync_id}/buckets/{i}", content=blob)
+    engine.version = 5  # e.g. a colocated update landed meanwhile
+    resp = client.post(f"{SYNC}/commit", json={"sync_id": sync_id})
+    assert resp.status_code == 409 and error_type(resp) == "stale_version"
+    assert engine.applied == []
+
+
+def test_missing_bucket_rejected_at_commit(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    blobs = bucket_blobs(items, manifest)
+    client.put(f"{SYNC}/{sync_id}/buckets/0", content=blobs[0])
+    client.put(f"{SYNC}/{sync_id}/buckets/2", content=blobs[2])
+    resp = client.post(f"{SYNC}/commit", json={"sync_id": sync_id})
+    assert_rejected(resp, 400, "missing_bucket", client, engine)
+    assert resp.json()["error"]["detail"] == {"missing": [1]}
+    # a rejected sync is discarded
+    assert error_type(client.put(f"{SYNC}/{sync_id}/buckets/1", content=blobs[1])) == "unknown_sync"
+
+
+def test_bucket_not_matching_manifest_discards_sync(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    blobs = bucket_blobs(items, manifest)
+    resp = client.put(f"{SYNC}/{sync_id}/buckets/0", content=blobs[1])  # bucket 1's tensors under index 0
+    assert_rejected(resp, 400, "bucket_mismatch", client, engine)
+    assert error_type(client.post(f"{SYNC}/commit", json={"sync_id": sync_id})) == "unknown_sync"
+
+
+def test_garbage_bucket_and_bad_index(client: TestClient, engine: FakeEngine) -> None:
+    manifest = manifest_for(tensors(), 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    assert_rejected(
+        client.put(f"{SYNC}/{sync_id}/buckets/7", content=b"x"), 400, "bucket_out_of_range", client, engine
+    )
+    assert_rejected(
+        client.put(f"{SYNC}/{sync_id}/buckets/0", content=b"junk"), 400, "bucket_mismatch", client, engine
+    )
+
+
+def test_adapter_on_lora_less_engine_is_409(client: TestClient, engine: FakeEngine) -> None:
+    items = [RawTensor("base_model.model.q_proj.lora_A.weight", "F32", (2, 4), b"\x00" * 32)]
+    manifest = manifest_for(items, 1, mode="adapter", adapter_name="a1", adapter_config={"r": 2})
+    assert_rejected(begin(client, manifest), 409, "lora_disabled", client, engine)
+
+
+def test_adapter_sync_on_lora_engine(cfg: ServerConfig) -> None:
+    engine = FakeEngine(lora=True)
+    items = [
+        RawTensor("base_model.model.q_proj.lora_A.weight", "F32", (2, 4), b"\x01" * 32),
+        RawTensor("base_model.model.q_proj.lora_B.weight", "F32", (4, 2), b"\x02" * 32),
+    ]
+    manifest = manifest_for(
+        items, 1, bucket_bytes=32, mode="adapter", adapter_name="a1", adapter_config={"r": 2}
+    )
+    with TestClient(create_app(cfg, engine=engine)) as c:
+        sync_id = begin(c, manifest).json()["sync_id"]
+        for i, blob in enumerate(bucket_blobs(items, manifest)):
+            assert c.put(f"{SYNC}/{sync_id}/buckets/{i}", content=blob).status_code == 200
+        assert c.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
+        update = engine.applied[0]
+        assert isinstance(update, AdapterUpdate) and update.adapter_name == "a1"
+        body = {
+            "infer_requests": [{"prompt_token_ids": [1]}],
+            "request_config": {"max_tokens": 2, "adapter": "a1"},
+        }
+        assert c.post("/infer/", json=body).status_code == 200
+        body["request_config"]["adapter"] = "other"
+        assert error_type(c.post("/infer/", json=body)) == "unknown_adapter"
+
+
+@pytest.mark.parametrize(
+    ("file_name", "status", "kind"),
+    [
+        ("../outside.safetensors", 422, "validation_error"),
+        ("/etc/passwd", 422, "validation_error"),
+        ("..", 422, "validation_error"),
+        ("sub/../../outside.safetensors", 422, "validation_error"),
+        ("link.safetensors", 400, "bad_shm_name"),
+        ("absent.safetensors", 404, "shm_file_not_found"),
+        ("dir.safetensors", 400, "bad_shm_name"),
+    ],
+)
+def test_shm_path_traversal_refused(
+    client: TestClient,
+    engine: FakeEngine,
+    shm_dir: Path,
+    tmp_path: Path,
+    file_name: str,
+    status: int,
+    kind: str,
+) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(bucket_blobs(items, manifest)[0])
+    (shm_dir / "link.safetensors").symlink_to(outside)
+    (shm_dir / "dir.safetensors").mkdir()
+    sync_id = begin(client, manifest).json()["sync_id"]
+    resp = client.post(f"{SYNC}/{sync_id}/buckets/0/shm", json={"file_name": file_name})
+    assert_rejected(resp, status, kind, client, engine)
+
+
+def test_shm_disabled_is_409(engine: FakeEngine) -> None:
+    cfg = ServerConfig(model="/models/fake")
+    with TestClient(create_app(cfg, engine=engine)) as c:
+        sync_id = begin(c, manifest_for(tensors(), 1)).json()["sync_id"]
+        resp = c.post(f"{SYNC}/{sync_id}/buckets/0/shm", json={"file_name": "b0"})
+        assert resp.status_code == 409 and error_type(resp) == "shm_disabled"
+
+
+def test_abort_discards_and_is_idempotent(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    assert client.post(f"{SYNC}/abort", json={"sync_id": sync_id}).json()["aborted"] is True
+    assert client.post(f"{SYNC}/abort", json={"sync_id": sync_id}).json()["aborted"] is False
+    assert error_type(client.post(f"{SYNC}/commit", json={"sync_id": sync_id})) == "unknown_sync"
+    assert engine.applied == []
+
+
+def test_new_begin_supersedes_staged_sync(client: TestClient, engine: FakeEngine) -> None:
+    items = tensors()
+    first = begin(client, manifest_for(items, 1)).json()["sync_id"]
+    assert full_sync(client, items, 2).status_code == 200
+    assert error_type(client.post(f"{SYNC}/commit", json={"sync_id": first})) == "unknown_sync"
+    assert engine.version == 2 and len(engine.applied) == 1
+
+
+def test_idle_sync_times_out(client: TestClient, engine: FakeEngine, shm_dir: Path) -> None:
+    now = [0.0]
+    state = client.app.state.server  # type: ignore[attr-defined]
+    state.staging = SyncStaging(shm_dir, default_timeout_s=10.0, clock=lambda: now[0])
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    blobs = bucket_blobs(items, manifest)
+    now[0] = 9.0
+    assert client.put(f"{SYNC}/{sync_id}/buckets/0", content=blobs[0]).status_code == 200  # activity extends
+    now[0] = 18.0
+    assert client.put(f"{SYNC}/{sync_id}/buckets/1", content=blobs[1]).status_code == 200
+    now[0] = 29.0
+    resp = client.put(f"{SYNC}/{sync_id}/buckets/2", content=blobs[2])
+    assert resp.status_code == 404 and error_type(resp) == "unknown_sync"
+    assert engine.applied == []
+
+
+def test_sync_phases_validate_bodies(client: TestClient) -> None:
+    assert client.post(f"{SYNC}/begin", json={"manifest": {"mode": "full"}}).status_code == 422
+    assert client.post(f"{SYNC}/commit", json={"sync_id": "../../x"}).status_code == 422
+    assert client.put(f"{SYNC}/NOT-HEX/buckets/0", content=b"").status_code == 422
+    assert client.put(f"{SYNC}/{'a' * 32}/buckets/-1", content=b"").status_code == 422
