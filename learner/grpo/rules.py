@@ -54,10 +54,11 @@ def validate_section(model: type[M], data: Any, prefix: str) -> M:
         key = ".".join([prefix, *(str(part) for part in err["loc"])])
         section_rule = {"server": "§2.2", "grpo": "§3", "batch_plan": "§2.4"}.get(prefix, "§2")
         if err["type"] == "extra_forbidden":
-            rule = "rule 9" if prefix == "server" else section_rule
-            raise fail(
-                key, "unknown key", rule, "remove it (server.vllm takes only the §2.2 allow-list)"
-            ) from None
+            if prefix == "server":
+                raise fail(
+                    key, "unknown key", "rule 9", "remove it; server and server.vllm take only the §2.2 keys"
+                ) from None
+            raise fail(key, "unknown key", section_rule, "remove it or fix its spelling") from None
         value = err.get("input")
         shown = f" (got {value!r})" if isinstance(value, _SCALARS) else ""
         rule = _RULE_BY_KEY.get(key, section_rule)
@@ -65,6 +66,7 @@ def validate_section(model: type[M], data: Any, prefix: str) -> M:
 
 
 def check_lora(server_raw: Mapping[str, Any]) -> None:
+    """Rule 6 on the raw section, so ``max_lora_rank`` gets its own message rather than "unknown key"."""
     vllm = server_raw.get("vllm") if isinstance(server_raw.get("vllm"), Mapping) else {}
     if "max_lora_rank" in vllm:
         raise fail(
@@ -83,6 +85,7 @@ def check_lora(server_raw: Mapping[str, Any]) -> None:
 
 
 def check_host(server: GrpoServerConfig) -> None:
+    """Rule 2: loopback bind unless ``allow_non_loopback``."""
     if server.host not in LOOPBACK_HOSTS and not server.allow_non_loopback:
         raise fail(
             "server.host",
@@ -93,6 +96,7 @@ def check_host(server: GrpoServerConfig) -> None:
 
 
 def check_tp_dp(server: GrpoServerConfig) -> None:
+    """Rule 4: ``TP × DP == len(server.gpus)``."""
     vllm = server.vllm
     need = vllm.tensor_parallel_size * vllm.data_parallel_size
     if need != len(server.gpus):
@@ -106,6 +110,7 @@ def check_tp_dp(server: GrpoServerConfig) -> None:
 
 
 def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig) -> None:
+    """Rule 5: ``max_model_len >= global_max_length > max_completion_length``."""
     if server.vllm.max_model_len < grpo.global_max_length:
         raise fail(
             "server.vllm.max_model_len",
@@ -123,6 +128,7 @@ def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig) -> None:
 
 
 def check_gpu_sets(server_gpus: tuple[int, ...], train_gpus: tuple[int, ...]) -> None:
+    """Rule 7: both GPU lists non-empty, without repeats, and disjoint."""
     for key, gpus in (("server.gpus", server_gpus), ("train_gpus", train_gpus)):
         if not gpus:
             raise fail(key, "is empty", "rule 7", "list at least one GPU")
@@ -140,8 +146,11 @@ def check_gpu_sets(server_gpus: tuple[int, ...], train_gpus: tuple[int, ...]) ->
 
 def batch_sizes(training: Mapping[str, Any], world: int, grpo: GrpoConfig) -> tuple[int, int, int, int]:
     """``(per_device, gas, effective, generation_batch_size)`` after the rule-8 checks."""
-    per_device = int(training.get("per_device_train_batch_size", 8))
-    gas = int(training.get("gradient_accumulation_steps", 1))
+    per_device = training.get("per_device_train_batch_size", 8)
+    gas = training.get("gradient_accumulation_steps", 1)
+    for key, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", gas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise fail(f"training.{key}", f"{value!r} is not an int >= 1", "rule 8", "set a positive integer")
     effective = per_device * world * gas
     generation = grpo.generation_batch_size or effective
     if generation != effective:
@@ -163,6 +172,7 @@ def batch_sizes(training: Mapping[str, Any], world: int, grpo: GrpoConfig) -> tu
 
 
 def timeouts(rollout: Mapping[str, Any]) -> tuple[float, float]:
+    """Rule 9: ``(timeout_s, infer_timeout_s)``, both > 0; ``infer_timeout_s`` defaults to ``timeout_s``."""
     timeout = rollout.get("timeout_s", DEFAULT_TIMEOUT_S)
     infer = rollout.get("infer_timeout_s", timeout)
     for key, value in (("rollout.timeout_s", timeout), ("rollout.infer_timeout_s", infer)):
@@ -172,6 +182,10 @@ def timeouts(rollout: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def check_servers(rollout: Mapping[str, Any], server: GrpoServerConfig) -> str:
+    """Rule 2: the one ``rollout.servers`` entry points at the server's host and port; returns its base_url.
+
+    Loopback names are interchangeable; a wildcard bind (``0.0.0.0``, ``::``) accepts any host name.
+    """
     servers = rollout.get("servers")
     if not isinstance(servers, list) or len(servers) != 1 or not isinstance(servers[0], Mapping):
         raise fail(
@@ -203,6 +217,7 @@ def check_servers(rollout: Mapping[str, Any], server: GrpoServerConfig) -> str:
 
 
 def check_sync(rollout: Mapping[str, Any]) -> None:
+    """Rule 6, learner side: ``rollout.sync.mode`` is ``full`` (or unset)."""
     sync = rollout.get("sync") if isinstance(rollout.get("sync"), Mapping) else {}
     if sync.get("mode", "full") != "full":
         raise fail(
@@ -214,6 +229,7 @@ def check_sync(rollout: Mapping[str, Any]) -> None:
 
 
 def existing_dir(key: str, value: Any, base_dir: Path) -> Path:
+    """Rule 10: ``value`` names an existing local path; returns it absolute (relative → under ``base_dir``)."""
     if not isinstance(value, str) or not value:
         raise fail(key, "is missing", "rule 10", "set the local model directory")
     path = Path(value).expanduser()
@@ -229,6 +245,7 @@ def existing_dir(key: str, value: Any, base_dir: Path) -> Path:
 
 
 def reward_weights(grpo: GrpoConfig, base_dir: Path) -> tuple[dict[str, float], Path | None]:
+    """Preset weights plus overrides (§5.3), and the absolute schema file, checked by loading it."""
     unknown = sorted(set(grpo.reward_weights) - set(REWARD_NAMES))
     if unknown:
         raise fail(
@@ -267,22 +284,23 @@ _DECODING_FROM_GRPO = {
 
 def decoding(rollout: Mapping[str, Any], grpo: GrpoConfig) -> dict[str, Any]:
     """``rollout.decoding`` with the sampling knobs taken from ``grpo`` (one source of truth)."""
-    decoding = dict(rollout.get("decoding") or {})
+    out = dict(rollout.get("decoding") or {})
     for key, grpo_key in _DECODING_FROM_GRPO.items():
         value = getattr(grpo, grpo_key)
         value = -1 if key == "top_k" and value is None else value
-        if key in decoding and decoding[key] != value:
+        if key in out and out[key] != value:
             raise fail(
                 f"rollout.decoding.{key}",
-                f"{decoding[key]!r} differs from grpo.{grpo_key} {value!r}",
+                f"{out[key]!r} differs from grpo.{grpo_key} {value!r}",
                 "§3",
                 f"GRPO samples with grpo.{grpo_key}; remove rollout.decoding.{key}",
             )
-        decoding[key] = value
-    return decoding
+        out[key] = value
+    return out
 
 
 def mapping(raw: Mapping[str, Any], key: str, rule: str) -> dict[str, Any]:
+    """``raw[key]`` as a dict (missing → empty)."""
     value = raw.get(key, {})
     if not isinstance(value, Mapping):
         raise fail(key, f"must be a mapping, got {type(value).__name__}", rule, f"write {key}: as a mapping")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from learner.config import DecodingConfig, Stage2Config
+from learner.metrics import StepMetrics
 from learner.rollout.base import RolloutSource
-from learner.stage2.packing import CarryBuffer, pack_segments, pad_segments
+from learner.stage2.packed_batch import pack_segments, pad_segments
+from learner.stage2.packing import CarryBuffer
 from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
 from learner.stage2.seeds import request_seed
 from shared_schemas.infer import InferBatch, InferRequest, InferResult, RepeatTerminateConfig, RequestConfig
@@ -46,12 +46,11 @@ def build_request_config(decoding: DecodingConfig, *, max_new_tokens: int | None
 
 @dataclass
 class PlannedStep:
-    """Prepared micro-batches of one optimizer step plus the rank-local metric sums of the planning."""
+    """Prepared micro-batches of one optimizer step with its rank-local supervision counts."""
 
     prepared: list[dict[str, Any]]
     n_ce: int
     n_coord: int
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,27 +110,26 @@ class StepPlanner:
         ]
 
     # -- training step --------------------------------------------------------------------------
-    def plan(self, raws: Sequence[Sequence[dict[str, Any]]], *, global_step: int,
+    def plan(self, raws: Sequence[Sequence[dict[str, Any]]], *, global_step: int, metrics: StepMetrics,
              before_rollout: Callable[[], float] | None = None) -> PlannedStep:
         """Rollout, parse, match, encode and pack every micro-batch of one optimizer step (§17).
 
         Args:
             raws: the step's raw micro-batches (lists of sample dicts).
             global_step: optimizer step about to run (seeds, staleness).
+            metrics: the step's accumulator (rollout counters, lengths, timers, packing telemetry).
             before_rollout: called right before the rollout iff there is at least one request — the lazy
                 weight sync of §5.6; returns the seconds it took.
         """
-        metrics: dict[str, float] = {}
         flat = [s for raw in raws for s in raw]
         sync_s = before_rollout() if (flat and before_rollout is not None) else 0.0
         request_config = build_request_config(self.decoding, adapter=self.adapter_name())
         first_index = self.rank * self.per_device_batch_size * max(len(raws), 1)
         results, gen_s = self.rollout(flat, self.step_seeds(raws, global_step), request_config, first_index)
-        metrics["time/weight_sync_s"] = sync_s
-        metrics["time/rollout_generate_s"] = gen_s
-        new_tokens = sum(len(r.choices[0].token_ids) for r in results)
-        metrics["rollout/gen_new_tokens_total"] = float(new_tokens)
-        metrics["rollout/gen_tokens_per_s"] = new_tokens / gen_s if gen_s > 0 else 0.0
+        metrics.add_time("time/weight_sync_s", sync_s)
+        metrics.add_time("time/rollout_generate_s", gen_s)
+        metrics.add({"rollout/decode_greedy": float(self.decoding.decode_mode == "greedy"),
+                     "rollout/decode_beam": float(self.decoding.decode_mode == "beam")})
 
         prepared: list[dict[str, Any]] = []
         n_ce = n_coord = 0
@@ -142,9 +140,11 @@ class StepPlanner:
             t0 = time.perf_counter()
             segments = []
             for sample in raw:
-                seg, counters = prepare_segment(sample, results[cursor], self.ctx, rollout_step=global_step)
+                seg, outcome = prepare_segment(sample, results[cursor], self.ctx, rollout_step=global_step)
                 cursor += 1
-                _accumulate(metrics, counters)
+                metrics.add_rollout_counters(outcome.counters)
+                for name, value in outcome.lengths.items():
+                    metrics.observe(name, [value])
                 if seg is not None:
                     segments.append(seg)
             t1 = time.perf_counter()
@@ -154,24 +154,23 @@ class StepPlanner:
             n_ce += int(batch["n_ce"])
             n_coord += int(batch["n_coord"])
             prepared.append(batch)
-        metrics["time/rollout_parse_match_s"] = t_prep
-        metrics["time/post_rollout_pack_s"] = t_pack
-        return PlannedStep(prepared, n_ce, n_coord, metrics)
+        metrics.add_time("time/rollout_parse_match_s", t_prep)
+        metrics.add_time("time/post_rollout_pack_s", t_pack)
+        return PlannedStep(prepared, n_ce, n_coord)
 
-    def _pack(self, segments: list, global_step: int, metrics: dict[str, float]) -> dict[str, Any]:
+    def _pack(self, segments: list, global_step: int, metrics: StepMetrics) -> dict[str, Any]:
         if self.carry is not None:
             self.carry.insert(segments)
             chosen, stats = self.carry.take(global_step)
             if stats is not None:
-                _accumulate(metrics, stats.metric_values())
+                metrics.add(stats.metric_values())
             segments = chosen
             packed = pack_segments(segments) if segments else None
         else:
             packed = pad_segments(segments, self.pad_id) if segments else None
         if packed is None:
             return {"empty": True, "n_ce": 0, "n_coord": 0, "samples": 0}
-        n_ce = int((packed.labels != -100).sum())
-        return {"empty": False, "batch": packed, "n_ce": n_ce, "n_coord": int(packed.coord_pos.numel()),
+        return {"empty": False, "batch": packed, "n_ce": packed.n_ce, "n_coord": packed.n_coord,
                 "samples": len(segments)}
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -194,13 +193,3 @@ def _accumulate(into: dict[str, float], values: dict[str, float]) -> None:
     for key, value in values.items():
         into[key] = into.get(key, 0.0) + float(value)
 
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Moves every tensor attribute of a packed/padded batch dataclass to `device` (a new object)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(batch):
-        changes = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-                   if isinstance(getattr(batch, f.name), torch.Tensor)}
-        return dataclasses.replace(batch, **changes)
-    return batch

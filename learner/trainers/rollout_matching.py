@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from learner.metrics import StepMetrics, finalize_eval_metrics
+from learner.metrics import StepMetrics
 from learner.stage2.buffer import RolloutBuffer, TaggedBatch
 from learner.stage2.losses import micro_loss, step_loss_sums, zero_loss
 from learner.stage2.offload import offload_context
-from learner.trainers.planner import StepPlanner, to_device
+from learner.stage2.pipeline import eval_metrics
+from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
 
 __all__ = ["RolloutMatchingTrainer"]
@@ -58,7 +59,7 @@ class RolloutMatchingTrainer(Trainer):
         self.run_cfg = run_cfg
         self.eval_samples = eval_samples or []
         self.coord_ids = torch.tensor(planner.ctx.coord_vocab.ids, dtype=torch.long)
-        self.step_metrics = StepMetrics()
+        self.step_metrics = StepMetrics(reduce_fn=self._reduce_metrics if self.args.world_size > 1 else None)
 
     # -- step planning ------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
@@ -70,31 +71,32 @@ class RolloutMatchingTrainer(Trainer):
         if decision.reuse:
             cached = self.rollout_buffer.reuse(decision, tagged)
             prepared, n_ce, n_coord = cached.prepared, cached.n_ce, cached.n_coord
-            metrics = {"rollout/buffer_reuse": 1.0}
+            self.step_metrics.add(cached.metrics())
         else:
-            plain = [t.batch for t in tagged]
             offload = self.run_cfg.stage2.offload
-            t0 = time.perf_counter()
             with offload_context(self.model, self.optimizer, offload_model=offload.model,
-                                 offload_optimizer=offload.optimizer, enabled=offload.enabled):
-                planned = self.planner.plan(plain, global_step=step, before_rollout=self._sync_now)
-            prepared, n_ce, n_coord = planned.prepared, planned.n_ce, planned.n_coord
-            metrics = dict(planned.metrics)
-            metrics["rollout/buffer_reuse"] = 0.0
-            metrics["time/plan_total_s"] = time.perf_counter() - t0
-            n_ce, n_coord = self._all_reduce_counts(n_ce, n_coord)
+                                 offload_optimizer=offload.optimizer, enabled=offload.enabled) as report:
+                planned = self.planner.plan([t.batch for t in tagged], global_step=step,
+                                            metrics=self.step_metrics, before_rollout=self._sync_now)
+            self.step_metrics.add_time("time/offload_s", getattr(report, "seconds", 0.0))
+            prepared = planned.prepared
+            n_ce, n_coord = self._all_reduce_counts(planned.n_ce, planned.n_coord)
             self.rollout_buffer.store(decision, tagged, prepared, n_ce, n_coord, global_step=step)
+            self.step_metrics.add({"rollout/buffer_reuse": 0.0})
         for batch in prepared:
             batch["n_ce_total"], batch["n_coord_total"] = n_ce, n_coord
-        metrics["train/supervised_ce_tokens"] = float(n_ce)
-        metrics["train/supervised_coord_slots"] = float(n_coord)
-        metrics["train/micro_steps"] = float(len(prepared))
-        self.step_metrics.add(metrics)
+        self.step_metrics.add({"train/micro_steps": float(len(prepared))})
         return prepared, None
 
     def _sync_now(self) -> float:
         """The lazy §5.6 sync: runs only when this step has at least one rollout request."""
         return self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
+
+    def _reduce_metrics(self, values: list[float], op: str) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.args.device)
+        reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(tensor, op=reduce_op)
+        return tensor.tolist()
 
     def _all_reduce_counts(self, n_ce: int, n_coord: int) -> tuple[int, int]:
         if self.args.world_size <= 1:
@@ -116,19 +118,14 @@ class RolloutMatchingTrainer(Trainer):
             loss = zero_loss(model)
             return (loss, None) if return_outputs else loss
         t0 = time.perf_counter()
-        batch = to_device(inputs["batch"], self.args.device)
-        forward_kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
-        if batch.attention_mask is not None:
-            forward_kwargs["attention_mask"] = batch.attention_mask
-        outputs = model(**forward_kwargs)
+        batch = inputs["batch"].to(self.args.device)
+        outputs = model(**batch.model_inputs())
         sums = step_loss_sums(outputs.logits, batch, coord_ids=self.coord_ids.to(outputs.logits.device),
                               coord_cfg=self.run_cfg.stage2.coord_loss, eos_id=self.planner.ctx.eot_id)
         loss = micro_loss(sums, inputs["n_ce_total"], inputs["n_coord_total"], self.args.world_size,
                           loss_cfg.normalization, gas)
-        metrics = sums.metric_sums()
-        metrics["time/forward_s"] = time.perf_counter() - t0
-        metrics["train/samples_seen"] = float(inputs["samples"])
-        self.step_metrics.add(metrics)
+        self.step_metrics.add(sums.metric_sums())
+        self.step_metrics.add_time("time/forward_s", time.perf_counter() - t0)
         return (loss, outputs) if return_outputs else loss
 
     # -- evaluation ---------------------------------------------------------------------------------
@@ -152,7 +149,7 @@ class RolloutMatchingTrainer(Trainer):
         finally:
             self.model.train(was_training)
         runtime = time.perf_counter() - t0
-        metrics = finalize_eval_metrics(sums, n_samples=len(samples), runtime_s=runtime, prefix=metric_key_prefix)
+        metrics = eval_metrics(sums, n_samples=len(samples), runtime_s=runtime, prefix=metric_key_prefix)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -161,7 +158,7 @@ class RolloutMatchingTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the aggregated per-step metrics to training logs, then defers to HF."""
         if "loss" in logs:
-            logs.update(self.step_metrics.flush())
+            logs.update(self.step_metrics.finalize())
         super().log(logs, start_time)
 
 

@@ -66,7 +66,8 @@ def test_lora_export_names_and_merged_values(tiny_model_dir: Path, use_dora: boo
     before = weights_snapshot(model)
 
     with merged_adapters(model):
-        items = dict(full_state_items(model))
+        # Items are views of the live weights: copy them before the block unmerges.
+        items = {name: t.clone() for name, t in full_state_items(model)}
 
     assert list(items) == base_names  # wrapper prefix stripped, .base_layer dropped, no lora_ key
     assert not any("lora_" in n or "base_layer" in n for n in items)

@@ -12,7 +12,7 @@ from tests.unit.learner.parse_checks import assert_parse_invariants
 from tests.unit.learner.toy_tokenizer import PrefixDecodingToyTokenizer, ToyTokenizer
 
 PIECES = ['{"', "object", '":', ' {"', "desc", ' "', '",', ' ["', ' [["', '"],', '"]', '"]]', "},", "}}", "bbox", "poly"]
-PIECES += ["person", "dog", "cat", "rug", ' "<', "|", "coord"]
+PIECES += ["person", "dog", "cat", "rug", "garbage"]
 CAT = "猫".encode()  # e7 8c ab
 
 
@@ -195,15 +195,6 @@ def test_coordinate_written_as_plain_characters_is_invalid(tok, cv):
     (o,) = r.all_objects
     assert not o.valid and len(o.coord_token_indices) == 3
     assert "3 coordinate tokens captured" in (o.reason or "")
-
-
-def test_wrong_bin_token_under_a_correct_string_is_invalid(tok, cv):
-    # The text says coord_3 twice, but the second slot holds the characters of coord_3 while a real coord token
-    # 9 is elsewhere in the capture: the captured bins differ from the values (rule 6).
-    toks = head(1, "cat", first=True) + [' ["', 1, '",', ' "', 2, '",', ' "', 3, 9, '",', ' "', 4, '"]', "}}"]
-    r = parse(tok, cv, toks)
-    (o,) = r.all_objects
-    assert not o.valid
 
 
 def test_max_index_counts_invalid_objects_in_prefix(tok, cv):

@@ -127,6 +127,12 @@ FAILING = [
         "grpo.generation_batch_size",
         "rule 8",
     ),
+    (
+        "rule8-bad-per-device",
+        _chain(_drop_plan, _set("training.per_device_train_batch_size", "four")),
+        "training.per_device_train_batch_size",
+        "rule 8",
+    ),
     ("rule9-timeout-0", _set("rollout.timeout_s", 0), "rollout.timeout_s", "rule 9"),
     (
         "rule9-infer-timeout-negative",

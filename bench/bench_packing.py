@@ -1,0 +1,261 @@
+"""Post-rollout packing benchmark (spec/STAGE2.md §14). Prints one JSON object per line.
+
+CPU (default): fill ratio of the carry buffer + §14.3 selection at steady state, for log-normal segment
+lengths (mean ≈ 1100, max 4096) and rows of ``--packing-length`` tokens, over several inflow rates
+(segments inserted per micro-step). Target: mean fill ≥ 0.95 once the inflow matches the row size.
+
+GPU (``--gpu``): teacher-forced forward + backward throughput (real tokens / s) of a random-init
+~0.5B Qwen2-architecture model in bf16, on the same segment stream run two ways:
+  * padded: batches of ``--padded-batch`` segments, right-padded (``pad_segments``);
+  * packed: the carry buffer fed until it holds ≥ one row of tokens, one ``select_segments`` row of
+    ``--packing-length`` tokens per micro-step (``pack_segments``), no attention mask.
+Attention: flash-attention-2 varlen when ``flash_attn`` is importable, else PyTorch flex-attention
+(block-diagonal BlockMask from the position restarts), else sdpa (dense mask over the row); override
+with ``--attn``. Target ratio packed / padded ≥ 1.9.
+
+Examples::
+
+    python bench/bench_packing.py                      # CPU fill ratios
+    python bench/bench_packing.py --gpu                # on a CUDA machine
+    python bench/bench_packing.py --gpu --smoke        # tiny model, runs on CPU in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from learner.stage2.coords import CoordVocab  # noqa: E402
+from learner.stage2.labels import build_labels  # noqa: E402
+from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
+from learner.stage2.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
+from learner.stage2.segment import Segment, SegmentMeta  # noqa: E402
+
+
+def emit(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def lognormal_lengths(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> Iterator[int]:
+    """Endless log-normal lengths with the given mean, clipped to ``[lo, hi]``."""
+    mu = math.log(mean) - sigma**2 / 2
+    while True:
+        yield max(lo, min(hi, round(rng.lognormvariate(mu, sigma))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) CPU: fill ratio
+
+
+class _LenOnly:
+    """Minimal stand-in for a Segment: the carry buffer reads only ``meta``."""
+
+    def __init__(self, length: int, step: int) -> None:
+        self.meta = SegmentMeta(length, length, length, 1, (), 0, 0, (), (), (), (), step)
+
+
+def run_fill(args: argparse.Namespace) -> None:
+    mean_len = args.mean_len
+    per_row = args.packing_length / mean_len
+    for factor in args.inflow:
+        rng = random.Random(args.seed)
+        lens = lognormal_lengths(rng, mean_len, args.sigma, args.min_len, args.max_len)
+        # Fractional inflow: carry the remainder so the mean is exactly factor * per_row segments.
+        credit = 0.0
+        buf = CarryBuffer(args.packing_length, args.packing_buffer)
+        fills: list[float] = []
+        overflow_at = None
+        max_buffer = 0
+        for step in range(args.steps):
+            credit += factor * per_row
+            n_new = int(credit)
+            credit -= n_new
+            try:
+                buf.insert([_LenOnly(next(lens), step) for _ in range(n_new)])  # type: ignore[misc]
+            except Exception as err:  # noqa: BLE001 - overflow is a result here, reported below
+                overflow_at = f"step {step}: {type(err).__name__}"
+                break
+            segs, stats = buf.take(step)
+            max_buffer = max(max_buffer, len(buf))
+            if stats is not None and step >= args.warmup:
+                fills.append(stats.fill)
+        fills.sort()
+        emit(
+            bench="packing_fill",
+            packing_length=args.packing_length,
+            mean_len=mean_len,
+            inflow_tokens_per_row=factor,
+            segments_per_micro_step=round(factor * per_row, 2),
+            steps=len(fills),
+            fill_mean=round(statistics.fmean(fills), 4) if fills else None,
+            fill_p10=round(fills[len(fills) // 10], 4) if fills else None,
+            buffer_final=len(buf),
+            buffer_max=max_buffer,
+            overflow=overflow_at,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) GPU: packed vs padded throughput
+
+
+def make_segment(rng: random.Random, length: int, vocab_size: int, coords: CoordVocab, sid: int) -> Segment:
+    """Random teacher-forced segment: ~30% prompt, Y_train with a coord token every 6th position."""
+    eot, newline = 2, 3
+    prompt_len = max(1, int(length * 0.3))
+    train_len = length - prompt_len - 2
+    text_hi = min(coords.ids) - 1
+    prompt = [rng.randrange(10, text_hi) for _ in range(prompt_len)]
+    y = [coords.ids[rng.randrange(1000)] if i % 6 == 5 else rng.randrange(10, text_hi) for i in range(train_len)]
+    prefix_len = train_len // 2
+    slots = [i for i in range(prefix_len) if coords.is_coord(y[i])]
+    targets = [coords.bin_of(y[i]) for i in slots]
+    ids = prompt + y + [eot, newline]
+    lab = build_labels(ids, prompt_len, prefix_len, train_len, slots, targets, [], [], coords)
+    meta = SegmentMeta(sid, sid, len(ids), prompt_len, tuple(prompt), prefix_len, train_len, tuple(slots),
+                       tuple(targets), (), (), 0)  # fmt: skip
+    return Segment(tuple(ids), tuple(lab.labels), tuple(lab.coord_pos), tuple(lab.coord_bins),
+                   tuple(lab.coord_is_prefix), meta)  # fmt: skip
+
+
+def pick_attn(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    if device.type == "cuda":
+        return "flex_attention"
+    return "sdpa"
+
+
+def build_model(smoke: bool, attn: str, device: torch.device, dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if smoke:
+        cfg = Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          max_position_embeddings=4096)  # fmt: skip
+    else:  # Qwen2.5-0.5B shapes (~0.49B parameters with tied embeddings)
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                          rope_theta=1000000.0, tie_word_embeddings=True)  # fmt: skip
+    cfg.use_cache = False
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+    model.train()
+    return model
+
+
+def train_tokens_per_s(model, batches, coord_ids, device, warmup: int, packed_kwargs: bool) -> tuple[float, dict]:
+    cfg = CoordLossConfig()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens = 0
+    slots = 0
+    elapsed = 0.0
+    for i, batch in enumerate(batches):
+        b = batch.to(device)
+        sync()
+        start = time.perf_counter()
+        logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
+        sums = step_loss_sums(logits, b, coord_ids=coord_ids, coord_cfg=cfg, eos_id=2)
+        micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1).backward()
+        model.zero_grad(set_to_none=True)
+        del logits, sums
+        sync()
+        if i >= warmup:
+            elapsed += time.perf_counter() - start
+            tokens += b.num_tokens
+            slots += int(b.input_ids.numel())
+    return tokens / elapsed, {"tokens": tokens, "slots": slots, "seconds": round(elapsed, 3)}
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    if args.smoke:
+        mean_len, max_len, cap, steps = 110, 409, 1638, 4
+    else:
+        mean_len, max_len, cap, steps = args.mean_len, args.max_len, args.packing_length, args.steps
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    attn = pick_attn(args.attn, device)
+    model = build_model(args.smoke, attn, device, dtype)
+    vocab_size = model.config.vocab_size
+    coords = CoordVocab.from_ids(range(vocab_size - 1000, vocab_size))
+    coord_ids = torch.tensor(coords.ids, device=device)
+    rng = random.Random(args.seed)
+    lens = lognormal_lengths(rng, mean_len, args.sigma, max(8, args.min_len // (10 if args.smoke else 1)), max_len)
+
+    warmup = 2
+    n_packs = steps + warmup
+    # One segment stream: the packed run consumes it row by row; the padded run takes the same segments.
+    buf = CarryBuffer(cap, args.packing_buffer)
+    packed_batches, used = [], []
+    sid = 0
+    fills = []
+    for step in range(n_packs):
+        new = []
+        while sum(buf.lengths) + sum(s.meta.encoded_len for s in new) < cap:
+            new.append(make_segment(rng, next(lens), vocab_size, coords, sid))
+            sid += 1
+        buf.insert(new)
+        selected, stats = buf.take(step)
+        fills.append(stats.fill)
+        used += selected
+        packed_batches.append(pack_segments(selected))
+    padded_batches = [pad_segments(used[i : i + args.padded_batch], 0) for i in range(0, len(used), args.padded_batch)]
+    pad_warmup = max(1, round(warmup * len(padded_batches) / n_packs))
+
+    base = dict(bench="packing_throughput", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                attn=attn, dtype=str(dtype).removeprefix("torch."), smoke=args.smoke,
+                params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))  # fmt: skip
+    flash = attn.startswith("flash")
+    padded_tps, padded_info = train_tokens_per_s(model, padded_batches, coord_ids, device, pad_warmup, False)
+    emit(**base, mode="padded", batch=args.padded_batch, tokens_per_s=round(padded_tps, 1),
+         pad_fraction=round(1 - padded_info["tokens"] / padded_info["slots"], 4), **padded_info)  # fmt: skip
+    packed_tps, packed_info = train_tokens_per_s(model, packed_batches, coord_ids, device, warmup, flash)
+    emit(**base, mode="packed", packing_length=cap, tokens_per_s=round(packed_tps, 1),
+         fill_mean=round(statistics.fmean(fills), 4), **packed_info)  # fmt: skip
+    emit(**base, mode="ratio", packed_over_padded=round(packed_tps / padded_tps, 3), target=1.9)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", action="store_true", help="throughput benchmark (packed vs padded)")
+    p.add_argument("--smoke", action="store_true", help="tiny model and lengths (runs on CPU)")
+    p.add_argument("--cpu", action="store_true", help="force the throughput benchmark onto the CPU")
+    p.add_argument("--attn", default="auto", help="auto | flash_attention_2 | flex_attention | sdpa | eager")
+    p.add_argument("--packing-length", type=int, default=16384)
+    p.add_argument("--packing-buffer", type=int, default=512)
+    p.add_argument("--padded-batch", type=int, default=4)
+    p.add_argument("--mean-len", type=float, default=1100.0)
+    p.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of the segment lengths")
+    p.add_argument("--min-len", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=None, help="fill: micro-steps (2000); gpu: timed packed rows (20)")
+    p.add_argument("--warmup", type=int, default=100, help="fill: micro-steps ignored at the start")
+    p.add_argument("--inflow", type=float, nargs="+", default=[0.9, 0.95, 1.0, 1.05],
+                   help="fill: segments per micro-step as a multiple of packing_length / mean_len")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.gpu:
+        args.steps = args.steps or 20
+        run_gpu(args)
+    else:
+        args.steps = args.steps or 2000
+        run_fill(args)
+
+
+if __name__ == "__main__":
+    main()

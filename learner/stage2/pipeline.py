@@ -1,0 +1,183 @@
+"""Per-sample stage-2 pipeline: rollout result → parse → GT → match → Y_train → teacher-forced segment.
+
+Pure glue over `parse`, `gt`, `match`, `targets` and `labels` (spec/STAGE2.md §6–§12). It never raises on
+a bad rollout or a malformed GT object (§0.3): the sample falls back or is dropped and the counters say
+why. Counter names are those of `learner.metrics.ROLLOUT_COUNTS`; length observations use the
+`learner.metrics.DISTRIBUTIONS` names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from learner.stage2.coords import CoordVocab
+from learner.stage2.gt import GtExtraction, extract_gt
+from learner.stage2.labels import encode_segment
+from learner.stage2.match import MatchingConfig, match
+from learner.stage2.messages import rollout_messages
+from learner.stage2.parse import ParseResult, parse_rollout
+from learner.stage2.segment import Segment
+from learner.stage2.targets import TargetsConfig, build_y_train
+from shared_schemas.infer import InferResult
+
+__all__ = ["SampleContext", "SampleOutcome", "eval_metrics", "prepare_segment", "score_rollout"]
+
+logger = logging.getLogger(__name__)
+
+# YTrain counters → learner.metrics names; the length counters become distributions instead.
+_RENAMED = {"sample_valid_pred": "samples_with_valid_pred", "sample_any_match": "samples_with_match",
+            "append_len": "append_tokens"}
+_LENGTHS = ("prefix_len", "train_len")
+
+
+@dataclass(frozen=True)
+class SampleContext:
+    """What every sample of a run shares: tokenizer, coord ids, prompts and the stage-2 knobs."""
+
+    tokenizer: Any
+    coord_vocab: CoordVocab
+    system_prompt: str
+    stop_markers: tuple[str, ...]
+    matching: MatchingConfig
+    targets: TargetsConfig
+    malformed_policy: str
+    fn_desc_ce: bool
+    prefix_structure_ce: bool
+    packing_length: int
+    on_prompt_mismatch: str
+    oversize_policy: str
+    eot_id: int
+    newline_id: int
+
+    def rollout_messages(self, sample: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The §3.3 rollout messages of a sample (what the backend receives and teacher forcing re-encodes)."""
+        return rollout_messages(sample["messages"], self.system_prompt)
+
+    def prompt_ids(self, sample: Mapping[str, Any]) -> list[int]:
+        """Teacher-forced prompt ids: the same chat template in generation mode (§11.1, text prompts)."""
+        ids = self.tokenizer.apply_chat_template(self.rollout_messages(sample), tokenize=True,
+                                                 add_generation_prompt=True)
+        if isinstance(ids, Mapping):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+
+@dataclass(frozen=True)
+class SampleOutcome:
+    """Everything one sample contributes to a step: its segment (or None) and its metric values."""
+
+    segment: Segment | None
+    counters: dict[str, float]
+    lengths: dict[str, float]
+
+
+def _parse_and_match(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext
+                     ) -> tuple[ParseResult, GtExtraction, Any, dict[str, float]]:
+    choice = result.choices[0]
+    parse = parse_rollout(choice.token_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
+    gts = extract_gt(sample["gt_objects"], int(sample["sample_id"]), ctx.malformed_policy)  # type: ignore[arg-type]
+    preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
+    result_match = match(preds, [(g.geom_type, g.bins) for g in gts.objects], ctx.matching)
+    counters = {
+        "samples": 1.0,
+        "parse_obj_total": float(parse.obj_total),
+        "parse_dropped_invalid": float(parse.dropped_invalid),
+        "parse_truncated": float(parse.truncated),
+        "parse_fallback": float(parse.fallback),
+        "parse_cut_fallback": float(parse.cut_fallback),
+        "finish_length": float(choice.finish_reason == "length"),
+        "repeat_terminated": float(choice.finish_reason == "repeat_terminate"),
+        "gt_malformed": float(gts.n_malformed),
+    }
+    return parse, gts, result_match, counters
+
+
+def prepare_segment(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext, *,
+                    rollout_step: int) -> tuple[Segment | None, SampleOutcome]:
+    """Builds one sample's teacher-forced segment from its rollout result.
+
+    Returns:
+        `(segment or None, outcome)`; None when the sample was dropped (prompt mismatch, oversize with
+        the drop policy), with the reason counted.
+
+    Raises:
+        SegmentTooLongError: oversize with `stage2.encode.oversize_policy: raise` (a configuration problem).
+    """
+    parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
+    y_train = build_y_train(parse, gts.objects, result_match, ctx.tokenizer, ctx.coord_vocab, ctx.targets,
+                            fn_desc_ce=ctx.fn_desc_ce, prefix_structure_ce=ctx.prefix_structure_ce)
+    lengths = {"rollout/prompt_len": float(len(result.prompt_token_ids)),
+               "rollout/rollout_len": float(len(result.choices[0].token_ids)),
+               "rollout/gen_new_tokens": float(len(result.choices[0].token_ids))}
+    for key, value in y_train.counters.items():
+        if key in _LENGTHS:
+            lengths[f"rollout/{key}"] = value
+        else:
+            counters[_RENAMED.get(key, key)] = counters.get(_RENAMED.get(key, key), 0.0) + value
+    lengths["rollout/append_len"] = y_train.counters.get("append_len", 0.0)
+    segment, drop = encode_segment(
+        ctx.prompt_ids(sample), result.prompt_token_ids, y_train, ctx.eot_id, ctx.newline_id, ctx.coord_vocab,
+        sample_id=int(sample["sample_id"]), base_idx=int(sample["base_idx"]), rollout_step=rollout_step,
+        packing_length=ctx.packing_length, on_prompt_mismatch=ctx.on_prompt_mismatch,  # type: ignore[arg-type]
+        oversize_policy=ctx.oversize_policy,  # type: ignore[arg-type]
+    )
+    for key, value in drop.items():
+        counters[key] = counters.get(key, 0.0) + value
+    if segment is not None:
+        lengths["rollout/encoded_len"] = float(segment.encoded_len)
+    return segment, SampleOutcome(segment, counters, lengths)
+
+
+def score_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext) -> dict[str, float]:
+    """Evaluation counts of one sample (§18): parse + match only, raw matched pairs, no targets."""
+    parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
+    counters.update(
+        gt_objects=float(len(gts.objects)),
+        valid_pred_objects=float(len(parse.valid_objects)),
+        matched=float(len(result_match.pairs)),
+        fp=float(len(result_match.fp)),
+        fn=float(len(result_match.fn)),
+        gating_rejections=float(result_match.gating_rejections),
+        matched_maskiou_sum=float(result_match.iou_sum),
+        matched_maskiou_count=float(result_match.iou_count),
+        samples_with_valid_pred=float(bool(parse.valid_objects)),
+        samples_with_match=float(bool(result_match.pairs)),
+    )
+    return counters
+
+
+def eval_metrics(sums: Mapping[str, float], *, n_samples: int, runtime_s: float,
+                 prefix: str = "eval") -> dict[str, float]:
+    """`eval_rollout_*` keys of §18 from globally summed `score_rollout` counts."""
+    def ratio(a: float, b: float) -> float:
+        return a / max(b, 1.0)
+
+    matched, pred, gt = sums.get("matched", 0.0), sums.get("valid_pred_objects", 0.0), sums.get("gt_objects", 0.0)
+    precision, recall = ratio(matched, pred), ratio(matched, gt)
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+    p = f"{prefix}_rollout_"
+    n = float(n_samples)
+    return {
+        f"{p}precision": precision,
+        f"{p}recall": recall,
+        f"{p}f1": f1,
+        f"{p}pred_objects": pred,
+        f"{p}gt_objects": gt,
+        f"{p}matched": matched,
+        f"{p}fp": sums.get("fp", 0.0),
+        f"{p}fn": sums.get("fn", 0.0),
+        f"{p}gating_rejections": sums.get("gating_rejections", 0.0),
+        f"{p}parse_dropped_invalid": sums.get("parse_dropped_invalid", 0.0),
+        f"{p}parse_truncated_rate": ratio(sums.get("parse_truncated", 0.0), n),
+        f"{p}sample_valid_pred_rate": ratio(sums.get("samples_with_valid_pred", 0.0), n),
+        f"{p}sample_any_match_rate": ratio(sums.get("samples_with_match", 0.0), n),
+        f"{p}matched_maskiou_mean": ratio(sums.get("matched_maskiou_sum", 0.0), sums.get("matched_maskiou_count", 0.0)),
+        f"{p}gt_malformed": sums.get("gt_malformed", 0.0),
+        f"{p}repeat_terminated": sums.get("repeat_terminated", 0.0),
+        f"{prefix}_runtime": runtime_s,
+        f"{prefix}_samples_per_second": n / runtime_s if runtime_s > 0 else 0.0,
+        f"{prefix}_steps_per_second": 1.0 / runtime_s if runtime_s > 0 else 0.0,
+    }

@@ -1,0 +1,167 @@
+"""Pure mappings for the vLLM engine: server config → engine args, request config → sampling params, and the
+parameter table full syncs are checked against (read from the checkpoint's safetensors headers).
+
+vLLM is imported inside the functions that build vLLM objects, so this module stays importable (and unit
+testable) without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from rollout_server.config import ServerConfig
+from rollout_server.engines.base import ParamSpec
+from rollout_server.engines.vllm_worker import WORKER_EXTENSION
+from shared_schemas.infer import RequestConfig
+
+__all__ = [
+    "COMPLETION_SEED_STRIDE",
+    "checkpoint_specs",
+    "dtype_code",
+    "engine_args_from_config",
+    "engine_kwargs_from_config",
+    "sampling_params",
+]
+
+COMPLETION_SEED_STRIDE = 0x9E3779B1
+"""Seed offset between the `n` completions of one request, as in the HF engine (odd: streams never coincide)."""
+
+_FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
+_TORCH_TO_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+
+
+def engine_kwargs_from_config(cfg: ServerConfig) -> dict[str, Any]:
+    """`AsyncEngineArgs` keyword arguments for `cfg` (typed knobs win over `vllm.engine_kwargs`).
+
+    Optional knobs left unset (None) are not passed, so vLLM's own defaults apply.
+    """
+    v = cfg.vllm
+    kwargs: dict[str, Any] = dict(v.engine_kwargs)
+    kwargs.update(
+        model=str(cfg.model_path),
+        tokenizer=str(cfg.model_path),
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        tensor_parallel_size=v.tensor_parallel_size,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        max_model_len=v.max_model_len,
+        enable_prefix_caching=v.enable_prefix_caching,
+        enforce_eager=v.enforce_eager,
+        enable_lora=v.enable_lora,
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
+    )
+    if v.enable_lora:
+        kwargs.update(max_lora_rank=v.max_lora_rank, max_loras=v.max_loras)
+    optional = {
+        "limit_mm_per_prompt": v.limit_mm_per_prompt,
+        "mm_processor_kwargs": v.mm_processor_kwargs,
+        "mm_processor_cache_gb": v.mm_processor_cache_gb,
+        "max_num_seqs": v.max_num_seqs,
+        "max_num_batched_tokens": v.max_num_batched_tokens,
+        "disable_custom_all_reduce": v.disable_custom_all_reduce,
+        "disable_cascade_attn": v.disable_cascade_attn,
+        "quantization": v.quantization,
+    }
+    kwargs.update({key: value for key, value in optional.items() if value is not None})
+    return kwargs
+
+
+def engine_args_from_config(cfg: ServerConfig) -> Any:
+    """The `vllm.engine.arg_utils.AsyncEngineArgs` of one engine (data parallelism is the group's job)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_kwargs_from_config(cfg))
+
+
+def sampling_params(cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None = None) -> Any:
+    """`vllm.SamplingParams` of ONE completion.
+
+    Args:
+        cfg: the batch's request config (`n` is handled by the caller: one vLLM request per completion).
+        seed: this completion's seed.
+        end_of_turn_id: set when the repeat guard is on: outputs are streamed (per-step stop check) and,
+            with logprobs, the end-of-turn id's logprob is reported at every step (the guard may emit it).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    guarded = end_of_turn_id is not None
+    return SamplingParams(
+        n=1,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k if cfg.top_k > 0 else 0,
+        repetition_penalty=cfg.repetition_penalty,
+        stop=list(cfg.stop) if cfg.stop else None,
+        seed=seed,
+        max_tokens=cfg.max_tokens,
+        min_tokens=cfg.min_tokens,
+        ignore_eos=cfg.ignore_eos,
+        logprobs=0 if cfg.logprobs else None,
+        logprob_token_ids=[end_of_turn_id] if guarded and cfg.logprobs else None,
+        skip_special_tokens=True,
+        output_kind=RequestOutputKind.DELTA if guarded else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def dtype_code(dtype: Any) -> str:
+    """safetensors code of a torch dtype or dtype name (`torch.bfloat16` / `"bfloat16"` → `"BF16"`)."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _TORCH_TO_CODE[name]
+    except KeyError as exc:
+        raise ValueError(f"served dtype {dtype} has no safetensors code; serve float32/bfloat16/float16") from exc
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _tied(config: dict[str, Any]) -> bool:
+    text = config.get("text_config") or {}
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
+def checkpoint_specs(model_dir: Path, served_dtype: Any) -> dict[str, ParamSpec]:
+    """Parameter table of a checkpoint directory, in the dtype the engine serves.
+
+    Names are the checkpoint's (the HF model's state-dict names, what the learner sends). Floating tensors
+    are reported in the served dtype (vLLM casts at load, so syncs must arrive in it); a tied model also
+    lists `lm_head.weight` (HF state dicts hold it; vLLM ignores it).
+
+    Args:
+        model_dir: folder with `model.safetensors` or a sharded `model.safetensors.index.json`.
+        served_dtype: the engine's dtype (`torch.dtype` or name).
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint in the folder.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_dir} holds no model.safetensors(.index.json); save the model as safetensors")
+    served = dtype_code(served_dtype)
+    specs: dict[str, ParamSpec] = {}
+    for name in files:
+        for key, info in _read_header(model_dir / name).items():
+            code = served if info["dtype"] in _FLOAT_CODES else info["dtype"]
+            specs[key] = (code, tuple(info["shape"]))
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if _tied(config) and "lm_head.weight" not in specs:
+        embed = next((k for k in specs if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            specs["lm_head.weight"] = specs[embed]
+    return specs

@@ -1,0 +1,199 @@
+"""`WeightSyncPolicy` (spec/STAGE2.md §5.6, DESIGN.md §5): cadence, mode choice, adapter → full fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from pydantic import ValidationError
+from torch import nn
+
+from learner.rollout.base import SyncError, SyncRejected, SyncReport, WeightUpdate
+from learner.weights.sync import SyncConfig, WeightSyncPolicy
+from shared_schemas.health import Health
+from shared_schemas.infer import InferBatch, InferResult
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(x))
+
+
+def peft_tiny() -> nn.Module:
+    model = get_peft_model(Tiny(), LoraConfig(r=2, target_modules=["proj"]))
+    with torch.no_grad():
+        model.base_model.model.proj.lora_B["default"].weight.fill_(0.5)
+    return model
+
+
+class FakeSource:
+    """A `RolloutSource` that records syncs; refuses adapters (409-style) when `refuse_adapter`."""
+
+    def __init__(
+        self, *, lora_enabled: bool = False, refuse_adapter: bool = False, weight_version: int = 0
+    ) -> None:
+        self.lora_enabled = lora_enabled
+        self.refuse_adapter = refuse_adapter
+        self.weight_version = weight_version
+        self.updates: list[tuple[str, int, dict[str, torch.Tensor]]] = []
+        self.attempts: list[tuple[str, int]] = []
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return ("fake://0",)
+
+    def infer(self, batch: InferBatch) -> list[InferResult]:
+        return []
+
+    def sync_weights(self, update: WeightUpdate) -> SyncReport:
+        self.attempts.append((update.mode, update.version))
+        if update.mode == "adapter" and self.refuse_adapter:
+            raise SyncRejected("adapter sync refused: the server runs without LoRA")
+        assert update.version > self.weight_version, "versions must strictly increase"
+        tensors = {name: t.clone() for name, t in update.iter_tensors()}
+        self.updates.append((update.mode, update.version, tensors))
+        self.weight_version = update.version
+        return SyncReport(update.mode, update.version, 0, 0.0, "in_process", self.endpoints)
+
+    def health(self) -> Health:
+        return Health(
+            status="ok",
+            engine="vllm",
+            model="fake",
+            weight_version=self.weight_version,
+            dp=1,
+            tp=1,
+            lora_enabled=self.lora_enabled,
+            max_model_len=64,
+            uptime_s=0.0,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def test_syncs_once_per_step() -> None:
+    """§5.6: steps 0, 0, 1 → two syncs (last_synced_step starts at −1, so step 0 syncs)."""
+    policy = WeightSyncPolicy(SyncConfig())
+    source = FakeSource()
+    model = Tiny()
+    assert policy.last_synced_step == -1
+    seconds = [policy.maybe_sync(model, step, source) for step in (0, 0, 1)]
+    assert [(mode, version) for mode, version, _ in source.updates] == [("full", 1), ("full", 2)]
+    assert seconds[0] > 0 and seconds[1] == 0.0 and seconds[2] > 0
+    assert policy.last_synced_step == 1
+
+
+def test_full_sync_sends_merged_base_weights_and_unmerges() -> None:
+    model = peft_tiny()
+    before = model.base_model.model.proj.base_layer.weight.detach().clone()
+    source = FakeSource()
+    WeightSyncPolicy(SyncConfig(mode="full")).maybe_sync(model, 0, source)
+    _, _, sent = source.updates[0]
+    assert list(sent) == ["proj.weight", "proj.bias", "head.weight", "head.bias"]
+    lora = model.base_model.model.proj
+    delta = lora.lora_B["default"].weight @ lora.lora_A["default"].weight * lora.scaling["default"]
+    torch.testing.assert_close(sent["proj.weight"], before + delta)
+    assert torch.equal(lora.base_layer.weight, before) and not lora.merged
+
+
+def test_adapter_rejected_falls_back_to_full_once_and_stays_full(caplog: pytest.LogCaptureFixture) -> None:
+    policy = WeightSyncPolicy(SyncConfig(mode="adapter", fallback_to_full=True))
+    source = FakeSource(refuse_adapter=True)
+    model = peft_tiny()
+    with caplog.at_level(logging.WARNING, logger="learner.weights.sync"):
+        policy.maybe_sync(model, 0, source)
+        policy.maybe_sync(model, 1, source)
+        policy.maybe_sync(model, 2, source)
+    assert source.attempts == [("adapter", 1), ("full", 2), ("full", 3), ("full", 4)]
+    assert [mode for mode, _, _ in source.updates] == ["full", "full", "full"]
+    assert policy.mode == "full" and policy.request_adapter is None
+    warnings = [r for r in caplog.records if "falling back to full" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_adapter_rejected_without_fallback_raises() -> None:
+    policy = WeightSyncPolicy(SyncConfig(mode="adapter", fallback_to_full=False))
+    with pytest.raises(SyncRejected):
+        policy.maybe_sync(peft_tiny(), 0, FakeSource(refuse_adapter=True))
+    assert policy.last_synced_step == -1
+
+
+def test_adapter_sync_sends_the_adapter() -> None:
+    policy = WeightSyncPolicy(SyncConfig(mode="adapter"), adapter_name="pol")
+    source = FakeSource(lora_enabled=True)
+    policy.maybe_sync(peft_tiny(), 0, source)
+    mode, version, sent = source.updates[0]
+    assert (mode, version) == ("adapter", 1)
+    assert sorted(sent) == ["base_model.model.proj.lora_A.weight", "base_model.model.proj.lora_B.weight"]
+    assert policy.request_adapter == "pol"
+
+
+@pytest.mark.parametrize(
+    ("lora_enabled", "peft", "expected"),
+    [(True, True, "adapter"), (False, True, "full"), (True, False, "full")],
+    ids=["lora-server-peft-model", "no-lora-server", "plain-model"],
+)
+def test_auto_mode(lora_enabled: bool, peft: bool, expected: str) -> None:
+    policy = WeightSyncPolicy(SyncConfig(mode="auto"))
+    source = FakeSource(lora_enabled=lora_enabled)
+    policy.maybe_sync(peft_tiny() if peft else Tiny(), 0, source)
+    assert policy.mode == expected and source.updates[0][0] == expected
+
+
+def test_adapter_mode_needs_a_peft_model() -> None:
+    with pytest.raises(ValueError, match="PEFT"):
+        WeightSyncPolicy(SyncConfig(mode="adapter")).maybe_sync(Tiny(), 0, FakeSource())
+
+
+def test_versions_continue_above_the_servers() -> None:
+    """A resumed learner meets a server already at version 7: the next sync is 8, not 1."""
+    source = FakeSource(weight_version=7)
+    policy = WeightSyncPolicy(SyncConfig())
+    policy.maybe_sync(Tiny(), 0, source)
+    assert source.updates[0][1] == 8 and policy.version == 8
+
+
+def test_only_rank0_sends_and_every_rank_meets_the_barrier() -> None:
+    barriers: list[str] = []
+    source = FakeSource()
+    for rank in (0, 1):
+        policy = WeightSyncPolicy(
+            SyncConfig(),
+            is_rank0=lambda rank=rank: rank == 0,
+            barrier=lambda rank=rank: barriers.append(f"r{rank}"),
+        )
+        policy.maybe_sync(Tiny(), 0, source)
+        assert policy.last_synced_step == 0
+    assert len(source.updates) == 1 and barriers == ["r0", "r1"]
+
+
+def test_sync_error_propagates() -> None:
+    class Broken(FakeSource):
+        def sync_weights(self, update: WeightUpdate) -> SyncReport:
+            raise SyncError("server gone")
+
+    with pytest.raises(SyncError, match="server gone"):
+        WeightSyncPolicy(SyncConfig()).maybe_sync(Tiny(), 0, Broken())
+
+
+def test_sync_config_is_strict() -> None:
+    assert SyncConfig().model_dump() == {
+        "mode": "full",
+        "fallback_to_full": True,
+        "transport": "http",
+        "bucket_mb": 512,
+        "shm_dir": None,
+    }
+    with pytest.raises(ValidationError, match="extra"):
+        SyncConfig(bukcet_mb=1)
+    with pytest.raises(ValidationError):
+        SyncConfig(mode="lora")
