@@ -185,7 +185,7 @@ def train_tokens_per_s(model, batches, coord_ids, device, warmup: int, packed_kw
 def run_gpu(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     if args.smoke:
-        mean_len, max_len, cap, steps = 110, 409, 1638, 4
+        mean_len, max_len, cap, steps = 80, 300, 1024, 3
     else:
         mean_len, max_len, cap, steps = args.mean_len, args.max_len, args.packing_length, args.steps
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

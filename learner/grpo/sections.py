@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.grpo.batch_plan import GpuList
 
@@ -112,3 +112,11 @@ class GrpoConfig(_Section):
     """Per-reward overrides on top of the preset (weight 0 = logged only)."""
     reward_schema_path: str | None = None
     """Schema file of summary.schema_tree (required when that reward is weighted); made absolute."""
+
+    @model_validator(mode="after")
+    def _kl_in_reward_needs_rpp(self) -> GrpoConfig:
+        if self.kl_in_reward and self.advantage_estimator != "reinforce_plus_plus":
+            raise ValueError(
+                "kl_in_reward is defined for advantage_estimator reinforce_plus_plus only (§3.1)"
+            )
+        return self

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 
@@ -49,6 +49,9 @@ from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
 from shared_schemas.sync import SyncManifest
+
+if TYPE_CHECKING:
+    from learner.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,10 @@ class ServerRolloutSource:
             raise ValueError("ServerRolloutSource needs at least one server base_url (rollout.servers)")
         if bucket_mb <= 0:
             raise ValueError(f"rollout.sync.bucket_mb must be > 0, got {bucket_mb}")
+        urls = [normalize_base_url(url) for url in servers]
+        self._shm = _shm_stager(transport, shm_dir, urls)
+        self.transport = transport
+        self._bucket_bytes = int(bucket_mb * 2**20)
         self._clients = [
             RolloutClient(
                 url,
@@ -146,34 +153,26 @@ class ServerRolloutSource:
                 auth_token=auth_token,
                 transport_factory=transport_factory,
             )
-            for url in servers
+            for url in urls
         ]
-        self.transport = transport
-        self._shm = self._shm_stager(transport, shm_dir)
-        self._bucket_bytes = int(bucket_mb * 2**20)
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="rollout-server")
         self.weight_version: int | None = None
         """Version of the last sync this source committed (None before the first)."""
         self.last_infer = InferStats()
         """Counters of the last `infer` call (metrics: staleness, retries)."""
 
-    def _shm_stager(self, transport: str, shm_dir: str | Path | None) -> ShmStager | None:
-        if transport == "http":
-            return None
-        if transport != "shm":
-            raise ValueError(f"rollout.sync.transport must be 'http' or 'shm', got {transport!r}")
-        if shm_dir is None:
-            raise ValueError(
-                "rollout.sync.transport 'shm' needs rollout.sync.shm_dir, the servers' server.shm_dir"
-                " (/health does not expose it)"
-            )
-        remote = [c.base_url for c in self._clients if not is_loopback_url(c.base_url)]
-        if remote:
-            raise ValueError(
-                f"rollout.sync.transport 'shm' needs every server on this host, but {remote[0]} is not a"
-                " loopback address; use transport 'http'"
-            )
-        return ShmStager(shm_dir)
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> ServerRolloutSource:
+        """The source for `rollout:` in server mode (servers, timeouts, token, `rollout.sync` transport)."""
+        return cls(
+            [entry.base_url for entry in rollout.servers],
+            timeout_s=rollout.timeout_s,
+            infer_timeout_s=rollout.read_timeout_s,
+            auth_token=rollout.auth_token,
+            transport=rollout.sync.transport,
+            shm_dir=rollout.sync.shm_dir,
+            bucket_mb=rollout.sync.bucket_mb,
+        )
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -355,3 +354,23 @@ class ServerRolloutSource:
             return
         with self._shm.staged(version, index, blob) as file_name:
             list(self._pool.map(lambda s: s.upload_shm(index, file_name), sessions))
+
+
+def _shm_stager(transport: str, shm_dir: str | Path | None, urls: Sequence[str]) -> ShmStager | None:
+    """The shm stager when `transport == "shm"` (checked: a dir is given, every server is local)."""
+    if transport == "http":
+        return None
+    if transport != "shm":
+        raise ValueError(f"rollout.sync.transport must be 'http' or 'shm', got {transport!r}")
+    if shm_dir is None:
+        raise ValueError(
+            "rollout.sync.transport 'shm' needs rollout.sync.shm_dir, the servers' server.shm_dir"
+            " (/health does not expose it)"
+        )
+    remote = [url for url in urls if not is_loopback_url(url)]
+    if remote:
+        raise ValueError(
+            f"rollout.sync.transport 'shm' needs every server on this host, but {remote[0]} is not a"
+            " loopback address; use transport 'http'"
+        )
+    return ShmStager(shm_dir)

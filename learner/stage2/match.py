@@ -20,11 +20,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import shapely
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.optimize import linear_sum_assignment
+
+from learner.stage2.coords import CoordVocab
 
 __all__ = [
     "INFEASIBLE",
@@ -35,9 +38,11 @@ __all__ = [
     "aabb_iou",
     "aabb_iou_matrix",
     "candidate_lists",
+    "gt_geoms",
     "mask_iou",
     "mask_iou_pairs",
     "match",
+    "pred_geoms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -231,8 +236,12 @@ def mask_iou_pairs(
     gts: Sequence[Geom],
     pairs: np.ndarray,
     gate: float,
+    pred_boxes: np.ndarray | None = None,
+    gt_boxes: np.ndarray | None = None,
 ) -> np.ndarray:
     """maskIoU for candidate pairs ``pairs [N, 2]`` (pred index, GT index).
+
+    ``pred_boxes`` / ``gt_boxes`` are the AABBs ``[N, 4]`` when the caller already has them.
 
     Values at or above ``gate`` are exact. A value below ``gate`` may be reported as 0 when an upper
     bound already rules the pair out (intersection ≤ min(AABB overlap, area_a, area_b)), which saves
@@ -242,8 +251,8 @@ def mask_iou_pairs(
     out = np.zeros(n)
     if n == 0:
         return out
-    pb = _aabbs(preds).clip(0.0, 999.0)
-    gb = _aabbs(gts).clip(0.0, 999.0)
+    pb = (_aabbs(preds) if pred_boxes is None else pred_boxes).clip(0.0, 999.0)
+    gb = (_aabbs(gts) if gt_boxes is None else gt_boxes).clip(0.0, 999.0)
     pi, gj = pairs[:, 0], pairs[:, 1]
     ix = np.clip(np.minimum(pb[pi, 2], gb[gj, 2]) - np.maximum(pb[pi, 0], gb[gj, 0]), 0.0, None)
     iy = np.clip(np.minimum(pb[pi, 3], gb[gj, 3]) - np.maximum(pb[pi, 1], gb[gj, 1]), 0.0, None)
@@ -271,7 +280,8 @@ def mask_iou_pairs(
     denom = area_a + area_b - bound_inter
     with np.errstate(divide="ignore", invalid="ignore"):
         bound = np.where(denom > 0, bound_inter / denom, 0.0)
-    todo = (bound >= gate) & (area_a > 0) & (area_b > 0)
+    # The margin keeps float rounding of the bound from skipping a pair whose exact IoU is the gate.
+    todo = (bound >= gate - 1e-9) & (area_a > 0) & (area_b > 0)
     if not todo.any():
         return out
     idx, p_loc, g_loc = idx[todo], p_loc[todo], g_loc[todo]
@@ -291,6 +301,28 @@ def mask_iou_pairs(
     return out
 
 
+def pred_geoms(
+    valid_objects: Sequence[Any], response_token_ids: Sequence[int], coord_vocab: CoordVocab
+) -> list[Geom]:
+    """Prediction geometries of §8.1: bins read from the token ids at ``coord_token_indices``.
+
+    Args:
+        valid_objects: ``ParseResult.valid_objects`` (``geom_type``, ``coord_token_indices``).
+        response_token_ids: ``ParseResult.response_token_ids``.
+        coord_vocab: coord id → bin map.
+    """
+    bin_of = coord_vocab.bin_of
+    return [
+        (o.geom_type, tuple(bin_of(response_token_ids[i]) for i in o.coord_token_indices))
+        for o in valid_objects
+    ]
+
+
+def gt_geoms(gts: Sequence[Any]) -> list[Geom]:
+    """GT geometries ``(geom_type, bins)`` of well-formed GT objects, in GT order."""
+    return [(g.geom_type, tuple(g.bins)) for g in gts]
+
+
 def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> MatchResult:
     """Match predictions to GT objects (§8.2).
 
@@ -305,9 +337,10 @@ def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> Ma
     n_p, n_g = len(preds), len(gts)
     if n_p == 0 or n_g == 0:
         return MatchResult((), tuple(range(n_p)), tuple(range(n_g)), 0, 0, 0.0, 0)
-    cands = candidate_lists(_aabbs(preds), _aabbs(gts), cfg.candidate_top_k)
+    pred_boxes, gt_boxes = _aabbs(preds), _aabbs(gts)
+    cands = candidate_lists(pred_boxes, gt_boxes, cfg.candidate_top_k)
     pairs = np.stack([np.repeat(np.arange(n_p), cands.shape[1]), cands.ravel()], axis=1).astype(np.int64)
-    ious = mask_iou_pairs(preds, gts, pairs, cfg.maskiou_gate)
+    ious = mask_iou_pairs(preds, gts, pairs, cfg.maskiou_gate, pred_boxes, gt_boxes)
     passed = ious >= cfg.maskiou_gate
     cost = np.full((n_p + n_g, n_p + n_g), INFEASIBLE)
     cost[pairs[passed, 0], pairs[passed, 1]] = 1.0 - ious[passed]

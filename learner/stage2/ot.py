@@ -18,16 +18,83 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-__all__ = ["barycentric_batch", "barycentric_projection"]
+__all__ = ["barycentric_batch", "barycentric_padded", "barycentric_projection"]
 
 _CLIP = 50.0
 _TINY = 1e-300
 
 
+def barycentric_padded(
+    preds: Sequence[ArrayLike],
+    gts: Sequence[ArrayLike],
+    *,
+    cost: Literal["l1", "l2"],
+    epsilon: float,
+    iters: int,
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Batched projection on zero-padded arrays.
+
+    Args:
+        preds: per pair, prediction points ``[n, 2]`` (norm1000).
+        gts: per pair, GT points ``[m, 2]``.
+        cost: ``"l2"`` (Euclidean) or ``"l1"`` (Manhattan) point distance.
+        epsilon: entropic regularization (> 0).
+        iters: Sinkhorn iterations (>= 1).
+
+    Returns:
+        ``(proj [B, n_max, 2], ok [B], ns)``: projected points (rows ``>= ns[k]`` are padding),
+        whether pair ``k`` is usable (every real row finite with positive plan mass, ``n, m > 0``),
+        and the number of prediction points per pair.
+    """
+    if len(preds) != len(gts):
+        raise ValueError(f"barycentric_padded: {len(preds)} prediction sets vs {len(gts)} GT sets")
+    if epsilon <= 0 or iters < 1:
+        raise ValueError(f"barycentric_padded: need epsilon > 0 and iters >= 1, got {epsilon}, {iters}")
+    if cost not in ("l1", "l2"):
+        raise ValueError(f"unknown ot_cost {cost!r}; expected 'l1' or 'l2'")
+    bsz = len(preds)
+    ns = [len(p) for p in preds]
+    ms = [len(g) for g in gts]
+    n_max, m_max = max(ns, default=0), max(ms, default=0)
+    if bsz == 0 or n_max == 0 or m_max == 0:
+        return np.zeros((bsz, n_max, 2)), np.zeros(bsz, dtype=bool), ns
+    pp = np.zeros((bsz, n_max, 2))
+    gg = np.zeros((bsz, m_max, 2))
+    for k in range(bsz):
+        if ns[k] and ms[k]:
+            pp[k, : ns[k]] = preds[k]
+            gg[k, : ms[k]] = gts[k]
+    n_arr, m_arr = np.array(ns), np.array(ms)
+    row_real = np.arange(n_max)[None, :] < n_arr[:, None]
+    col_real = np.arange(m_max)[None, :] < m_arr[:, None]
+    live = (n_arr > 0) & (m_arr > 0)
+    with np.errstate(divide="ignore"):
+        a = np.where(row_real & live[:, None], 1.0 / np.maximum(n_arr, 1)[:, None], 0.0)
+        b = np.where(col_real & live[:, None], 1.0 / np.maximum(m_arr, 1)[:, None], 0.0)
+    d = pp[:, :, None, :] - gg[:, None, :, :]
+    c = np.sqrt((d * d).sum(axis=-1)) if cost == "l2" else np.abs(d).sum(axis=-1)
+    kern = np.exp(np.clip(-c / epsilon, -_CLIP, _CLIP))
+    kern *= (a > 0)[:, :, None] & (b > 0)[:, None, :]  # padding carries no mass
+    kern_t = kern.transpose(0, 2, 1)
+    u = (a > 0).astype(np.float64)
+    v = (b > 0).astype(np.float64)
+    with np.errstate(all="ignore"):
+        for _ in range(iters):
+            u = a / np.maximum(np.matmul(kern, v[:, :, None])[:, :, 0], _TINY)
+            v = b / np.maximum(np.matmul(kern_t, u[:, :, None])[:, :, 0], _TINY)
+        plan = u[:, :, None] * kern * v[:, None, :]
+        mass = plan.sum(axis=2)
+        proj = np.matmul(plan, gg) / mass[:, :, None]
+        row_ok = np.isfinite(proj).all(axis=2) & (mass > 0)
+    ok = live & (row_ok | ~row_real).all(axis=1)
+    return proj, ok, ns
+
+
 def barycentric_batch(
-    preds: Sequence[np.ndarray],
-    gts: Sequence[np.ndarray],
+    preds: Sequence[ArrayLike],
+    gts: Sequence[ArrayLike],
     *,
     cost: Literal["l1", "l2"],
     epsilon: float,
@@ -46,58 +113,8 @@ def barycentric_batch(
         Per pair, the projected points ``[n, 2]`` (float64, unrounded), or None when a value is
         non-finite or a row of the plan has zero mass (the caller excludes the pair, §9).
     """
-    if len(preds) != len(gts):
-        raise ValueError(f"barycentric_batch: {len(preds)} prediction sets vs {len(gts)} GT sets")
-    if epsilon <= 0 or iters < 1:
-        raise ValueError(f"barycentric_batch: need epsilon > 0 and iters >= 1, got {epsilon}, {iters}")
-    bsz = len(preds)
-    if bsz == 0:
-        return []
-    ns = [len(p) for p in preds]
-    ms = [len(g) for g in gts]
-    out: list[np.ndarray | None] = [None] * bsz
-    n_max, m_max = max(ns), max(ms)
-    if n_max == 0 or m_max == 0:
-        return out
-    pp = np.zeros((bsz, n_max, 2))
-    gg = np.zeros((bsz, m_max, 2))
-    a = np.zeros((bsz, n_max))
-    b = np.zeros((bsz, m_max))
-    for k, (p, g) in enumerate(zip(preds, gts, strict=True)):
-        n, m = ns[k], ms[k]
-        if n == 0 or m == 0:
-            continue
-        pp[k, :n] = p
-        gg[k, :m] = g
-        a[k, :n] = 1.0 / n
-        b[k, :m] = 1.0 / m
-    d = pp[:, :, None, :] - gg[:, None, :, :]
-    if cost == "l2":
-        c = np.sqrt((d * d).sum(axis=-1))
-    elif cost == "l1":
-        c = np.abs(d).sum(axis=-1)
-    else:
-        raise ValueError(f"unknown ot_cost {cost!r}; expected 'l1' or 'l2'")
-    kern = np.exp(np.clip(-c / epsilon, -_CLIP, _CLIP))
-    kern *= (a > 0)[:, :, None] & (b > 0)[:, None, :]  # padding carries no mass
-    kern_t = kern.transpose(0, 2, 1)
-    u = (a > 0).astype(np.float64)
-    v = (b > 0).astype(np.float64)
-    with np.errstate(all="ignore"):
-        for _ in range(iters):
-            u = a / np.maximum(np.einsum("bij,bj->bi", kern, v), _TINY)
-            v = b / np.maximum(np.einsum("bji,bi->bj", kern_t, u), _TINY)
-        plan = u[:, :, None] * kern * v[:, None, :]
-        mass = plan.sum(axis=2)
-        proj = np.einsum("bij,bjc->bic", plan, gg) / mass[:, :, None]
-    for k in range(bsz):
-        n = ns[k]
-        if n == 0 or ms[k] == 0:
-            continue
-        r = proj[k, :n]
-        if np.all(np.isfinite(r)) and np.all(mass[k, :n] > 0):
-            out[k] = r.copy()
-    return out
+    proj, ok, ns = barycentric_padded(preds, gts, cost=cost, epsilon=epsilon, iters=iters)
+    return [proj[k, : ns[k]].copy() if ok[k] else None for k in range(len(ns))]
 
 
 def barycentric_projection(

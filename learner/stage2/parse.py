@@ -566,7 +566,7 @@ def parse_rollout(
     """Parse one rollout strictly and token-aligned (§6). Never raises on bad rollout content.
 
     Args:
-        response_token_ids: the exact ids the engine sampled (may end with the end-of-turn id).
+        response_token_ids: the exact ids the engine sampled (may end with the end-of-turn id); Python ints.
         tokenizer: the rollout tokenizer (``decode``/``encode``; byte-level BPE or ``token_bytes`` for speed).
         coord_vocab: the tokenizer's coordinate ids.
         stop_markers: ``stage2.parse.stop_markers``.
@@ -574,7 +574,12 @@ def parse_rollout(
     Returns:
         ``ParseResult``; on ``CutRoundTripError`` the §6.4 fallback with ``cut_fallback=True``.
     """
-    ids = [int(t) for t in response_token_ids]
+    # Lists of Python ints (what engines and ``.tolist()`` return) are only copied; anything else is converted.
+    ids = (
+        response_token_ids.copy()
+        if isinstance(response_token_ids, list)
+        else [int(t) for t in response_token_ids]
+    )
     tp = token_pieces(ids, tokenizer)
     try:
         return _parse(ids, tp, tokenizer, coord_vocab, stop_markers)

@@ -14,8 +14,7 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,7 +26,8 @@ from learner.stage2.detok import token_pieces
 from learner.stage2.format import serialize_entry
 from learner.stage2.gt import GTObject
 from learner.stage2.match import Geom, MatchResult
-from learner.stage2.ot import barycentric_batch
+from learner.stage2.ot import barycentric_padded
+from learner.stage2.spans import desc_overlapping_tokens, find_desc_value_spans, prefix_ce_positions
 
 if TYPE_CHECKING:
     from learner.stage2.parse import ParseResult
@@ -61,18 +61,22 @@ class TargetsConfig(BaseModel):
 # §9 prefix coordinate targets
 
 
-def _pts(geom: Geom) -> np.ndarray:
+def _pts(geom: Geom) -> list[tuple[float, float]]:
+    """Point set of a geometry: poly vertices, or a bbox's corners (x1,y1),(x2,y1),(x2,y2),(x1,y2)."""
     geom_type, bins = geom
-    v = np.asarray(bins, dtype=np.float64)
     if geom_type == "bbox_2d":
-        x1, y1, x2, y2 = v
-        return np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
-    return v.reshape(-1, 2)
+        if len(bins) != 4:
+            raise ValueError(f"bbox_2d needs 4 bins, got {len(bins)}")
+        x1, y1, x2, y2 = bins
+        return [(x1, y1), (x2, y1), (x2, y2), (x1, y2)]
+    if geom_type == "poly" and len(bins) % 2 == 0:
+        return list(zip(bins[0::2], bins[1::2], strict=True))
+    raise ValueError(f"bad geometry {geom_type!r} with {len(bins)} bins")
 
 
-def _to_bins(values: np.ndarray) -> list[int]:
-    # np.rint rounds half to even, as §9 requires.
-    return [int(k) for k in np.clip(np.rint(values), 0, 999)]
+def _clamped_bin(v: float) -> int:
+    # round() is half-to-even, as §9 requires; raises on NaN / inf (→ pair excluded).
+    return min(999, max(0, int(round(v))))
 
 
 def prefix_coord_targets_batch(
@@ -86,31 +90,37 @@ def prefix_coord_targets_batch(
     """
     out: list[list[int] | None] = [None] * len(pairs)
     ot_idx: list[int] = []
-    ot_p: list[np.ndarray] = []
-    ot_g: list[np.ndarray] = []
+    ot_p: list[list[tuple[float, float]]] = []
+    ot_g: list[list[tuple[float, float]]] = []
     for k, (pred, gt) in enumerate(pairs):
         try:
-            if pred[0] == "bbox_2d" and gt[0] == "bbox_2d":
-                tgt = np.asarray(gt[1], dtype=np.float64)
-                out[k] = _to_bins(tgt) if tgt.shape == (4,) and np.all(np.isfinite(tgt)) else None
+            if pred[0] == "bbox_2d" and gt[0] == "bbox_2d" and len(gt[1]) == 4:
+                out[k] = [_clamped_bin(v) for v in gt[1]]
                 continue
             p, g = _pts(pred), _pts(gt)
-        except (ValueError, TypeError):
-            continue  # malformed geometry → excluded from supervision
-        if len(p) and len(g) and np.all(np.isfinite(p)) and np.all(np.isfinite(g)):
+        except (ValueError, TypeError, OverflowError):
+            continue  # malformed geometry or non-finite value → excluded from supervision
+        if p and g:
             ot_idx.append(k)
             ot_p.append(p)
             ot_g.append(g)
     if ot_idx:
-        proj = barycentric_batch(ot_p, ot_g, cost=cfg.ot_cost, epsilon=cfg.ot_epsilon, iters=cfg.ot_iters)
-        for k, g_hat in zip(ot_idx, proj, strict=True):
-            if g_hat is None:
+        proj, ok, ns = barycentric_padded(
+            ot_p, ot_g, cost=cfg.ot_cost, epsilon=cfg.ot_epsilon, iters=cfg.ot_iters
+        )
+        with np.errstate(invalid="ignore"):
+            rounded = np.clip(np.rint(proj), 0, 999)  # np.rint is half-to-even
+            real = np.arange(proj.shape[1])[None, :, None] < np.array(ns)[:, None, None]
+            lo = np.rint(np.where(real, proj, np.inf).min(axis=1)).clip(0, 999)
+            hi = np.rint(np.where(real, proj, -np.inf).max(axis=1)).clip(0, 999)
+        rounded_l, lo_l, hi_l, ok_l = rounded.tolist(), lo.tolist(), hi.tolist(), ok.tolist()
+        for b, k in enumerate(ot_idx):
+            if not ok_l[b]:
                 continue
             if pairs[k][0][0] == "bbox_2d":
-                lo, hi = g_hat.min(axis=0), g_hat.max(axis=0)
-                out[k] = _to_bins(np.array([lo[0], lo[1], hi[0], hi[1]]))
+                out[k] = [int(lo_l[b][0]), int(lo_l[b][1]), int(hi_l[b][0]), int(hi_l[b][1])]
             else:
-                out[k] = _to_bins(g_hat.reshape(-1))
+                out[k] = [int(v) for pt in rounded_l[b][: ns[b]] for v in pt]
     for k, (pred, _) in enumerate(pairs):
         if out[k] is not None and len(out[k]) != len(pred[1]):
             out[k] = None
@@ -132,7 +142,7 @@ def prefix_coord_targets(pred_geom: Geom, gt_geom: Geom, cfg: TargetsConfig) -> 
 
 
 # --------------------------------------------------------------------------------------------------
-# §10 append fragment, §12.2 desc spans
+# §10 append fragment
 
 
 def serialize_append(fn_objects: Sequence[GTObject], start_index: int, prefix_text: str) -> str:
@@ -162,54 +172,6 @@ def serialize_append(fn_objects: Sequence[GTObject], start_index: int, prefix_te
         serialize_entry(start_index + j, o.desc, o.geom_type, o.bins) for j, o in enumerate(fn_objects)
     ]
     return lead + ", ".join(entries) + "}"
-
-
-_DESC_OPEN = re.compile(r'"desc"\s*:\s*"')
-
-
-def find_desc_value_spans(text: str) -> list[tuple[int, int]]:
-    """Char spans ``[start, end)`` of desc value contents, quotes excluded (§12.2).
-
-    Every match of ``"desc"\\s*:\\s*"`` opens a value running to the next unescaped ``"`` (or to the
-    end of the text when unterminated). Scanning resumes after the value, so text inside a value is
-    never taken for a key.
-    """
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    n = len(text)
-    while True:
-        m = _DESC_OPEN.search(text, pos)
-        if m is None:
-            return spans
-        i = m.end()
-        while i < n and text[i] != '"':
-            i += 2 if text[i] == "\\" else 1
-        end = min(i, n)
-        spans.append((m.end(), end))
-        pos = end + 1
-
-
-def _char_spans(pieces: Sequence[str]) -> list[tuple[int, int]]:
-    """Per-token char range for overlap tests; an empty piece occupies ``[start, start + 1)`` (§6.1)."""
-    out = []
-    pos = 0
-    for p in pieces:
-        out.append((pos, pos + max(len(p), 1)))
-        pos += len(p)
-    return out
-
-
-def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> np.ndarray:
-    m = np.zeros(n + 1, dtype=bool)  # +1: empty pieces at the very end
-    for s, e in spans:
-        m[s:e] = True
-    return m
-
-
-def _tokens_overlapping(tok_spans: Sequence[tuple[int, int]], mask: np.ndarray) -> list[int]:
-    cs = np.concatenate([[0], np.cumsum(mask)])
-    hi = len(mask)
-    return [k for k, (s, e) in enumerate(tok_spans) if cs[min(e, hi)] - cs[min(s, hi)] > 0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,50 +221,6 @@ class YTrain:
         return len(self.ids)
 
 
-def _prefix_ce_positions(parse: ParseResult, tp_preds: Sequence[int], coord_vocab: CoordVocab) -> list[int]:
-    """Prefix token indices eligible for CE under ``prefix_structure_ce`` (§12.3)."""
-    text = parse.prefix_text
-    n = len(text)
-    eligible = np.zeros(n + 1, dtype=bool)
-    first = text.find("{")
-    if first >= 0:
-        eligible[first] = True
-    objs = parse.valid_objects
-    key_starts = sorted(k.start for k in parse.object_keys)
-    tp_set = set(tp_preds)
-    for i in sorted(tp_set):
-        o = objs[i]
-        eligible[o.key_start_char : o.value_span[1]] = True
-    # Separators between two TP entries with no other top-level key in between.
-    for i in sorted(tp_set):
-        end = objs[i].value_span[1]
-        nxt = next((s for s in key_starts if s >= end), None)
-        if nxt is None:
-            continue
-        j = next((k for k in tp_set if objs[k].key_start_char == nxt), None)
-        if j is not None:
-            eligible[end:nxt] = True
-    eligible[n] = False
-    desc = _mask_of(find_desc_value_spans(text), n)
-    ids = list(parse.prefix_token_ids)
-    spans = _char_spans(parse.prefix_pieces.pieces)
-    cs_ok = np.concatenate([[0], np.cumsum(eligible)])
-    cs_desc = np.concatenate([[0], np.cumsum(desc)])
-    hi = n + 1
-    out = []
-    for k, (s, e) in enumerate(spans):
-        s, e = min(s, hi), min(e, hi)
-        if coord_vocab.is_coord(ids[k]) or e <= s:
-            continue
-        if cs_ok[e] - cs_ok[s] == e - s and cs_desc[e] == cs_desc[s]:
-            out.append(k)
-    return out
-
-
-def _pieces(ids: Sequence[int], tokenizer: Any) -> list[str]:
-    return token_pieces(ids, tokenizer).pieces
-
-
 def build_y_train(
     parse: ParseResult,
     gts: Sequence[GTObject],
@@ -331,45 +249,19 @@ def build_y_train(
             misconfigured), or the prefix violates parser invariant 6.9.
     """
     preds = parse.valid_objects
-    pairs = [
-        ((preds[i].geom_type, preds[i].bins), (gts[j].geom_type, gts[j].bins)) for i, j, _ in match.pairs
-    ]
-    targets = prefix_coord_targets_batch(pairs, cfg)
-    tp: list[tuple[int, int, float]] = []
-    excluded: list[tuple[int, int, float]] = []
-    coord_pos: list[int] = []
-    coord_bins: list[int] = []
-    for (i, j, iou), tgt in zip(match.pairs, targets, strict=True):
-        slots = preds[i].coord_token_indices
-        if tgt is None or len(tgt) != len(slots):
-            excluded.append((i, j, iou))
-            continue
-        tp.append((i, j, iou))
-        coord_pos.extend(int(s) for s in slots)
-        coord_bins.extend(tgt)
+    tp, excluded, coord_pos, coord_bins = _supervised_pairs(preds, gts, match, cfg)
     tp_gt = {j for _, j, _ in tp}
     fn = [j for j in range(len(gts)) if j not in tp_gt]
-    start = parse.max_object_index_in_prefix + 1
-    append_text = serialize_append([gts[j] for j in fn], start, parse.prefix_text)
-    append_ids = [int(t) for t in tokenizer.encode(append_text, add_special_tokens=False)]
-    want = [b for j in fn for b in gts[j].bins]
-    got = [coord_vocab.bin_of(t) for t in append_ids if coord_vocab.is_coord(t)]
-    if got != want:
-        raise ValueError(
-            f"appended ids hold coord bins {got[:8]}... ({len(got)}) but {len(want)} coordinates were "
-            "serialized; every '<|coord_k|>' must encode to its single coord id (check the tokenizer's "
-            "added tokens)"
-        )
+    append_text = serialize_append(
+        [gts[j] for j in fn], parse.max_object_index_in_prefix + 1, parse.prefix_text
+    )
+    append_ids = _encode_tail(append_text, [b for j in fn for b in gts[j].bins], tokenizer, coord_vocab)
     if fn_desc_ce:
         tail_ignore: list[int] = []
     else:
-        pieces = _pieces(append_ids, tokenizer)
-        joined = "".join(pieces)
-        tail_ignore = _tokens_overlapping(
-            _char_spans(pieces), _mask_of(find_desc_value_spans(joined), len(joined))
-        )
+        tail_ignore = desc_overlapping_tokens(token_pieces(append_ids, tokenizer).pieces)
     tp_preds = [i for i, _, _ in tp]
-    prefix_ce = _prefix_ce_positions(parse, tp_preds, coord_vocab) if prefix_structure_ce else []
+    prefix_ce = prefix_ce_positions(parse, tp_preds, coord_vocab) if prefix_structure_ce else []
     prefix_ids = [int(t) for t in parse.prefix_token_ids]
     max_valid = max((o.index for o in preds), default=0)
     counters = {
@@ -409,6 +301,47 @@ def build_y_train(
         fn=tuple(fn),
         counters=counters,
     )
+
+
+def _supervised_pairs(
+    preds: Sequence[Any], gts: Sequence[GTObject], match: MatchResult, cfg: TargetsConfig
+) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]], list[int], list[int]]:
+    """Split matched pairs into TP (targets built) and excluded (§8.3); TP coord slots and targets.
+
+    Slots come out ascending because ``match.pairs`` is sorted by prediction (appearance order).
+    """
+    pairs = [
+        ((preds[i].geom_type, preds[i].bins), (gts[j].geom_type, gts[j].bins)) for i, j, _ in match.pairs
+    ]
+    targets = prefix_coord_targets_batch(pairs, cfg)
+    tp: list[tuple[int, int, float]] = []
+    excluded: list[tuple[int, int, float]] = []
+    coord_pos: list[int] = []
+    coord_bins: list[int] = []
+    for (i, j, iou), tgt in zip(match.pairs, targets, strict=True):
+        slots = preds[i].coord_token_indices
+        if tgt is None or len(tgt) != len(slots):
+            excluded.append((i, j, iou))
+            continue
+        tp.append((i, j, iou))
+        coord_pos.extend(int(s) for s in slots)
+        coord_bins.extend(tgt)
+    return tp, excluded, coord_pos, coord_bins
+
+
+def _encode_tail(
+    append_text: str, want_bins: list[int], tokenizer: Any, coord_vocab: CoordVocab
+) -> list[int]:
+    """Fresh encoding of the appended fragment, checked coordinate by coordinate (§10)."""
+    append_ids = [int(t) for t in tokenizer.encode(append_text, add_special_tokens=False)]
+    got = [coord_vocab.bin_of(t) for t in append_ids if coord_vocab.is_coord(t)]
+    if got != want_bins:
+        raise ValueError(
+            f"appended ids hold {len(got)} coord tokens (first bins {got[:8]}) but {len(want_bins)} "
+            f"coordinates (first bins {want_bins[:8]}) were serialized; every '<|coord_k|>' must encode "
+            "to its single coord id (check the tokenizer's added tokens)"
+        )
+    return append_ids
 
 
 def _ratio(num: float, den: float) -> float:

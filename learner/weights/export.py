@@ -88,6 +88,10 @@ def _default_gather(model: nn.Module, gather: Gather | None) -> Gather | None:
 def merged_adapters(model: nn.Module, *, gather: Gather | None = None) -> Iterator[nn.Module]:
     """Merges the active LoRA/DoRA adapters into the base weights for the block, ALWAYS unmerging after.
 
+    Merge followed by unmerge is not bit-exact (in bf16 it can move a frozen base weight by an ulp per
+    sync, which adds up over a run), so the base weights of the adapted layers are also copied to CPU
+    before the merge and written back after the unmerge: the model leaves the block bit-identical.
+
     A model without adapters, or one whose adapters are already merged (by the caller, who then owns
     unmerging), is yielded unchanged.
 
@@ -110,6 +114,7 @@ def merged_adapters(model: nn.Module, *, gather: Gather | None = None) -> Iterat
     gather = _default_gather(model, gather)
     whole = gather(list(model.parameters())) if gather is not None else nullcontext()
     with whole:
+        saved = _snapshot_base_weights(tuners)
         try:
             with torch.no_grad():
                 model.merge_adapter()
@@ -118,6 +123,20 @@ def merged_adapters(model: nn.Module, *, gather: Gather | None = None) -> Iterat
             # Also after a failed merge: unmerge() only touches layers that did merge.
             with torch.no_grad():
                 model.unmerge_adapter()
+                for param, value in saved:
+                    param.copy_(value)
+
+
+def _snapshot_base_weights(tuners: Sequence[BaseTunerLayer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """CPU copies of the parameters a merge writes (the wrapped base layers' weights and biases)."""
+    seen: set[int] = set()
+    saved = []
+    for tuner in tuners:
+        for param in tuner.get_base_layer().parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                saved.append((param, param.detach().to("cpu", copy=True)))
+    return saved
 
 
 def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:

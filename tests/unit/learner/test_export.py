@@ -78,11 +78,10 @@ def test_lora_export_names_and_merged_values(tiny_model_dir: Path, use_dora: boo
     assert not torch.allclose(
         items[q], before[f"base_model.model.{q.replace('.weight', '.base_layer.weight')}"]
     )
-    # ... and the live model is unmerged again, bit for bit.
+    # ... and the live model is unmerged again, bit for bit (merge + unmerge alone is not exact).
     assert not any(getattr(m, "merged", False) for m in model.modules())
     after = weights_snapshot(model)
-    for name, value in before.items():
-        torch.testing.assert_close(after[name], value, rtol=0, atol=1e-6, msg=name)
+    assert all(torch.equal(after[n], v) for n, v in before.items())
 
 
 def test_unmerged_also_when_the_body_raises(tiny_model_dir: Path) -> None:
@@ -93,7 +92,7 @@ def test_unmerged_also_when_the_body_raises(tiny_model_dir: Path) -> None:
         raise RuntimeError("send failed")
     assert not any(getattr(m, "merged", False) for m in model.modules())
     after = weights_snapshot(model)
-    assert all(torch.allclose(after[n], v, atol=1e-6) for n, v in before.items())
+    assert all(torch.equal(after[n], v) for n, v in before.items())
 
 
 def test_modules_to_save_exports_the_trained_copy(tiny_model_dir: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 import learner.stage2.targets as targets_mod
 from learner.stage2.gt import GTObject, extract_gt
-from learner.stage2.ot import barycentric_batch, barycentric_projection
+from learner.stage2.ot import barycentric_batch, barycentric_padded, barycentric_projection
 from learner.stage2.targets import (
     TargetsConfig,
     find_desc_value_spans,
@@ -292,7 +292,12 @@ def test_excluded_pair_becomes_fn(monkeypatch: pytest.MonkeyPatch) -> None:
     ids = rollout_of([("1", "rug", [100, 80, 300, 620])])
     ok = run_pipeline(ids, gt)
     assert len(ok.y_train.tp) == 1 and ok.y_train.prefix_coord_target_bins == (100, 80, 300, 620)
-    monkeypatch.setattr(targets_mod, "barycentric_batch", lambda p, g, **kw: [None] * len(p))
+
+    def failing(p, g, **kw):
+        proj, ok, ns = barycentric_padded(p, g, **kw)
+        return proj * np.nan, ok & False, ns
+
+    monkeypatch.setattr(targets_mod, "barycentric_padded", failing)
     bad = run_pipeline(ids, gt)
     assert bad.y_train.tp == () and len(bad.y_train.excluded) == 1
     assert bad.y_train.fn == (0,) and bad.y_train.fp == (0,)

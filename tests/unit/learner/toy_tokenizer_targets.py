@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import extract_gt
 from learner.stage2.labels import build_segment
-from learner.stage2.match import MatchingConfig, match
+from learner.stage2.match import MatchingConfig, gt_geoms, match, pred_geoms
 from learner.stage2.parse import ParseResult, parse_rollout
 from learner.stage2.segment import Segment
 from learner.stage2.targets import TargetsConfig, YTrain, build_y_train
@@ -154,8 +154,8 @@ def run_pipeline(
     pr = parse_rollout(rollout_ids, tokenizer, coords)
     gts = extract_gt(list(gt_raw), sample_id=0).objects
     m = match(
-        [(o.geom_type, o.bins) for o in pr.valid_objects],
-        [(g.geom_type, g.bins) for g in gts],
+        pred_geoms(pr.valid_objects, pr.response_token_ids, coords),
+        gt_geoms(gts),
         matching or MatchingConfig(fn_cost=2.0),
     )
     y = build_y_train(

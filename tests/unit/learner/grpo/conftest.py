@@ -8,10 +8,7 @@ from typing import Any
 import pytest
 
 from learner.yaml_loader import load_yaml_with_extends
-
-REPO_ROOT = Path(__file__).resolve().parents[4]
-SERVER_PRESET = REPO_ROOT / "configs" / "grpo_summary_1024_server.yaml"
-ATTR_KEY_PRESET = REPO_ROOT / "configs" / "grpo_summary_1024_attr_key_recall_server.yaml"
+from tests.unit.learner.grpo.grpo_examples import SERVER_PRESET, with_model
 
 
 @pytest.fixture()
@@ -19,12 +16,6 @@ def model_dir(tmp_path: Path) -> Path:
     path = tmp_path / "model"
     path.mkdir()
     return path
-
-
-def with_model(raw: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-    raw["model"]["path"] = str(model_dir)
-    raw["server"]["model"] = str(model_dir)
-    return raw
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from learner.grpo.resolve import format_env, main, read_resolved
-from tests.unit.learner.grpo.conftest import REPO_ROOT, SERVER_PRESET
+from tests.unit.learner.grpo.grpo_examples import REPO_ROOT, SERVER_PRESET
 
 READER_SH = REPO_ROOT / "learner" / "grpo" / "read_resolved.sh"
 NOISE = [

@@ -1,0 +1,123 @@
+"""Character spans behind the CE masks (spec/STAGE2.md §12.2, §12.3).
+
+- desc value spans of a text (§12.2) and the tokens overlapping them (``tail_ignore_pos``);
+- prefix tokens eligible for CE under ``prefix_structure_ce`` (§12.3).
+
+Token char ranges follow §6.1: an empty piece (a token ending inside a multi-byte character)
+occupies ``[start, start + 1)`` for overlap tests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from learner.stage2.coords import CoordVocab
+
+if TYPE_CHECKING:
+    from learner.stage2.parse import ParseResult
+
+__all__ = ["char_spans", "desc_overlapping_tokens", "find_desc_value_spans", "prefix_ce_positions"]
+
+_DESC_OPEN = re.compile(r'"desc"\s*:\s*"')
+
+
+def find_desc_value_spans(text: str) -> list[tuple[int, int]]:
+    """Char spans ``[start, end)`` of desc value contents, quotes excluded (§12.2).
+
+    Every match of ``"desc"\\s*:\\s*"`` opens a value running to the next unescaped ``"`` (or to the
+    end of the text when unterminated). Scanning resumes after the value, so text inside a value is
+    never taken for a key.
+    """
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    n = len(text)
+    while True:
+        m = _DESC_OPEN.search(text, pos)
+        if m is None:
+            return spans
+        i = m.end()
+        while i < n and text[i] != '"':
+            i += 2 if text[i] == "\\" else 1
+        end = min(i, n)
+        spans.append((m.end(), end))
+        pos = end + 1
+
+
+def char_spans(pieces: Sequence[str]) -> list[tuple[int, int]]:
+    """Per-token char range for overlap tests; an empty piece occupies ``[start, start + 1)`` (§6.1)."""
+    out = []
+    pos = 0
+    for p in pieces:
+        out.append((pos, pos + max(len(p), 1)))
+        pos += len(p)
+    return out
+
+
+def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> np.ndarray:
+    m = np.zeros(n + 1, dtype=bool)  # +1: empty pieces at the very end
+    for s, e in spans:
+        m[s:e] = True
+    return m
+
+
+def _tokens_overlapping(tok_spans: Sequence[tuple[int, int]], mask: np.ndarray) -> list[int]:
+    cs = np.concatenate([[0], np.cumsum(mask)]).tolist()
+    hi = len(mask)
+    return [k for k, (s, e) in enumerate(tok_spans) if cs[min(e, hi)] - cs[min(s, hi)] > 0]
+
+
+def desc_overlapping_tokens(pieces: Sequence[str]) -> list[int]:
+    """Indices of tokens whose char range overlaps a desc value of ``"".join(pieces)`` (§12.2)."""
+    text = "".join(pieces)
+    return _tokens_overlapping(char_spans(pieces), _mask_of(find_desc_value_spans(text), len(text)))
+
+
+def prefix_ce_positions(parse: ParseResult, tp_preds: Sequence[int], coord_vocab: CoordVocab) -> list[int]:
+    """Prefix token indices that get CE under ``prefix_structure_ce`` (§12.3).
+
+    Eligible characters: the first ``{``; the entry ``[key_start_char, value_end)`` of every TP object;
+    the separator characters between two TP entries that follow each other with no other top-level key
+    in between. A token qualifies iff all its characters are eligible, it is not a coord token and it
+    does not overlap a desc value span.
+
+    Args:
+        parse: the sample's parse result (``prefix_text``, ``prefix_pieces``, ``object_keys``).
+        tp_preds: indices into ``parse.valid_objects`` of the TP predictions.
+        coord_vocab: coord-token lookup.
+    """
+    text = parse.prefix_text
+    n = len(text)
+    eligible = np.zeros(n + 1, dtype=bool)  # slot n: empty pieces at the very end are never eligible
+    first = text.find("{")
+    if first >= 0:
+        eligible[first] = True
+    objs = parse.valid_objects
+    tp_key_starts = {objs[i].key_start_char for i in tp_preds}
+    key_starts = sorted(k.start for k in parse.object_keys)
+    for i in tp_preds:
+        start, end = objs[i].key_start_char, objs[i].value_span[1]
+        eligible[start:end] = True
+        nxt = bisect.bisect_left(key_starts, end)
+        if nxt < len(key_starts) and key_starts[nxt] in tp_key_starts:
+            eligible[end : key_starts[nxt]] = True
+    eligible[n] = False
+    desc = _mask_of(find_desc_value_spans(text), n)
+    cs_ok = np.concatenate([[0], np.cumsum(eligible)]).tolist()
+    cs_desc = np.concatenate([[0], np.cumsum(desc)]).tolist()
+    ids = parse.prefix_token_ids
+    out = []
+    for k, (s, e) in enumerate(char_spans(parse.prefix_pieces.pieces)):
+        s, e = min(s, n + 1), min(e, n + 1)
+        if (
+            e > s
+            and cs_ok[e] - cs_ok[s] == e - s
+            and cs_desc[e] == cs_desc[s]
+            and not coord_vocab.is_coord(ids[k])
+        ):
+            out.append(k)
+    return out
