@@ -118,7 +118,10 @@ def make_segment(rng: random.Random, length: int, vocab_size: int, coords: Coord
     train_len = length - prompt_len - 2
     text_hi = min(coords.ids) - 1
     prompt = [rng.randrange(10, text_hi) for _ in range(prompt_len)]
-    y = [coords.ids[rng.randrange(1000)] if i % 6 == 5 else rng.randrange(10, text_hi) for i in range(train_len)]
+    y = [
+        coords.ids[rng.randrange(1000)] if i % 6 == 5 else rng.randrange(10, text_hi)
+        for i in range(train_len)
+    ]
     prefix_len = train_len // 2
     slots = [i for i in range(prefix_len) if coords.is_coord(y[i])]
     targets = [coords.bin_of(y[i]) for i in slots]
@@ -159,7 +162,9 @@ def build_model(smoke: bool, attn: str, device: torch.device, dtype: torch.dtype
     return model
 
 
-def train_tokens_per_s(model, batches, coord_ids, device, warmup: int, packed_kwargs: bool) -> tuple[float, dict]:
+def train_tokens_per_s(
+    model, batches, coord_ids, device, warmup: int, packed_kwargs: bool
+) -> tuple[float, dict]:
     cfg = CoordLossConfig()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens = 0
@@ -195,7 +200,9 @@ def run_gpu(args: argparse.Namespace) -> None:
     coords = CoordVocab.from_ids(range(vocab_size - 1000, vocab_size))
     coord_ids = torch.tensor(coords.ids, device=device)
     rng = random.Random(args.seed)
-    lens = lognormal_lengths(rng, mean_len, args.sigma, max(8, args.min_len // (10 if args.smoke else 1)), max_len)
+    lens = lognormal_lengths(
+        rng, mean_len, args.sigma, max(8, args.min_len // (10 if args.smoke else 1)), max_len
+    )
 
     warmup = 2
     n_packs = steps + warmup
@@ -214,7 +221,9 @@ def run_gpu(args: argparse.Namespace) -> None:
         fills.append(stats.fill)
         used += selected
         packed_batches.append(pack_segments(selected))
-    padded_batches = [pad_segments(used[i : i + args.padded_batch], 0) for i in range(0, len(used), args.padded_batch)]
+    padded_batches = [
+        pad_segments(used[i : i + args.padded_batch], 0) for i in range(0, len(used), args.padded_batch)
+    ]
     pad_warmup = max(1, round(warmup * len(padded_batches) / n_packs))
 
     base = dict(bench="packing_throughput", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -243,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of the segment lengths")
     p.add_argument("--min-len", type=int, default=128)
     p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=None, help="fill: micro-steps (2000); gpu: timed packed rows (20)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="fill: micro-steps (2000); gpu: timed packed rows (20)"
+    )
     p.add_argument("--warmup", type=int, default=100, help="fill: micro-steps ignored at the start")
     p.add_argument("--inflow", type=float, nargs="+", default=[0.9, 0.95, 1.0, 1.05],
                    help="fill: segments per micro-step as a multiple of packing_length / mean_len")  # fmt: skip

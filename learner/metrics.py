@@ -185,9 +185,12 @@ class StepMetrics:
     def __init__(self, *, reduce_fn: ReduceFn | None = None, extra_sum_keys: Iterable[str] = ()) -> None:
         self.reduce_fn = reduce_fn
         self._extra_keys = frozenset(extra_sum_keys)
-        self._sum_keys = SUM_KEYS | frozenset(extra_sum_keys) | {f"{d}_sum" for d in DISTRIBUTIONS} | {
-            f"{d}_count" for d in DISTRIBUTIONS
-        }
+        self._sum_keys = (
+            SUM_KEYS
+            | frozenset(extra_sum_keys)
+            | {f"{d}_sum" for d in DISTRIBUTIONS}
+            | {f"{d}_count" for d in DISTRIBUTIONS}
+        )
         self._samples_seen = 0.0
         self.reset()
 
@@ -277,7 +280,9 @@ class StepMetrics:
             out.pop("packing/segment_staleness_max", None)
         out.update(self._gauges)
         if "rollout/gen_new_tokens_total" in out and mx["time/rollout_generate_s"] > 0:
-            out["rollout/gen_tokens_per_s"] = out["rollout/gen_new_tokens_total"] / mx["time/rollout_generate_s"]
+            out["rollout/gen_tokens_per_s"] = (
+                out["rollout/gen_new_tokens_total"] / mx["time/rollout_generate_s"]
+            )
         self._samples_seen += s["rollout/samples"]
         out["train/samples_total"] = s["rollout/samples"]
         out["train/samples_seen"] = self._samples_seen
@@ -366,5 +371,7 @@ class StepMetrics:
             "packing/post_rollout_selected_total_len": s["packing/sum_selected_total_len"] / packs,
             "packing/post_rollout_segments": s["packing/sum_segments"] / packs,
             "packing/underfilled_packs": s["packing/underfilled_packs"],
-            "packing/segment_staleness_mean": _ratio(s["packing/sum_staleness"], s["packing/count_staleness"]),
+            "packing/segment_staleness_mean": _ratio(
+                s["packing/sum_staleness"], s["packing/count_staleness"]
+            ),
         }

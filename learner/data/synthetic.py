@@ -68,7 +68,7 @@ CATEGORIES: dict[str, Shape] = {
     "rug": "quad",
 }
 
-SceneStyle = Literal["compact", "verbose"]
+SceneStyle = Literal["tight", "compact", "verbose"]
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,9 @@ class DemoDataConfig:
         min_size: smallest side of an object's bounding box.
         max_size: largest side of an object's bounding box.
         max_pair_iou: largest AABB IoU allowed between two objects of one scene.
-        scene_style: ``compact`` (``cat <|coord_a|><|coord_b|>...``, one token per coordinate) or
-            ``verbose`` (``cat box <|coord_a|> <|coord_b|> ...; tree polygon ...``).
+        distinct: every coordinate value and every desc occurs at most once per scene, so each content
+            token of the scene identifies its successor (what a copy head keys on).
+        scene_style: see :func:`describe_scene`.
         categories: category → geometry; order matters for sampling.
     """
 
@@ -93,7 +94,8 @@ class DemoDataConfig:
     min_size: int = 100
     max_size: int = 360
     max_pair_iou: float = 0.2
-    scene_style: SceneStyle = "compact"
+    distinct: bool = True
+    scene_style: SceneStyle = "tight"
     categories: dict[str, Shape] = field(default_factory=lambda: dict(CATEGORIES))
 
     def __post_init__(self) -> None:
@@ -111,8 +113,15 @@ class DemoDataConfig:
             )
         if not self.categories or any(s not in ("bbox", "triangle", "quad") for s in self.categories.values()):
             raise ValueError(f"DemoDataConfig.categories={self.categories}: need shapes bbox|triangle|quad")
-        if self.scene_style not in ("compact", "verbose"):
-            raise ValueError(f"DemoDataConfig.scene_style={self.scene_style!r}: use 'compact' or 'verbose'")
+        if self.scene_style not in ("tight", "compact", "verbose"):
+            raise ValueError(
+                f"DemoDataConfig.scene_style={self.scene_style!r}: use 'tight', 'compact' or 'verbose'"
+            )
+        if self.distinct and self.max_objects > len(self.categories):
+            raise ValueError(
+                f"DemoDataConfig: distinct=True needs max_objects={self.max_objects} <= "
+                f"{len(self.categories)} categories"
+            )
 
 
 @dataclass(frozen=True)
@@ -196,9 +205,10 @@ def _sample_shape(rng: random.Random, desc: str, shape: Shape, cfg: DemoDataConf
     if shape == "bbox":
         return SceneObject(desc, "bbox_2d", (x1, y1, x2, y2))
     if shape == "triangle":
-        # Apex on the top edge, base on the bottom edge: area ≥ w*h/2, never degenerate.
+        # Apex on the top edge, base corners on the bottom quarter (tilted so that all values can differ):
+        # area ≥ w*h/4, never degenerate.
         apex = _grid_value(rng, x1 + w // 4, x2 - w // 4, g)
-        ring = [(apex, y1), (x2, y2), (x1, y2)]
+        ring = [(apex, y1), (x2, y2 - _grid_value(rng, 0, h // 4, g)), (x1, y2 - _grid_value(rng, 0, h // 4, g))]
     else:
         # Each corner moves inward by at most a quarter side: the quad stays convex with area ≥ w*h/2.
         dx, dy = max(g, (w // 4) // g * g), max(g, (h // 4) // g * g)
@@ -213,42 +223,56 @@ def _sample_shape(rng: random.Random, desc: str, shape: Shape, cfg: DemoDataConf
 def sample_scene(rng: random.Random, cfg: DemoDataConfig) -> list[SceneObject]:
     """Draw one scene: ``min_objects..max_objects`` objects, sorted by the §1.4 anchor (stable).
 
-    Objects are placed by rejection sampling so that no two AABBs overlap by more than ``max_pair_iou``;
-    when a scene is too crowded to place another object after 50 tries, it keeps fewer objects (never
-    fewer than one).
+    Objects are placed by rejection sampling so that no two AABBs overlap by more than ``max_pair_iou``
+    (and, with ``distinct``, no coordinate value or desc repeats); when a scene is too crowded to place
+    another object after 50 tries per object, it keeps fewer objects (never fewer than one).
     """
     names = list(cfg.categories)
     target = rng.randint(cfg.min_objects, cfg.max_objects)
     objects: list[SceneObject] = []
+    used: set[int] = set()
     tries = 0
     while len(objects) < target and tries < 50 * target:
-        tries += 1
-        desc = rng.choice(names)
-        obj = _sample_shape(rng, desc, cfg.categories[desc], cfg)
-        if all(_aabb_iou(obj.aabb, o.aabb) <= cfg.max_pair_iou for o in objects):
-            objects.append(obj)
+        pool = [n for n in names if n not in {o.desc for o in objects}] if cfg.distinct else names
+        desc = rng.choice(pool)
+        # Retry the shape for the chosen desc first, so that polygons (more values to keep distinct) are
+        # not rejected more often than boxes and the category mix stays uniform.
+        for _ in range(50):
+            tries += 1
+            obj = _sample_shape(rng, desc, cfg.categories[desc], cfg)
+            if cfg.distinct and (len(set(obj.coords)) < len(obj.coords) or used.intersection(obj.coords)):
+                continue
+            if all(_aabb_iou(obj.aabb, o.aabb) <= cfg.max_pair_iou for o in objects):
+                objects.append(obj)
+                used.update(obj.coords)
+                break
     return sorted(objects, key=lambda o: o.anchor)
 
 
-def describe_scene(objects: Sequence[SceneObject], style: SceneStyle = "compact") -> str:
+def describe_scene(objects: Sequence[SceneObject], style: SceneStyle = "tight") -> str:
     """The scene text the learner appends to the user prompt, objects in the given order.
 
-    ``compact``: ``Scene: cat <|coord_100|><|coord_40|><|coord_300|><|coord_200|>, tree <|coord_..|>...`` —
-    the content tokens of the answer (desc word, then coordinates in answer order) and nothing else, so the
-    answer is a copy of this sequence wrapped in JSON. ``verbose``: ``Scene: cat box <|coord_100|>
-    <|coord_40|> ...; tree polygon ...``. An empty scene is ``Scene: nothing.``
+    Styles (``c`` stands for a coordinate token, written in answer order):
+    - ``tight``: ``Scene: cat<c><c><c><c> tree<c><c><c><c><c><c>.`` — the content tokens of the answer
+      (desc word, then coordinates) with one space before each desc; the answer is this sequence wrapped
+      in JSON, and each content token is directly followed by the next one.
+    - ``compact``: ``Scene: cat <c><c><c><c>, tree <c>...``.
+    - ``verbose``: ``Scene: cat box <c> <c> <c> <c>; tree polygon <c> ...``.
+    An empty scene is ``Scene: nothing.``
     """
     if not objects:
         return "Scene: nothing."
     parts = []
     for o in objects:
         toks = [coord_token(v) for v in o.coords]
-        if style == "compact":
+        if style == "tight":
+            parts.append(f"{o.desc}{''.join(toks)}")
+        elif style == "compact":
             parts.append(f"{o.desc} {''.join(toks)}")
         else:
             kind = "box" if o.geom == "bbox_2d" else "polygon"
             parts.append(f"{o.desc} {kind} {' '.join(toks)}")
-    sep = ", " if style == "compact" else "; "
+    sep = {"tight": " ", "compact": ", ", "verbose": "; "}[style]
     return "Scene: " + sep.join(parts) + "."
 
 

@@ -115,7 +115,8 @@ class Labels:
 
 
 def _as_int_list(ids: Any) -> list[int]:
-    return ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
+    # Tensors / arrays → Python ints; sequences are assumed to hold ints already (hot path: no per-item cast).
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 
 def build_labels(

@@ -26,6 +26,18 @@ _CLIP = 50.0
 _TINY = 1e-300
 
 
+def _padded(sets: Sequence[ArrayLike], sizes: np.ndarray, live: np.ndarray, n_max: int) -> np.ndarray:
+    """Zero-padded ``[B, n_max, 2]`` array of the point sets of the live pairs (one vectorized scatter)."""
+    out = np.zeros((len(sizes), n_max, 2))
+    if sets:
+        flat = np.array([pt for s in sets for pt in s], dtype=np.float64).reshape(-1, 2)
+        batch = np.repeat(np.flatnonzero(live), sizes[live])
+        ends = np.cumsum(sizes[live])
+        row = np.arange(len(flat)) - np.repeat(ends - sizes[live], sizes[live])
+        out[batch, row] = flat
+    return out
+
+
 def barycentric_padded(
     preds: Sequence[ArrayLike],
     gts: Sequence[ArrayLike],
@@ -60,16 +72,12 @@ def barycentric_padded(
     n_max, m_max = max(ns, default=0), max(ms, default=0)
     if bsz == 0 or n_max == 0 or m_max == 0:
         return np.zeros((bsz, n_max, 2)), np.zeros(bsz, dtype=bool), ns
-    pp = np.zeros((bsz, n_max, 2))
-    gg = np.zeros((bsz, m_max, 2))
-    for k in range(bsz):
-        if ns[k] and ms[k]:
-            pp[k, : ns[k]] = preds[k]
-            gg[k, : ms[k]] = gts[k]
     n_arr, m_arr = np.array(ns), np.array(ms)
+    live = (n_arr > 0) & (m_arr > 0)
+    pp = _padded([p for k, p in enumerate(preds) if live[k]], n_arr, live, n_max)
+    gg = _padded([g for k, g in enumerate(gts) if live[k]], m_arr, live, m_max)
     row_real = np.arange(n_max)[None, :] < n_arr[:, None]
     col_real = np.arange(m_max)[None, :] < m_arr[:, None]
-    live = (n_arr > 0) & (m_arr > 0)
     with np.errstate(divide="ignore"):
         a = np.where(row_real & live[:, None], 1.0 / np.maximum(n_arr, 1)[:, None], 0.0)
         b = np.where(col_real & live[:, None], 1.0 / np.maximum(m_arr, 1)[:, None], 0.0)

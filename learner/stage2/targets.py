@@ -262,7 +262,7 @@ def build_y_train(
         tail_ignore = desc_overlapping_tokens(token_pieces(append_ids, tokenizer).pieces)
     tp_preds = [i for i, _, _ in tp]
     prefix_ce = prefix_ce_positions(parse, tp_preds, coord_vocab) if prefix_structure_ce else []
-    prefix_ids = [int(t) for t in parse.prefix_token_ids]
+    prefix_ids = list(parse.prefix_token_ids)
     max_valid = max((o.index for o in preds), default=0)
     counters = {
         "gt_objects": float(len(gts)),
@@ -333,7 +333,7 @@ def _encode_tail(
     append_text: str, want_bins: list[int], tokenizer: Any, coord_vocab: CoordVocab
 ) -> list[int]:
     """Fresh encoding of the appended fragment, checked coordinate by coordinate (§10)."""
-    append_ids = [int(t) for t in tokenizer.encode(append_text, add_special_tokens=False)]
+    append_ids = list(tokenizer.encode(append_text, add_special_tokens=False))
     got = [coord_vocab.bin_of(t) for t in append_ids if coord_vocab.is_coord(t)]
     if got != want_bins:
         raise ValueError(

@@ -90,6 +90,7 @@ def sampling_params(cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None
     from vllm.sampling_params import RequestOutputKind
 
     guarded = end_of_turn_id is not None
+    scored = [end_of_turn_id] if guarded and cfg.logprobs else None
     return SamplingParams(
         n=1,
         temperature=cfg.temperature,
@@ -101,8 +102,9 @@ def sampling_params(cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None
         max_tokens=cfg.max_tokens,
         min_tokens=cfg.min_tokens,
         ignore_eos=cfg.ignore_eos,
-        logprobs=0 if cfg.logprobs else None,
-        logprob_token_ids=[end_of_turn_id] if guarded and cfg.logprobs else None,
+        # vLLM wants logprobs == len(logprob_token_ids) when both are set; the sampled token always comes too.
+        logprobs=len(scored) if scored else (0 if cfg.logprobs else None),
+        logprob_token_ids=scored,
         skip_special_tokens=True,
         output_kind=RequestOutputKind.DELTA if guarded else RequestOutputKind.FINAL_ONLY,
     )

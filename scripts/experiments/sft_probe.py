@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new", type=int, default=0, help="0 = longest eval answer + 16")
     ap.add_argument("--grid", type=int, default=20)
     ap.add_argument("--max-objects", type=int, default=6)
-    ap.add_argument("--scene-style", choices=["compact", "verbose"], default="compact")
+    ap.add_argument("--scene-style", choices=["tight", "compact", "verbose"], default="tight")
+    ap.add_argument("--no-distinct", action="store_true", help="allow repeated coordinate values and descs")
     ap.add_argument("--loss", choices=["ce", "stage2"], default="ce")
     ap.add_argument("--desc-ce", action="store_true", help="stage2 loss: CE on desc values too (fn_desc_ce)")
     ap.add_argument("--data-seed", type=int, default=0)
@@ -332,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
 
-    cfg = DemoDataConfig(grid=args.grid, max_objects=args.max_objects, scene_style=args.scene_style)
+    cfg = DemoDataConfig(
+        grid=args.grid, max_objects=args.max_objects, scene_style=args.scene_style, distinct=not args.no_distinct
+    )
     train = generate_records(args.n_train, args.data_seed, "train", cfg)
     held = generate_records(args.n_eval, args.data_seed, "eval", cfg)
     coord_ids_list = tok.convert_tokens_to_ids([f"<|coord_{k}|>" for k in range(1000)])

@@ -37,8 +37,14 @@ def _obj(k: int, desc: str, box: tuple[int, ...]) -> str:
 
 def _segment(tok, vocab: CoordVocab, case_index: int) -> Segment:
     user, prefix_boxes, tail_objs = CASES[case_index]
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)["input_ids"])
-    prefix_text = "{" + ", ".join(_obj(i + 1, "thing", b) for i, b in enumerate(prefix_boxes)) + ("}" if prefix_boxes else "")
+    prompt = list(
+        tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)["input_ids"]
+    )
+    prefix_text = (
+        "{"
+        + ", ".join(_obj(i + 1, "thing", b) for i, b in enumerate(prefix_boxes))
+        + ("}" if prefix_boxes else "")
+    )
     sep = ", " if prefix_boxes else ""
     n0 = len(prefix_boxes)
     tail_text = sep + ", ".join(_obj(n0 + i + 1, d, b) for i, (d, b) in enumerate(tail_objs)) + "}"
@@ -48,10 +54,14 @@ def _segment(tok, vocab: CoordVocab, case_index: int) -> Segment:
     newline = tok.encode("\n", add_special_tokens=False)
     ids = prompt + prefix + tail + [eot, *newline]
     slots = [i for i, t in enumerate(prefix) if vocab.is_coord(t)]
-    targets = [min(999, vocab.bin_of(prefix[i]) + 3) for i in slots]  # §9 targets differ from the rollout's bins
+    targets = [
+        min(999, vocab.bin_of(prefix[i]) + 3) for i in slots
+    ]  # §9 targets differ from the rollout's bins
     pieces = tok.convert_ids_to_tokens(tail)
     ignore = [i for i, p in enumerate(pieces) if p in {"dog", "rug", "cat"}]
-    lab = build_labels(ids, len(prompt), len(prefix), len(prefix) + len(tail), slots, targets, ignore, [], vocab)
+    lab = build_labels(
+        ids, len(prompt), len(prefix), len(prefix) + len(tail), slots, targets, ignore, [], vocab
+    )
     meta = SegmentMeta(
         sample_id=case_index,
         base_idx=case_index,
@@ -74,7 +84,9 @@ def _segment(tok, vocab: CoordVocab, case_index: int) -> Segment:
 def model_and_segments(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     model.eval()
     vocab = CoordVocab.from_tokenizer(tiny_tokenizer)
     segments = [_segment(tiny_tokenizer, vocab, i) for i in range(len(CASES))]
@@ -92,7 +104,12 @@ def test_packed_and_padded_loss_sums_are_equal(model_and_segments) -> None:
         ld = model(**padded.model_inputs()).logits
     sp = step_loss_sums(lp, packed, coord_ids=coord_ids, coord_cfg=cfg, eos_id=eot)
     sd = step_loss_sums(ld, padded, coord_ids=coord_ids, coord_cfg=cfg, eos_id=eot)
-    assert (sp.n_ce, sp.n_coord, sp.n_coord_prefix, sp.n_ce_eos) == (sd.n_ce, sd.n_coord, sd.n_coord_prefix, 3)
+    assert (sp.n_ce, sp.n_coord, sp.n_coord_prefix, sp.n_ce_eos) == (
+        sd.n_ce,
+        sd.n_coord,
+        sd.n_coord_prefix,
+        3,
+    )
     assert sp.n_coord_prefix == 4 + 8 and sp.n_coord == 12 + 12
     assert sp.s_ce.item() == pytest.approx(sd.s_ce.item(), rel=1e-5, abs=1e-5)
     assert sp.s_coord.item() == pytest.approx(sd.s_coord.item(), rel=1e-5, abs=1e-5)
@@ -123,7 +140,9 @@ def test_segment_isolation_in_packed_row(model_and_segments) -> None:
         ones = torch.ones_like(packed.input_ids)
         leaked_mask = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=ones,
                             use_cache=False).logits[0]  # fmt: skip
-        leaked_cache = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=True).logits[0]
+        leaked_cache = model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=True
+        ).logits[0]
     for leaked in (leaked_mask, leaked_cache):
         diffs = _max_diff_per_segment(leaked, alone, bounds)
         assert diffs[0] < 1e-5 and min(diffs[1:]) > 1e-3

@@ -93,7 +93,9 @@ def make_segment(
     )
 
 
-def random_segment(rng: random.Random, *, sample_id: int = 0, rollout_step: int = 0, max_part: int = 8) -> Segment:
+def random_segment(
+    rng: random.Random, *, sample_id: int = 0, rollout_step: int = 0, max_part: int = 8
+) -> Segment:
     """A random, valid segment: text/coord mix in prefix and tail, random targets and masks."""
 
     def part(n: int) -> list[int]:

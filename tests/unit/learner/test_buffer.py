@@ -32,7 +32,11 @@ def test_repeater_spec_example() -> None:
     assert [(t.window_id, t.repetition) for t in out] == [(0, 0)] * 3 + [(0, 1)] * 3 + [(1, 0)]
     assert len(loader) == 7
     assert repeated_len(7, 3, 2) == 13
-    assert len(RepeatingLoader(list(range(7)), gas=3, m_steps=2)) == 13 == len(list(RepeatingLoader(list(range(7)), 3, 2)))
+    assert (
+        len(RepeatingLoader(list(range(7)), gas=3, m_steps=2))
+        == 13
+        == len(list(RepeatingLoader(list(range(7)), 3, 2)))
+    )
 
 
 def test_repeater_streams_first_pass_and_continues_window_ids() -> None:
@@ -97,7 +101,10 @@ class Builder:
     def __call__(self, raws):
         self.calls += 1
         prepared = [
-            {"batch": pack_segments([sized_segment(5, sample_id=s["sample_id"]) for s in raw]), "metrics": {"x": 1.0}}
+            {
+                "batch": pack_segments([sized_segment(5, sample_id=s["sample_id"]) for s in raw]),
+                "metrics": {"x": 1.0},
+            }
             for raw in raws
         ]
         return prepared, 11 * self.calls, 3
@@ -198,7 +205,12 @@ def test_copy_prepared_containers() -> None:
     obj = {"a": [{"k": 1}], "t": t, "tup": (t, [1])}
     c = copy_prepared(obj)
     assert c == {"a": [{"k": 1}], "t": t, "tup": (t, [1])}
-    assert c["a"] is not obj["a"] and c["a"][0] is not obj["a"][0] and c["t"] is t and c["tup"][1] is not obj["tup"][1]
+    assert (
+        c["a"] is not obj["a"]
+        and c["a"][0] is not obj["a"][0]
+        and c["t"] is t
+        and c["tup"][1] is not obj["tup"][1]
+    )
 
 
 def test_config() -> None:

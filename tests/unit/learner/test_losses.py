@@ -137,7 +137,10 @@ def test_ce_sum_matches_shifted_cross_entropy_and_eos_split() -> None:
     labels = torch.full((2, 6), -100)
     labels[0, 2], labels[0, 4], labels[1, 1], labels[1, 5] = 3, EOT, 7, EOT
     out = ce_sum(logits, labels, eos_id=EOT)
-    expected = [F.cross_entropy(logits[b, t - 1], labels[b, t], reduction="sum") for b, t in [(0, 2), (0, 4), (1, 1), (1, 5)]]
+    expected = [
+        F.cross_entropy(logits[b, t - 1], labels[b, t], reduction="sum")
+        for b, t in [(0, 2), (0, 4), (1, 1), (1, 5)]
+    ]
     assert out.count == 4 and out.eos_count == 2
     assert out.total.item() == pytest.approx(sum(e.item() for e in expected), rel=1e-6)
     assert out.eos_total.item() == pytest.approx(expected[1].item() + expected[3].item(), rel=1e-6)
@@ -161,7 +164,9 @@ def test_step_loss_sums_counts_and_split() -> None:
         logits[batch.coord_batch_idx, batch.coord_pos - 1], batch.coord_bins, COORD_IDS, CoordLossConfig()
     )
     assert sums.s_coord.item() == pytest.approx(terms.total.sum().item(), rel=1e-6)
-    assert sums.s_coord_prefix.item() + sums.s_coord_tail.item() == pytest.approx(sums.s_coord.item(), rel=1e-6)
+    assert sums.s_coord_prefix.item() + sums.s_coord_tail.item() == pytest.approx(
+        sums.s_coord.item(), rel=1e-6
+    )
     assert sums.s_coord_prefix.item() == pytest.approx(terms.total[0].item(), rel=1e-6)
     m = sums.metric_sums()
     assert m["loss/count_ce"] == 5 and m["loss/count_coord"] == 4 and m["loss/coord_nonfinite"] == 0
@@ -210,7 +215,9 @@ def _token_weighted_setup():
 
 
 def _sums(model: _TinyLM, batch):
-    return step_loss_sums(model(batch.input_ids), batch, coord_ids=COORD_IDS, coord_cfg=CoordLossConfig(), eos_id=EOT)
+    return step_loss_sums(
+        model(batch.input_ids), batch, coord_ids=COORD_IDS, coord_cfg=CoordLossConfig(), eos_id=EOT
+    )
 
 
 def test_token_weighted_accumulation_equals_one_big_step() -> None:
@@ -219,7 +226,9 @@ def test_token_weighted_accumulation_equals_one_big_step() -> None:
 
     model = _TinyLM()
     for b in (b1, b2):
-        micro_loss(_sums(model, b), n_ce, n_coord, world_size=1, normalization="token_weighted", gas=2).backward()
+        micro_loss(
+            _sums(model, b), n_ce, n_coord, world_size=1, normalization="token_weighted", gas=2
+        ).backward()
     accumulated = _grads(model)
 
     ref = _TinyLM()
@@ -233,7 +242,9 @@ def test_token_weighted_accumulation_equals_one_big_step() -> None:
     ranks = []
     for b in (b1, b2):
         rank_model = _TinyLM()
-        micro_loss(_sums(rank_model, b), n_ce, n_coord, world_size=2, normalization="token_weighted", gas=1).backward()
+        micro_loss(
+            _sums(rank_model, b), n_ce, n_coord, world_size=2, normalization="token_weighted", gas=1
+        ).backward()
         ranks.append(_grads(rank_model))
     for g0, g1, want in zip(*ranks, _grads(ref), strict=True):
         assert torch.allclose((g0 + g1) / 2, want, atol=1e-6, rtol=0)
@@ -280,7 +291,13 @@ def test_configs_validate() -> None:
     cfg = CoordLossConfig()
     assert (cfg.target_sigma, cfg.target_truncate, cfg.temperature) == (2.0, None, 1.0)
     assert (cfg.soft_ce_weight, cfg.w1_weight, cfg.gate_weight) == (1.0, 1.0, 1.0)
-    for bad in ({"target_sigma": 0}, {"temperature": -1}, {"w1_weight": -0.1}, {"target_truncate": -1}, {"sigma": 1}):
+    for bad in (
+        {"target_sigma": 0},
+        {"temperature": -1},
+        {"w1_weight": -0.1},
+        {"target_truncate": -1},
+        {"sigma": 1},
+    ):
         with pytest.raises(ValidationError):
             CoordLossConfig(**bad)
     with pytest.raises(ValidationError):

@@ -91,8 +91,12 @@ def _run_ranks(metrics: list[StepMetrics]) -> list[dict[str, float]]:
 
 def test_rates_come_from_global_sums_over_ranks() -> None:
     a, b = StepMetrics(), StepMetrics()
-    a.add_rollout_counters({"samples": 1, "valid_pred_objects": 1, "matched_for_supervision": 1, "gt_objects": 1})
-    b.add_rollout_counters({"samples": 3, "valid_pred_objects": 3, "matched_for_supervision": 0, "gt_objects": 3})
+    a.add_rollout_counters(
+        {"samples": 1, "valid_pred_objects": 1, "matched_for_supervision": 1, "gt_objects": 1}
+    )
+    b.add_rollout_counters(
+        {"samples": 3, "valid_pred_objects": 3, "matched_for_supervision": 0, "gt_objects": 3}
+    )
     a.add_time("time/forward_s", 1.0)
     a.add_time("time/forward_s", 0.5)  # summed over the rank's micro-steps
     b.add_time("time/forward_s", 2.0)  # ranks: max

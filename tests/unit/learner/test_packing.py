@@ -214,7 +214,11 @@ def test_next_packed_batch_and_empty_micro_step() -> None:
 
 def _seg_a():
     return make_segment(
-        [7, 8, 9], [10, coord(5), 11, coord(6)], [12, coord(600), 13], prefix_targets={1: 7, 3: 9}, sample_id=1
+        [7, 8, 9],
+        [10, coord(5), 11, coord(6)],
+        [12, coord(600), 13],
+        prefix_targets={1: 7, 3: 9},
+        sample_id=1,
     )
 
 
@@ -239,7 +243,9 @@ def test_packed_equivalence_two_segments() -> None:
     assert packed.coord_is_prefix.tolist() == [True, True, False, False, False]
     assert packed.coord_batch_idx.tolist() == [0] * 5
     assert [m["sample_id"] for m in packed.meta] == [1, 2]
-    assert packed.n_ce == a.meta.encoded_len - a.labels.count(-100) + b.meta.encoded_len - b.labels.count(-100)
+    assert packed.n_ce == a.meta.encoded_len - a.labels.count(-100) + b.meta.encoded_len - b.labels.count(
+        -100
+    )
     inputs = packed.model_inputs(flash_varlen_kwargs=True)
     assert "attention_mask" not in inputs and inputs["cu_seq_lens_q"] is packed.cu_seqlens
     assert inputs["max_length_k"] == packed.max_seqlen
@@ -287,7 +293,9 @@ def _unpack(batch) -> list[tuple[list[int], list[tuple[int, int, bool]]]]:
     for row, start, end in spans:
         slots = [
             (int(p) - start, int(t), bool(f))
-            for r, p, t, f in zip(batch.coord_batch_idx, batch.coord_pos, batch.coord_bins, batch.coord_is_prefix)
+            for r, p, t, f in zip(
+                batch.coord_batch_idx, batch.coord_pos, batch.coord_bins, batch.coord_is_prefix
+            )
             if int(r) == row and start <= int(p) < end
         ]
         out.append((batch.labels[row, start:end].tolist(), slots))
@@ -299,7 +307,9 @@ def _unpack(batch) -> list[tuple[list[int], list[tuple[int, int, bool]]]]:
 def test_pack_unpack_roundtrip_preserves_labels_and_targets(seed: int, n: int) -> None:
     rng = random.Random(seed)
     segs = [random_segment(rng, sample_id=i) for i in range(n)]
-    expected = [(list(s.labels), list(zip(s.coord_pos, s.coord_bins, s.coord_is_prefix, strict=True))) for s in segs]
+    expected = [
+        (list(s.labels), list(zip(s.coord_pos, s.coord_bins, s.coord_is_prefix, strict=True))) for s in segs
+    ]
     assert _unpack(pack_segments(segs)) == expected
     assert _unpack(pad_segments(segs, PAD)) == expected
 

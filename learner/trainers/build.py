@@ -1,0 +1,186 @@
+"""Assemble a rollout-matching SFT run from a validated `RunConfig`: model, data, rollout source, trainer.
+
+Only this module (and `__main__`) knows how the parts are wired; the trainer receives its collaborators.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from learner.config import ConfigError, RunConfig, check_runtime_guards
+from learner.data.dataset import RepeatedWindowDataset
+from learner.data.records import build_sample, load_records
+from learner.data.synthetic import scene_user_text
+from learner.rollout.base import RolloutSource
+from learner.stage2.buffer import RolloutBuffer
+from learner.stage2.coords import CoordVocab
+from learner.stage2.pipeline import SampleContext
+from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallback
+from learner.trainers.planner import StepPlanner
+from learner.trainers.rollout_matching import RolloutMatchingTrainer
+from learner.weights.sync import WeightSyncPolicy
+
+__all__ = ["REPO_ROOT", "RunParts", "build_rollout_source", "build_run", "load_samples", "resolve_path"]
+
+logger = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# TrainingArguments we must own (and why): identity collator needs the raw columns; the rollout-buffer
+# repetition order lives in the dataset, so sampling must be sequential.
+_FORCED_ARGS = {"remove_unused_columns": False, "train_sampling_strategy": "sequential"}
+_DEFAULT_ARGS = {"logging_steps": 1, "report_to": ["tensorboard"], "save_strategy": "no", "eval_strategy": "no",
+                 "per_device_train_batch_size": 8, "disable_tqdm": True, "dataloader_num_workers": 0,
+                 "use_cpu": not torch.cuda.is_available()}
+
+
+def resolve_path(path: str) -> str:
+    """A relative path in a config resolves against the repository root (so configs work from any cwd)."""
+    p = Path(path)
+    return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
+
+
+def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
+    """Sample dicts (spec/STAGE2.md §1.5) of the given JSONL files, in dataset-namespace order.
+
+    A record's `metadata.scene` text (the synthetic demo describes its scene in the prompt) is appended to
+    the user prompt on a new line.
+    """
+    samples: list[dict[str, Any]] = []
+    seed = int(cfg.training.get("seed", 42))
+    for namespace, file in enumerate(files):
+        path = resolve_path(file)
+        for base_idx, record in enumerate(load_records(path, image_root=cfg.data.image_root,
+                                                       max_images_per_sample=cfg.data.max_images_per_sample)):
+            scene = (record.get("metadata") or {}).get("scene")
+            user = scene_user_text(cfg.prompts.user, scene) if scene else cfg.prompts.user
+            samples.append(build_sample(record, base_idx=base_idx, dataset=Path(path).stem,
+                                        dataset_namespace=namespace, system_prompt=cfg.prompts.system,
+                                        user_prompt=user, ordering=cfg.data.object_ordering, seed=seed))
+    return samples
+
+
+def build_rollout_source(cfg: RunConfig, model: PreTrainedModel, tokenizer: Any) -> RolloutSource:
+    """The configured `RolloutSource`: server client(s) or the colocated engine (same protocol)."""
+    if cfg.rollout.mode == "server":
+        from learner.rollout.client import ServerRolloutSource
+
+        source = ServerRolloutSource.from_config(cfg.rollout)
+        source.wait_healthy()
+        return source
+    from learner.rollout.colocate import ColocateRolloutSource
+
+    return ColocateRolloutSource.from_config(cfg, model=model, tokenizer=tokenizer)
+
+
+@dataclass
+class RunParts:
+    """Everything `__main__` needs to run and report."""
+
+    trainer: RolloutMatchingTrainer
+    source: RolloutSource
+    output_dir: Path
+
+
+def _training_args(cfg: RunConfig, output_dir: Path) -> TrainingArguments:
+    kwargs = {**_DEFAULT_ARGS, **cfg.training, **_FORCED_ARGS, "output_dir": str(output_dir)}
+    kwargs.setdefault("logging_dir", str(output_dir / "tb"))
+    kwargs.pop("resume_from_checkpoint", None)
+    return TrainingArguments(**kwargs)
+
+
+def _load_model(cfg: RunConfig) -> tuple[PreTrainedModel, Any]:
+    path = resolve_path(cfg.model.path)
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.path {path} is not a local directory; build it with scripts/setup.sh "
+                          "(tiny models) or point it at a downloaded checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype),
+                                                 attn_implementation=cfg.model.attn_implementation)
+    if cfg.model.adapter != "none":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout,
+            target_modules=cfg.model.lora_target_modules, use_dora=cfg.model.adapter == "dora",
+            task_type="CAUSAL_LM"))
+    return model, tokenizer
+
+
+def _sample_context(cfg: RunConfig, tokenizer: Any) -> SampleContext:
+    s2 = cfg.stage2
+    eot_id = tokenizer.convert_tokens_to_ids(cfg.chat.end_of_turn_token)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    if len(newline) != 1:
+        raise ConfigError(f"the tokenizer encodes '\\n' as {newline}; the turn suffix needs a single id")
+    return SampleContext(
+        tokenizer=tokenizer, coord_vocab=CoordVocab.from_tokenizer(tokenizer), system_prompt=cfg.prompts.system,
+        stop_markers=tuple(s2.parse.stop_markers), matching=s2.matching, targets=s2.targets,
+        malformed_policy=s2.gt.malformed_policy, fn_desc_ce=s2.loss.fn_desc_ce,
+        prefix_structure_ce=s2.loss.prefix_structure_ce,
+        packing_length=s2.packing.packing_length or s2.encode.global_max_length,
+        on_prompt_mismatch=s2.encode.on_prompt_mismatch, oversize_policy=s2.encode.oversize_policy,
+        eot_id=int(eot_id), newline_id=int(newline[0]),
+    )
+
+
+def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunParts:
+    """Builds model, data, rollout source, sync policy, buffer and trainer for `cfg`.
+
+    Raises:
+        ConfigError: a guard that needs the world size or the servers' `/health` failed.
+    """
+    out = Path(resolve_path(str(output_dir or cfg.output_dir)))
+    args = _training_args(cfg, out)
+    model, tokenizer = _load_model(cfg)
+    ctx = _sample_context(cfg, tokenizer)
+    train = load_samples(cfg.data.train, cfg)
+    evals = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]
+    source = build_rollout_source(cfg, model, tokenizer)
+    health = source.health()
+    longest = max((len(ctx.prompt_ids(s)) for s in train[:256]), default=0)
+    check_runtime_guards(cfg, world_size=args.world_size, server_lora_enabled=health.lora_enabled,
+                         server_max_model_len=health.max_model_len, longest_prompt_tokens=longest)
+    gas = args.gradient_accumulation_steps
+    buffer_cfg = cfg.stage2.rollout_buffer
+    m_steps = buffer_cfg.m_steps if buffer_cfg.enabled else 1
+    block = args.per_device_train_batch_size * gas * args.world_size
+    dataset = RepeatedWindowDataset(train, block=block, m_steps=m_steps, seed=args.seed)
+    sync = WeightSyncPolicy(cfg.rollout.sync, is_rank0=lambda: args.process_index == 0,
+                            barrier=_barrier if args.world_size > 1 else (lambda: None),
+                            dtype=_engine_dtype(health), seed=args.seed)
+    planner = StepPlanner(source=source, ctx=ctx, stage2=cfg.stage2, decoding=cfg.rollout.decoding,
+                          seed=args.seed, rank=args.process_index, world_size=args.world_size,
+                          per_device_batch_size=args.per_device_train_batch_size,
+                          pad_id=int(tokenizer.pad_token_id), adapter_name=lambda: sync.request_adapter)
+    trainer = RolloutMatchingTrainer(
+        planner=planner, weight_sync=sync, rollout_buffer=RolloutBuffer(m_steps=m_steps, gas=gas,
+                                                                        enabled=buffer_cfg.enabled),
+        run_cfg=cfg, eval_samples=evals, model=model, args=args, train_dataset=dataset,
+        data_collator=_identity_collator, processing_class=tokenizer,
+        callbacks=[MetricsJsonlCallback(out / "metrics.jsonl"), LiveProgressCallback()],
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    return RunParts(trainer=trainer, source=source, output_dir=out)
+
+
+def _engine_dtype(health: Any) -> torch.dtype | None:
+    """The dtype full syncs are cast to: the engine's, when `/health` reports one."""
+    name = getattr(health, "dtype", None)
+    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
+
+
+def _identity_collator(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Micro-batches are plain lists of sample dicts (spec/STAGE2.md §1.5)."""
+    return batch
+
+
+def _barrier() -> None:
+    torch.distributed.barrier()
