@@ -179,6 +179,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
     if not errors:
         return "invalid request"
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON ({first.get('msg', 'decode error')}); send a JSON object"
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"invalid request: {loc}: {first.get('msg', 'invalid value')}{more}"

@@ -104,7 +104,10 @@ def _build_processor(tmp: Path):
     tokenizer = build_tiny_models.build_tokenizer(tmp)
     image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR)
     video_processor = Qwen3VLVideoProcessor(
-        patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
     )
     processor = Qwen3VLProcessor(
         image_processor=image_processor,
@@ -141,9 +144,17 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = _build_processor(tmp)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>",
-                                                             "<|vision_start|>", "<|vision_end|>",
-                                                             "<|im_end|>", "<|endoftext|>")}
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(t)
+        for t in (
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|im_end|>",
+            "<|endoftext|>",
+        )
+    }
     vocab = -(-len(tokenizer) // 64) * 64
     config = Qwen3VLConfig(
         text_config={**TEXT_CONFIG, "vocab_size": vocab, "dtype": "float32"},

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.segment import Segment, SegmentMeta
@@ -94,9 +94,8 @@ def check_prompt_alignment(
     return PromptMismatch(len_tf=len(a), len_rollout=len(b), first_diff=first)
 
 
-@dataclass(frozen=True)
-class Labels:
-    """Output of :func:`build_labels` (§12.4); iterable as the spec's 4-tuple.
+class Labels(NamedTuple):
+    """Output of :func:`build_labels` (§12.4): the spec's 4-tuple with names.
 
     Attributes:
         labels: per position, -100 or the CE target id (= ``input_ids[p]``).
@@ -109,9 +108,6 @@ class Labels:
     coord_pos: list[int]
     coord_bins: list[int]
     coord_is_prefix: list[bool]
-
-    def __iter__(self):  # noqa: ANN204 - tuple-style unpacking
-        return iter((self.labels, self.coord_pos, self.coord_bins, self.coord_is_prefix))
 
 
 def _as_int_list(ids: Any) -> list[int]:

@@ -41,7 +41,6 @@ from rollout_server.config import ServerConfig
 from rollout_server.engines.base import (
     AdapterUpdate,
     EngineHealth,
-    FullUpdate,
     ParamSpec,
     StagedUpdate,
     check_adapter_request,
@@ -56,7 +55,7 @@ from rollout_server.engines.vllm_params import (
     engine_args_from_config,
     sampling_params,
 )
-from rollout_server.engines.vllm_worker import LOAD_METHOD
+from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
 from rollout_server.errors import (
     BadRequestError,
     EngineError,
@@ -144,6 +143,9 @@ class VllmEngine:
         self._default_adapter: str | None = None
         self._next_lora_id = 1
         self._adapter_root = Path(tempfile.mkdtemp(prefix="rollmatch-adapters-"))
+        self._pending: tuple[StagedUpdate, Any] | None = None  # staged update and its LoRARequest (adapters)
+        self._update_lock = asyncio.Lock()
+        self._failure: str | None = None
 
     # ---- construction -------------------------------------------------------------------------------------
 
@@ -160,7 +162,9 @@ class VllmEngine:
 
         path = cfg.model_path
         if not path.is_dir():
-            raise FileNotFoundError(f"server.model {cfg.model!r} resolves to {path}, which is not a directory")
+            raise FileNotFoundError(
+                f"server.model {cfg.model!r} resolves to {path}, which is not a directory"
+            )
         args = engine_args_from_config(cfg)
 
         def start() -> Any:
@@ -175,7 +179,12 @@ class VllmEngine:
         except BaseException:
             await asyncio.to_thread(llm.shutdown)
             raise
-        logger.info("vLLM engine ready: %s (tp %d, lora %s)", path, cfg.vllm.tensor_parallel_size, cfg.vllm.enable_lora)
+        logger.info(
+            "vLLM engine ready: %s (tp %d, lora %s)",
+            path,
+            cfg.vllm.tensor_parallel_size,
+            cfg.vllm.enable_lora,
+        )
         return cls(
             llm,
             tokenizer,
@@ -211,7 +220,9 @@ class VllmEngine:
 
     async def health(self) -> EngineHealth:
         """Cheap status from local state (never waits on the engine)."""
-        error = "engine closed" if self._closed else ("vLLM engine died" if self._llm.errored else None)
+        error = (
+            "engine closed" if self._closed else ("vLLM engine died" if self._llm.errored else self._failure)
+        )
         return EngineHealth(
             status="error" if error else "ok",
             engine="vllm",
@@ -226,8 +237,8 @@ class VllmEngine:
 
     async def generate(self, batch: InferBatch) -> list[InferResult]:
         """Generates every request; result i answers request i (see `Engine.generate`)."""
-        if self._closed:
-            raise EngineError("engine is closed")
+        if self._closed or self._failure:
+            raise EngineError(f"engine cannot serve: {self._failure or 'engine closed'}")
         cfg = batch.request_config
         adapter = cfg.adapter
         check_adapter_request(adapter, self._lora_enabled, tuple(self._adapters))
@@ -278,12 +289,13 @@ class VllmEngine:
 
     async def apply_update(self, update: StagedUpdate) -> None:
         """Applies a staged update all or nothing (see `Engine.apply_update`)."""
-        if self._closed:
-            raise EngineError("engine is closed")
-        if isinstance(update, AdapterUpdate):
-            await self._apply_adapter(update)
-        else:
-            await self._apply_full(update)
+        async with self._update_lock:
+            await self.prepare_update(update)
+            try:
+                await self.commit_update()
+            except BaseException:
+                await self.abort_update()
+                raise
 
     async def aclose(self) -> None:
         """Stops the engine processes (blocking shutdown runs in a thread); idempotent."""
@@ -297,7 +309,9 @@ class VllmEngine:
 
     def _prepare(self, batch: InferBatch) -> list[PreparedPrompt]:
         return [
-            prepare_prompt(self._tokenizer, request, batch.first_index + i, placeholder_id=self._placeholder_id)
+            prepare_prompt(
+                self._tokenizer, request, batch.first_index + i, placeholder_id=self._placeholder_id
+            )
             for i, request in enumerate(batch.infer_requests)
         ]
 
@@ -311,7 +325,11 @@ class VllmEngine:
         """Runs one completion, applying the repeat guard as a per-step stop check when configured."""
         from vllm.exceptions import VLLMValidationError
 
-        guard = cfg.repeat_terminate if cfg.repeat_terminate is not None and cfg.repeat_terminate.enabled else None
+        guard = (
+            cfg.repeat_terminate
+            if cfg.repeat_terminate is not None and cfg.repeat_terminate.enabled
+            else None
+        )
         params = sampling_params(cfg, seed, end_of_turn_id=self._end_of_turn_id if guard else None)
         request_id = f"{uuid.uuid4().hex[:16]}-{index}"
         tokens: list[int] = []
@@ -341,7 +359,9 @@ class VllmEngine:
                     eot_logprobs.extend(_token_logprobs(self._end_of_turn_id, o.logprobs))
                 finish = o.finish_reason
                 stop = len(tokens) if finish is None else len(tokens) - 1
-                cut = first_guard_cut(tokens, checked, stop, guard, self._text_of(tokens, texts) if needs_text(guard) else None)
+                cut = first_guard_cut(
+                    tokens, checked, stop, guard, self._text_of(tokens, texts) if needs_text(guard) else None
+                )
                 checked = max(checked, stop)
                 if cut is not None:
                     # Leaving the loop aborts the vLLM request; the tokens after the cut are discarded.
@@ -380,21 +400,90 @@ class VllmEngine:
 
     # ---- updates ------------------------------------------------------------------------------------------
 
-    async def _apply_full(self, update: FullUpdate) -> None:
-        async with self._gate.exclusive():
-            try:
-                counts = await self._llm.collective_rpc(LOAD_METHOD, args=(list(update.buckets),))
-            except Exception as exc:
-                raise EngineError(
-                    f"loading weight version {update.version} into the vLLM workers failed"
-                    f" ({type(exc).__name__}: {exc})"
-                ) from exc
-            await self._reset_caches()
-            self._version = update.version
-            self._default_adapter = None
-        logger.info("vLLM weights version %d applied (%s tensors per worker)", update.version, counts)
+    async def prepare_update(self, update: StagedUpdate) -> None:
+        """Phase 1 of an update, while generations go on: nothing served changes.
 
-    async def _apply_adapter(self, update: AdapterUpdate) -> None:
+        Full: every worker decodes the buckets and keeps the tensors. Adapter: the PEFT folder is written and
+        loaded into vLLM's LoRA cache (unused until commit).
+
+        Raises:
+            LoraDisabledError: adapter update without LoRA (409).
+            SyncValidationError: adapter rank too large or rejected by vLLM (400).
+            EngineError: another update is staged, or the workers failed to decode the buckets.
+        """
+        if self._closed:
+            raise EngineError("engine is closed")
+        if self._pending is not None:
+            raise EngineError(
+                f"an update to version {self._pending[0].version} is already staged; commit or abort it"
+            )
+        if isinstance(update, AdapterUpdate):
+            lora = await self._load_adapter(update)
+            self._pending = (update, lora)
+            return
+        try:
+            await self._llm.collective_rpc(STAGE_METHOD, args=(list(update.buckets),))
+        except Exception as exc:
+            await self._discard_worker_stage()
+            raise EngineError(
+                f"staging weight version {update.version} in the vLLM workers failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        self._pending = (update, None)
+
+    async def commit_update(self) -> None:
+        """Phase 2: waits for running batches, swaps the staged update in, resets caches, bumps the version.
+
+        Raises:
+            EngineError: nothing staged, or loading failed (the engine then reports `error` in health, since
+                its workers may hold a partial load).
+        """
+        if self._pending is None:
+            raise EngineError("no update is staged; prepare one first")
+        update, lora = self._pending
+        try:
+            async with self._gate.exclusive():
+                if lora is None:
+                    try:
+                        counts = await self._llm.collective_rpc(COMMIT_METHOD)
+                    except Exception as exc:
+                        self._failure = (
+                            f"weight version {update.version} failed to load: {type(exc).__name__}"
+                        )
+                        raise EngineError(
+                            f"loading weight version {update.version} into the vLLM workers failed"
+                            f" ({type(exc).__name__}: {exc}); restart the server"
+                        ) from exc
+                    self._default_adapter = None
+                    logger.info(
+                        "vLLM weights version %d applied (%s tensors per worker)", update.version, counts
+                    )
+                else:
+                    await self._swap_adapter(update, lora)
+                await self._reset_caches()
+                self._version = update.version
+        finally:
+            self._pending = None
+
+    async def abort_update(self) -> None:
+        """Drops a staged update (no-op when none); the served weights never changed."""
+        if self._pending is None:
+            return
+        _, lora = self._pending
+        self._pending = None
+        if lora is None:
+            await self._discard_worker_stage()
+        else:
+            with contextlib.suppress(Exception):
+                await self._llm.remove_lora(lora.lora_int_id)
+            shutil.rmtree(lora.lora_path, ignore_errors=True)
+
+    async def _discard_worker_stage(self) -> None:
+        try:
+            await self._llm.collective_rpc(DISCARD_METHOD)
+        except Exception:
+            logger.warning("could not discard staged weights in the vLLM workers", exc_info=True)
+
+    async def _load_adapter(self, update: AdapterUpdate) -> Any:
         from vllm.lora.request import LoRARequest
 
         if not self._lora_enabled:
@@ -416,25 +505,30 @@ class VllmEngine:
             lora_path=str(folder),
         )
         self._next_lora_id += 1
-        async with self._gate.exclusive():
-            try:
-                await self._llm.add_lora(lora)
-            except Exception as exc:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise SyncValidationError(
-                    f"vLLM rejected adapter {update.adapter_name!r} ({type(exc).__name__}: {exc}); send a PEFT"
-                    " LoRA whose target modules exist in the served model",
-                    type="adapter_invalid",
-                ) from exc
-            previous = self._adapters.get(update.adapter_name)
-            self._adapters[update.adapter_name] = lora
-            self._default_adapter = update.adapter_name
-            if previous is not None:
-                await self._llm.remove_lora(previous.lora_int_id)
-                shutil.rmtree(previous.lora_path, ignore_errors=True)
-            await self._reset_caches()
-            self._version = update.version
-        logger.info("adapter %r version %d served as LoRA id %d", update.adapter_name, update.version, lora.lora_int_id)
+        try:
+            await self._llm.add_lora(lora)
+        except Exception as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise SyncValidationError(
+                f"vLLM rejected adapter {update.adapter_name!r} ({type(exc).__name__}: {exc}); send a PEFT"
+                " LoRA whose target modules exist in the served model",
+                type="adapter_invalid",
+            ) from exc
+        return lora
+
+    async def _swap_adapter(self, update: AdapterUpdate, lora: Any) -> None:
+        previous = self._adapters.get(update.adapter_name)
+        self._adapters[update.adapter_name] = lora
+        self._default_adapter = update.adapter_name
+        if previous is not None:
+            await self._llm.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        logger.info(
+            "adapter %r version %d served as LoRA id %d",
+            update.adapter_name,
+            update.version,
+            lora.lora_int_id,
+        )
 
     def _write_adapter(self, update: AdapterUpdate) -> Path:
         folder = self._adapter_root / f"{_safe_name(update.adapter_name)}-v{update.version}"
@@ -479,7 +573,9 @@ def _token_logprobs(token_id: int, step_logprobs: Any) -> list[float]:
 def _validation_error(index: int, exc: Exception) -> BadRequestError:
     message = str(exc)
     if "maximum model length" in message or "longer than" in message:
-        return PromptTooLongError(f"request {index}: {message}; shorten the prompt or raise server.vllm.max_model_len")
+        return PromptTooLongError(
+            f"request {index}: {message}; shorten the prompt or raise server.vllm.max_model_len"
+        )
     return BadRequestError(f"request {index}: vLLM rejected the request: {message}", type="invalid_request")
 
 

@@ -116,7 +116,9 @@ def dtype_code(dtype: Any) -> str:
     try:
         return _TORCH_TO_CODE[name]
     except KeyError as exc:
-        raise ValueError(f"served dtype {dtype} has no safetensors code; serve float32/bfloat16/float16") from exc
+        raise ValueError(
+            f"served dtype {dtype} has no safetensors code; serve float32/bfloat16/float16"
+        ) from exc
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -153,7 +155,9 @@ def checkpoint_specs(model_dir: Path, served_dtype: Any) -> dict[str, ParamSpec]
     elif (model_dir / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"{model_dir} holds no model.safetensors(.index.json); save the model as safetensors")
+        raise FileNotFoundError(
+            f"{model_dir} holds no model.safetensors(.index.json); save the model as safetensors"
+        )
     served = dtype_code(served_dtype)
     specs: dict[str, ParamSpec] = {}
     for name in files:

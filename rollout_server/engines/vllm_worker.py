@@ -1,11 +1,12 @@
 """Worker-side half of the vLLM weight update: mixed into vLLM's worker class (`worker_extension_cls`).
 
 It runs inside every vLLM worker process (one per tensor-parallel rank), reached through
-`AsyncLLM.collective_rpc(LOAD_METHOD, args=(buckets,))`. Tensors travel as safetensors bytes (DESIGN.md §6:
-plain tensors would arrive as lists, and pickle is never used). Every bucket is decoded before the first
-parameter is touched, so a corrupt bucket changes nothing; the load itself goes through vLLM's in-place
-`reload_weights`, which maps checkpoint names (fused qkv / gate_up, tied heads, LoRA base layers, the
-vision tower) exactly as loading the checkpoint from disk does.
+`AsyncLLM.collective_rpc`. Tensors travel as safetensors bytes (DESIGN.md §6: plain tensors would arrive as
+lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or
+nothing: `STAGE_METHOD` decodes every bucket and keeps the tensors (the served weights are untouched, a
+corrupt bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
+which maps checkpoint names (fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as
+loading the checkpoint from disk does — and `DISCARD_METHOD` drops a staged update.
 
 Keep this module light: vLLM imports it by qualified name in every worker.
 """
@@ -14,34 +15,59 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LOAD_METHOD", "WORKER_EXTENSION", "WeightLoadExtension"]
+__all__ = ["COMMIT_METHOD", "DISCARD_METHOD", "STAGE_METHOD", "WORKER_EXTENSION", "WeightLoadExtension"]
 
-LOAD_METHOD = "rollmatch_load_safetensors"
-"""Name of the worker method `collective_rpc` calls."""
+STAGE_METHOD = "rollmatch_stage_weights"
+COMMIT_METHOD = "rollmatch_commit_weights"
+DISCARD_METHOD = "rollmatch_discard_weights"
 WORKER_EXTENSION = f"{__name__}.WeightLoadExtension"
 """Qualified name passed to vLLM as `worker_extension_cls`."""
 
 
 class WeightLoadExtension:
-    """Adds `rollmatch_load_safetensors` to the vLLM worker (needs the worker's `model_runner`)."""
+    """Adds the staged weight-update methods to the vLLM worker (uses the worker's `model_runner`)."""
 
     model_runner: Any
+    _rollmatch_staged: list[tuple[str, Any]] | None = None
 
-    def rollmatch_load_safetensors(self, buckets: list[bytes]) -> int:
-        """Loads every tensor of every safetensors bucket into the served model, in place.
+    def rollmatch_stage_weights(self, buckets: list[bytes]) -> int:
+        """Decodes every safetensors bucket and keeps the tensors for `rollmatch_commit_weights`.
 
         Args:
             buckets: safetensors-encoded buckets; names are the checkpoint's (HF) parameter names.
 
         Returns:
-            The number of tensors loaded.
+            The number of tensors staged.
         """
-        import torch
         from safetensors.torch import load
 
-        tensors: list[tuple[str, torch.Tensor]] = []
+        staged: list[tuple[str, Any]] = []
         for bucket in buckets:
-            tensors.extend(load(bytes(bucket)).items())
+            staged.extend(load(bytes(bucket)).items())
+        self._rollmatch_staged = staged
+        return len(staged)
+
+    def rollmatch_commit_weights(self) -> int:
+        """Loads the staged tensors into the served model in place and forgets them.
+
+        Returns:
+            The number of tensors loaded.
+
+        Raises:
+            RuntimeError: nothing is staged.
+        """
+        import torch
+
+        staged = self._rollmatch_staged
+        if staged is None:
+            raise RuntimeError("no staged weights to commit; stage them first")
+        self._rollmatch_staged = None
         with torch.no_grad():
-            self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-        return len(tensors)
+            self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        return len(staged)
+
+    def rollmatch_discard_weights(self) -> bool:
+        """Drops staged tensors; returns whether any were staged."""
+        had = self._rollmatch_staged is not None
+        self._rollmatch_staged = None
+        return had

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Depends, Path, Request
 
-from rollout_server.deps import EngineDep, StateDep
+from rollout_server.deps import EngineDep, StateDep, get_engine
 from shared_schemas.errors import ErrorEnvelope
 from shared_schemas.sync import (
     BUCKET_PATH,
@@ -43,18 +43,16 @@ async def begin(body: SyncBeginRequest, state: StateDep, engine: EngineDep) -> S
     return await state.staging.begin(body, engine)
 
 
-@router.put(BUCKET_PATH, response_model=BucketAck, responses=_ERRORS)
-async def put_bucket(
-    sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep, engine: EngineDep
-) -> BucketAck:
+@router.put(BUCKET_PATH, response_model=BucketAck, responses=_ERRORS, dependencies=[Depends(get_engine)])
+async def put_bucket(sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep) -> BucketAck:
     """Stages one bucket sent as the safetensors body (`application/octet-stream`)."""
     data = await request.body()
     return await state.staging.put_bucket(sync_id, index, data)
 
 
-@router.post(BUCKET_SHM_PATH, response_model=BucketAck, responses=_ERRORS)
+@router.post(BUCKET_SHM_PATH, response_model=BucketAck, responses=_ERRORS, dependencies=[Depends(get_engine)])
 async def put_shm_bucket(
-    sync_id: SyncId, index: BucketIndex, body: ShmBucketRef, state: StateDep, engine: EngineDep
+    sync_id: SyncId, index: BucketIndex, body: ShmBucketRef, state: StateDep
 ) -> BucketAck:
     """Stages one bucket the learner wrote into the server's staging directory (named by file name)."""
     return await state.staging.put_shm_bucket(sync_id, index, body)

@@ -175,8 +175,8 @@ def test_prompt_too_long_is_400_and_server_stays_up(server: tuple[str, Path]) ->
 def test_health_answers_during_long_generation(server: tuple[str, Path]) -> None:
     base, _ = server
     body = {
-        "infer_requests": [{"prompt_token_ids": [1, 2, 3]}] * 8,
-        "request_config": {"max_tokens": 600, "ignore_eos": True, "temperature": 0.0},
+        "infer_requests": [{"prompt_token_ids": [1, 2, 3]}] * 2,
+        "request_config": {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0},
     }
     done = threading.Event()
     worker = threading.Thread(target=lambda: (infer(base, body, timeout=300), done.set()))

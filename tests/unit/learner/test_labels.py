@@ -16,7 +16,7 @@ from learner.stage2.labels import (
     check_segment_length,
     encode_segment,
 )
-from tests.unit.learner.toy_tokenizer_targets import (
+from tests.unit.learner.worked_example import (
     COORDS,
     EOT,
     GT_RAW,
@@ -24,11 +24,13 @@ from tests.unit.learner.toy_tokenizer_targets import (
     PROMPT_IDS,
     ROLLOUT_IDS,
     TOKENIZER,
+    piece,
     rollout_of,
     run_pipeline,
 )
 
 PROMPT_LEN = 300
+A, B, C, D, E, P = (TOKENIZER.id_of(ch) for ch in "ABCDEP")
 
 # ---------------------------------------------------------------- §21.5 table
 
@@ -52,7 +54,7 @@ def test_worked_example_labels_section_21_5() -> None:
     assert [p for p in ce if 387 <= p <= 456] == [
         p for p in range(387, 457) if p not in (397, 427) and p not in tail_coord
     ]
-    assert TOKENIZER.vocab[seg.input_ids[397]] == "dog" and TOKENIZER.vocab[seg.input_ids[427]] == "rug"
+    assert piece(TOKENIZER, seg.input_ids[397]) == "dog" and piece(TOKENIZER, seg.input_ids[427]) == "rug"
     # End of turn supervised, newline after it not.
     assert seg.labels[457] == EOT and seg.labels[458] == IGNORE_INDEX
     # Coord supervision: 4 prefix slots then 12 tail slots (n_coord = 16).
@@ -108,7 +110,7 @@ def test_prefix_ce_separators_between_consecutive_tp_entries_only() -> None:
     )
     p = run_pipeline(ids, gts, prefix_structure_ce=True)
     assert [(i, j) for i, j, _ in p.y_train.tp] == [(0, 0), (1, 1)]
-    pieces = [TOKENIZER.vocab[t] for t in p.parse.prefix_token_ids]
+    pieces = [piece(TOKENIZER, t) for t in p.parse.prefix_token_ids]
     ce = set(p.y_train.prefix_ce_pos)
     # '},' between the two TPs and the ' "' opening object_2's key are CE; the ones towards FP object_3 are not.
     assert pieces[29] == "}," and 29 in ce and pieces[30] == ' "' and 30 in ce
@@ -124,9 +126,9 @@ def test_prefix_ce_separators_between_consecutive_tp_entries_only() -> None:
 
 def _toy(prompt=3, prefix=None, tail=None):
     c = COORDS.ids
-    prefix = prefix if prefix is not None else [10, c[5], 11, c[6]]
-    tail = tail if tail is not None else [12, c[7], 13, 14]
-    ids = [20] * prompt + prefix + tail + [EOT, NEWLINE]
+    prefix = prefix if prefix is not None else [A, c[5], B, c[6]]
+    tail = tail if tail is not None else [C, c[7], D, E]
+    ids = [P] * prompt + prefix + tail + [EOT, NEWLINE]
     return ids, prompt, len(prefix), len(prefix) + len(tail)
 
 
@@ -135,10 +137,10 @@ def test_build_labels_regions() -> None:
     lab = build_labels(ids, pl, fl, tl, [1, 3], [50, 60], [2], [0, 1], COORDS)
     labels, coord_pos, coord_bins, is_prefix = lab
     assert labels[:pl] == [IGNORE_INDEX] * pl
-    assert labels[pl + 0] == 10  # prefix_ce token
+    assert labels[pl + 0] == A  # prefix_ce token
     assert labels[pl + 1] == IGNORE_INDEX  # coord token listed in prefix_ce_pos: still no CE
     assert labels[pl + 2] == IGNORE_INDEX and labels[pl + 3] == IGNORE_INDEX
-    assert labels[pl + fl : pl + tl] == [12, IGNORE_INDEX, IGNORE_INDEX, 14]  # tail: coord, ignored desc
+    assert labels[pl + fl : pl + tl] == [C, IGNORE_INDEX, IGNORE_INDEX, E]  # tail: coord, ignored desc
     assert labels[pl + tl] == EOT and labels[pl + tl + 1] == IGNORE_INDEX
     assert coord_pos == [pl + 1, pl + 3, pl + fl + 1]
     assert coord_bins == [50, 60, 7]  # prefix: provided targets; tail: own bin
@@ -221,7 +223,7 @@ def _encode(prompt_tf, prompt_rollout, **kw):
 
 
 def test_encode_segment_prompt_mismatch_policies(caplog: pytest.LogCaptureFixture) -> None:
-    other = PROMPT_IDS[:-1] + [TOKENIZER.index["b"]]
+    other = PROMPT_IDS[:-1] + [TOKENIZER.id_of("b")]
     with caplog.at_level(logging.WARNING, logger="learner.stage2.labels"):
         seg, counters = _encode(PROMPT_IDS, other, packing_length=4096)
     assert seg is None and counters == {"prompt_mismatch_dropped": 1.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -203,3 +204,22 @@ def test_generation_distribution_and_throughput() -> None:
     assert out["rollout/gen_new_tokens_p99"] == pytest.approx(97.9)
     assert out["rollout/gen_tokens_per_s"] == pytest.approx(80.0)
     assert out["rollout/desc_exact_acc_on_matched"] == pytest.approx(0.75)
+
+
+def test_loss_sums_names_are_registered() -> None:
+    import torch
+
+    from learner.stage2.losses import CoordLossConfig, step_loss_sums
+    from learner.stage2.packing import pack_segments
+    from tests.unit.learner.segment_factory import COORD_IDS, EOT, VOCAB_SIZE, coord, make_segment
+
+    batch = pack_segments([make_segment([7], [coord(4)], [9, coord(8)], prefix_targets={0: 5})])
+    logits = torch.zeros(1, batch.input_ids.shape[1], VOCAB_SIZE)
+    sums = step_loss_sums(logits, batch, coord_ids=COORD_IDS, coord_cfg=CoordLossConfig(), eos_id=EOT)
+    m = StepMetrics()
+    m.add(sums.metric_sums())
+    out = m.finalize()
+    assert out["train/supervised_coord_slots"] == 2 and out["train/supervised_ce_tokens"] == 2
+    assert out["loss/ce"] == pytest.approx(float(torch.log(torch.tensor(float(VOCAB_SIZE)))), rel=1e-5)
+    assert out["loss/coord_gate"] == pytest.approx(math.log(VOCAB_SIZE / 1000), rel=1e-5)  # uniform logits
+    assert out["loss/coord_softce"] == pytest.approx(math.log(1000), rel=1e-5)

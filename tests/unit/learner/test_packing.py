@@ -294,7 +294,7 @@ def _unpack(batch) -> list[tuple[list[int], list[tuple[int, int, bool]]]]:
         slots = [
             (int(p) - start, int(t), bool(f))
             for r, p, t, f in zip(
-                batch.coord_batch_idx, batch.coord_pos, batch.coord_bins, batch.coord_is_prefix
+                batch.coord_batch_idx, batch.coord_pos, batch.coord_bins, batch.coord_is_prefix, strict=True
             )
             if int(r) == row and start <= int(p) < end
         ]

@@ -17,13 +17,15 @@ from learner.stage2.targets import (
     prefix_coord_targets_batch,
     serialize_append,
 )
-from tests.unit.learner.toy_tokenizer_targets import (
+from tests.unit.learner.worked_example import (
     COORDS,
     GT_RAW,
+    MULTI,
     ROLLOUT_IDS,
     TAIL_TEXT,
     TOKENIZER,
-    ToyTokenizer,
+    make_tokenizer,
+    piece,
     rollout_of,
     run_pipeline,
 )
@@ -230,7 +232,7 @@ def test_worked_example_y_train_section_21_4() -> None:
     coord_tail = [k for k, t in enumerate(y.append_ids) if COORDS.is_coord(t)]
     assert len(coord_tail) == 12
     assert y.tail_ignore_pos == (10, 40)
-    assert [TOKENIZER.vocab[y.append_ids[k]] for k in y.tail_ignore_pos] == ["dog", "rug"]
+    assert [piece(TOKENIZER, y.append_ids[k]) for k in y.tail_ignore_pos] == ["dog", "rug"]
     assert 70 - 12 - 2 == 56
     assert y.counters["fn_start_bumped"] == 1.0
 
@@ -254,20 +256,20 @@ def test_appended_coord_ids_equal_serialized_coordinates() -> None:
     assert got == [520, 400, 760, 640, 400, 650, 900, 650, 900, 950, 400, 950]
 
 
-class _CoordSplittingTokenizer(ToyTokenizer):
+class _CoordSplittingTokenizer(type(TOKENIZER)):
     """Misconfigured: <|coord_760|> is not an added token, so it is spelled out character by character."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         parts = text.split("<|coord_760|>")
         out = super().encode(parts[0])
         for part in parts[1:]:
-            out += [self.index[ch] for ch in "<|coord_760|>"] + super().encode(part)
+            out += [self.id_of(ch) for ch in "<|coord_760|>"] + super().encode(part)
         return out
 
 
 def test_misconfigured_tokenizer_raises() -> None:
     with pytest.raises(ValueError, match="tokenizer"):
-        run_pipeline(ROLLOUT_IDS, GT_RAW, tokenizer=_CoordSplittingTokenizer())
+        run_pipeline(ROLLOUT_IDS, GT_RAW, tokenizer=_CoordSplittingTokenizer(MULTI))
 
 
 def test_prefix_open_brace_and_no_gt_gives_empty_object() -> None:
@@ -308,11 +310,11 @@ def test_excluded_pair_becomes_fn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fused_desc_closing_quote_token_is_masked_whole() -> None:
-    tok = ToyTokenizer(extra=['og",'])
+    tok = make_tokenizer(extra=['og",'])
     gt = [{"desc": "hog", "bbox_2d": [1, 2, 3, 4]}]
     ids = tok.ids_of(["{"])
     p = run_pipeline(ids, gt, tokenizer=tok)
-    pieces = [tok.vocab[t] for t in p.y_train.append_ids]
+    pieces = [piece(tok, t) for t in p.y_train.append_ids]
     masked = [pieces[k] for k in p.y_train.tail_ignore_pos]
     assert masked == ["h", 'og",']
     assert run_pipeline(ids, gt, tokenizer=tok, fn_desc_ce=True).y_train.tail_ignore_pos == ()

@@ -47,6 +47,7 @@ class FakeEngine:
         self.weights: dict[str, bytes] = {}
         self.closed = False
         self.gate: asyncio.Event | None = None
+        self.fail_apply = False
 
     @property
     def lora_enabled(self) -> bool:
@@ -82,6 +83,8 @@ class FakeEngine:
         ]
 
     async def apply_update(self, update: StagedUpdate) -> None:
+        if self.fail_apply:
+            raise RuntimeError("simulated apply failure")
         if isinstance(update, AdapterUpdate):
             if not self._lora:
                 raise LoraDisabledError("no LoRA")

@@ -295,3 +295,13 @@ def test_sync_phases_validate_bodies(client: TestClient) -> None:
     assert client.post(f"{SYNC}/commit", json={"sync_id": "../../x"}).status_code == 422
     assert client.put(f"{SYNC}/NOT-HEX/buckets/0", content=b"").status_code == 422
     assert client.put(f"{SYNC}/{'a' * 32}/buckets/-1", content=b"").status_code == 422
+
+
+def test_engine_apply_failure_is_500_and_keeps_old_weights(client: TestClient, engine: FakeEngine) -> None:
+    engine.fail_apply = True
+    resp = full_sync(client, tensors(), 1)
+    assert_rejected(resp, 500, "engine_error", client, engine)
+    assert "previous weights are still served" in resp.json()["error"]["message"]
+    engine.fail_apply = False
+    assert full_sync(client, tensors(seed=3), 1).status_code == 200  # the same version can be retried
+    assert engine.version == 1

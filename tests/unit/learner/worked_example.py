@@ -1,91 +1,51 @@
-"""Toy tokenizer and the spec/STAGE2.md §21 worked example, for target / label tests.
+"""The spec/STAGE2.md §21 worked example on the toy tokenizer, for target / label tests.
 
-Vocabulary: 0 ``<|endoftext|>``, 1 ``<|im_start|>``, 2 ``<|im_end|>``, 3 ``"\\n"``, then the printable
-ASCII characters, then the multi-character pieces of the §21 illustrative tokenization, then the 1000
-single-id coordinate tokens. ``encode`` is greedy longest match (special and coord tokens first), which
-reproduces the §21.4 tail tokenization exactly; ``token_bytes`` lets the streaming detokenizer use its
-byte table.
+The tokenizer is ``tests/unit/learner/toy_tokenizer.ToyTokenizer`` (explicit pieces, greedy longest match,
+single-id coordinate tokens) with the multi-character pieces of the §21 illustrative tokenization; its greedy
+encoding of the §21.4 tail reproduces the 70 tail tokens exactly. ``run_pipeline`` runs parse → match →
+Y_train → segment with the 300-token prompt of §21.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import extract_gt
 from learner.stage2.labels import build_segment
-from learner.stage2.match import MatchingConfig, gt_geoms, match, pred_geoms
+from learner.stage2.match import MatchingConfig, MatchResult, gt_geoms, match, pred_geoms
 from learner.stage2.parse import ParseResult, parse_rollout
 from learner.stage2.segment import Segment
 from learner.stage2.targets import TargetsConfig, YTrain, build_y_train
+from tests.unit.learner.toy_tokenizer import ToyTokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MULTI = [
     '{"', "object", '":', ' {"', "desc", ' "', '",', "bbox", ' ["', '"]', "},", "}}", ' [["', '"],', '"]]',
     "person", "dog", "cat", "rug", "poly",
 ]  # fmt: skip
 
 
-class ToyTokenizer:
-    """Greedy longest-match tokenizer over a fixed vocabulary (no normalization, no special-token adds)."""
-
-    def __init__(self, extra: Sequence[str] = ()) -> None:
-        vocab = [*SPECIALS, "\n"] + [chr(c) for c in range(32, 127)] + MULTI + list(extra)
-        self.coord_base = len(vocab)
-        vocab += [f"<|coord_{k}|>" for k in range(1000)]
-        self.vocab = vocab
-        self.index = {s: i for i, s in enumerate(vocab)}
-        self.eos_token_id = self.index["<|im_end|>"]
-        self.unk_token_id = None
-        self._max_len = max(len(s) for s in [*MULTI, *extra])
-        self._special = re.compile(r"<\|(?:coord_\d{1,3}|im_end|im_start|endoftext)\|>")
-
-    def __len__(self) -> int:
-        return len(self.vocab)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        del add_special_tokens
-        out: list[int] = []
-        i = 0
-        while i < len(text):
-            m = self._special.match(text, i)
-            if m and m.group(0) in self.index:
-                out.append(self.index[m.group(0)])
-                i = m.end()
-                continue
-            for n in range(min(self._max_len, len(text) - i), 0, -1):
-                t = self.index.get(text[i : i + n])
-                if t is not None:
-                    out.append(t)
-                    i += n
-                    break
-            else:
-                raise ValueError(f"toy tokenizer cannot encode {text[i]!r}")
-        return out
-
-    def decode(self, ids: Sequence[int], **kwargs: object) -> str:
-        del kwargs
-        return "".join(self.vocab[int(t)] for t in ids)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.vocab[int(token_id)].encode("utf-8")
-
-    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int] | None:
-        if isinstance(tokens, str):
-            return self.index.get(tokens)
-        return [self.index.get(t) for t in tokens]
-
-    def ids_of(self, pieces: Sequence[str]) -> list[int]:
-        """Ids of explicit pieces (each must be one vocabulary entry)."""
-        return [self.index[p] for p in pieces]
+def make_tokenizer(extra: Sequence[str] = ()) -> ToyTokenizer:
+    """Toy tokenizer with the §21 pieces (plus ``extra`` pieces)."""
+    return ToyTokenizer([*MULTI, *extra])
 
 
-TOKENIZER = ToyTokenizer()
-COORDS = CoordVocab.from_ids(range(TOKENIZER.coord_base, TOKENIZER.coord_base + 1000))
-EOT = TOKENIZER.index["<|im_end|>"]
-NEWLINE = TOKENIZER.index["\n"]
+@cache
+def _coords(tokenizer: ToyTokenizer) -> CoordVocab:
+    return CoordVocab.from_tokenizer(tokenizer)
+
+
+def piece(tokenizer: ToyTokenizer, token_id: int) -> str:
+    """Text of one token."""
+    return tokenizer.decode([token_id])
+
+
+TOKENIZER = make_tokenizer()
+COORDS = _coords(TOKENIZER)
+EOT = TOKENIZER.id_of("<|im_end|>")
+NEWLINE = TOKENIZER.id_of("\n")
 
 
 def c(k: int) -> str:
@@ -112,7 +72,7 @@ ROLLOUT_PIECES: list[str] = (
 )
 ROLLOUT_IDS = TOKENIZER.ids_of(ROLLOUT_PIECES)
 PROMPT_LEN = 300
-PROMPT_IDS = [TOKENIZER.index["a"]] * PROMPT_LEN
+PROMPT_IDS = [TOKENIZER.id_of("a")] * PROMPT_LEN
 
 GT_RAW = [
     {"desc": "person", "bbox_2d": [100, 80, 300, 620]},
@@ -134,7 +94,7 @@ class Pipeline:
 
     parse: ParseResult
     gts: list
-    match: object
+    match: MatchResult
     y_train: YTrain
     segment: Segment
 
@@ -150,7 +110,7 @@ def run_pipeline(
     targets: TargetsConfig | None = None,
 ) -> Pipeline:
     """Run parse, match, build_y_train and build_segment on the toy tokenizer with the 300-token prompt."""
-    coords = CoordVocab.from_ids(range(tokenizer.coord_base, tokenizer.coord_base + 1000))
+    coords = _coords(tokenizer)
     pr = parse_rollout(rollout_ids, tokenizer, coords)
     gts = extract_gt(list(gt_raw), sample_id=0).objects
     m = match(
@@ -169,7 +129,7 @@ def run_pipeline(
         prefix_structure_ce=prefix_structure_ce,
     )
     seg = build_segment(
-        PROMPT_IDS, y, tokenizer.index["<|im_end|>"], tokenizer.index["\n"], coords,
+        PROMPT_IDS, y, tokenizer.id_of("<|im_end|>"), tokenizer.id_of("\n"), coords,
         sample_id=7, base_idx=7, rollout_step=3,
     )  # fmt: skip
     return Pipeline(pr, gts, m, y, seg)
