@@ -59,7 +59,8 @@ def validate_record(
         path: the JSONL file (for errors and relative image paths; the current directory when ``None``).
         line_no: 1-based line number (for errors).
         image_root: ``data.image_root``.
-        max_images_per_sample: ``data.max_images_per_sample``; a record holds 1 to this many images.
+        max_images_per_sample: ``data.max_images_per_sample``; a record holds 1 to this many images, or
+            none at all when it is 0 (text-only models such as the embedded demo LM).
 
     Raises:
         DataRecordError: a missing field, a wrong type, a non-positive size, or a bad image count.
@@ -76,10 +77,11 @@ def validate_record(
     images = record["images"]
     if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
         raise fail("field 'images' must be a list of non-empty strings (paths, URLs or data URLs)")
-    if not 1 <= len(images) <= max_images_per_sample:
+    lowest = 0 if max_images_per_sample == 0 else 1
+    if not lowest <= len(images) <= max_images_per_sample:
         raise fail(
-            f"field 'images' has {len(images)} entries; expected 1 to {max_images_per_sample} "
-            "(data.max_images_per_sample)"
+            f"field 'images' has {len(images)} entries; expected {lowest} to {max_images_per_sample} "
+            "(data.max_images_per_sample; 0 means text-only records)"
         )
     for key in ("width", "height"):
         if not _is_pos_int(record[key]):

@@ -323,6 +323,36 @@ def gt_geoms(gts: Sequence[Any]) -> list[Geom]:
     return [(g.geom_type, tuple(g.bins)) for g in gts]
 
 
+def _assign(feasible: np.ndarray, ious: np.ndarray, cfg: MatchingConfig) -> list[tuple[int, int, float]]:
+    """Dummy-augmented linear assignment (§8.2 step 6) over the gate-passing pairs.
+
+    Only predictions and GTs with at least one feasible pair enter the matrix: the others are unmatched
+    whatever the solver does, and leaving them out gives the same optimum on a smaller problem.
+
+    Returns:
+        Matched ``(pred, gt, maskIoU)`` sorted by prediction.
+    """
+    if feasible.shape[0] == 0:
+        return []
+    rows_p, loc_p = np.unique(feasible[:, 0], return_inverse=True)
+    cols_g, loc_g = np.unique(feasible[:, 1], return_inverse=True)
+    n_p, n_g = len(rows_p), len(cols_g)
+    cost = np.full((n_p + n_g, n_p + n_g), INFEASIBLE)
+    cost[loc_p, loc_g] = 1.0 - ious
+    cost[:n_p, n_g:] = cfg.fp_cost
+    cost[n_p:, :n_g] = cfg.fn_cost
+    cost[n_p:, n_g:] = 0.0
+    iou = np.zeros((n_p, n_g))
+    iou[loc_p, loc_g] = ious
+    rows, cols = linear_sum_assignment(cost)
+    matched = [
+        (int(rows_p[r]), int(cols_g[c]), float(iou[r, c]))
+        for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
+        if r < n_p and c < n_g and cost[r, c] < _MATCH_COST_LIMIT
+    ]
+    return sorted(matched)
+
+
 def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> MatchResult:
     """Match predictions to GT objects (§8.2).
 
@@ -342,18 +372,7 @@ def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> Ma
     pairs = np.stack([np.repeat(np.arange(n_p), cands.shape[1]), cands.ravel()], axis=1).astype(np.int64)
     ious = mask_iou_pairs(preds, gts, pairs, cfg.maskiou_gate, pred_boxes, gt_boxes)
     passed = ious >= cfg.maskiou_gate
-    cost = np.full((n_p + n_g, n_p + n_g), INFEASIBLE)
-    cost[pairs[passed, 0], pairs[passed, 1]] = 1.0 - ious[passed]
-    cost[:n_p, n_g:] = cfg.fp_cost
-    cost[n_p:, :n_g] = cfg.fn_cost
-    cost[n_p:, n_g:] = 0.0
-    rows, cols = linear_sum_assignment(cost)
-    iou_of = {(int(i), int(j)): float(v) for (i, j), v in zip(pairs[passed], ious[passed], strict=True)}
-    matched: list[tuple[int, int, float]] = []
-    for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
-        if r < n_p and c < n_g and cost[r, c] < _MATCH_COST_LIMIT:
-            matched.append((r, c, iou_of[(r, c)]))
-    matched.sort()
+    matched = _assign(pairs[passed], ious[passed], cfg)
     mp = {p for p, _, _ in matched}
     mg = {g for _, g, _ in matched}
     return MatchResult(

@@ -11,9 +11,8 @@ fallback when there is no ``{`` (§6.4) → prefix cut (§6.5) → per-object va
 synthetic: its prefix is ``encode("{")``), every coord index of a valid object points at that coord id inside
 the prefix, ``prefix_text.rstrip()`` ends with ``{`` or ``}``, valid objects are in appearance order.
 
-Two refinements of §6.6, both no-ops unless a multi-byte character is split across tokens: the cut steps back
-over tokens that start while a character is incomplete (otherwise the kept ids would end with a dangling partial
-character and break §6.9), and the re-encoded text is ``text[start_i:cut]`` of that widened token run.
+The token cut lives in ``cut.py`` (with a documented refinement for multi-byte characters split across tokens),
+the §6.7 checks in ``parse_validate.py``.
 
 Speed: the scan walks structural characters with one regex (strings are skipped whole), and an object value in
 the exact serializer format (§4) is recognised by one regex match; any other text takes the general path. Both
@@ -23,15 +22,16 @@ paths give identical results (property-tested).
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from learner.stage2.coords import COORD_BINS, COORD_TOKEN_RE, CoordVocab
-from learner.stage2.detok import TokenPieces, _detokenizer, decode_text, encode_text, token_pieces
+from learner.stage2.coords import CoordVocab
+from learner.stage2.cut import CutRoundTripError, cut_with_pieces, token_cut
+from learner.stage2.detok import TokenPieces, encode_text, token_pieces
+from learner.stage2.parse_validate import GEOM_KEYS, check_geometry, validate_value
 
 __all__ = [
     "DEFAULT_STOP_MARKERS",
@@ -48,8 +48,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_STOP_MARKERS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
-_GEOM_KEYS = ("bbox_2d", "poly")
-_ALLOWED_KEYS = frozenset(("desc", "bbox_2d", "poly"))
 
 # One event per structural character outside strings; a string (group 1 = raw content, group 2 = the closing
 # quote, absent when the text ends inside the string) is one event.
@@ -63,10 +61,6 @@ _CANONICAL_VALUE_RE = re.compile(
     re.ASCII,
 )
 _COORD_NUM_RE = re.compile(r"coord_(\d+)", re.ASCII)
-
-
-class CutRoundTripError(ValueError):
-    """Re-encoding the text of the token straddling a cut does not decode back to that text (§6.6)."""
 
 
 class ObjectKey(NamedTuple):
@@ -166,77 +160,6 @@ class ParseResult:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# §6.6 token cut
-
-
-def _slice_pieces(tp: TokenPieces, i: int) -> TokenPieces:
-    end = tp.ends[i - 1] if i else 0
-    unclean = frozenset(j for j in tp.unclean if j < i) if tp.unclean else frozenset()
-    return TokenPieces(tp.pieces[:i], tp.starts[:i], tp.ends[:i], tp.text[:end], unclean)
-
-
-def _cut(ids: Sequence[int], c: int, tokenizer: Any, tp: TokenPieces) -> tuple[list[int], TokenPieces]:
-    """``token_cut`` that also returns the pieces of the result."""
-    if c >= len(tp.text):
-        return list(ids), tp
-    if c < 0:
-        raise ValueError(f"cut position {c} must be >= 0")
-    i = tp.first_token_not_before(c)
-    while i > 0 and i in tp.unclean:  # token i starts inside a character begun by token i-1
-        i -= 1
-    start = tp.starts[i]
-    if start >= c:
-        return list(ids[:i]), _slice_pieces(tp, i)
-    sub = tp.text[start:c]
-    new = encode_text(tokenizer, sub)
-    got = decode_text(tokenizer, new)
-    if got != sub:
-        raise CutRoundTripError(
-            f"cut at char {c}: re-encoding {sub!r} (tokens {i}.. of the rollout) decodes to {got!r}; "
-            "the sample falls back to the empty prefix '{'"
-        )
-    out = list(ids[:i]) + new
-    if _detokenizer(tokenizer).byte_fn is None:
-        # Without a byte table, decode(a + b) == decode(a) + decode(b) is not guaranteed: check the whole prefix.
-        tp_out = token_pieces(out, tokenizer)
-        if tp_out.text != tp.text[:c]:
-            raise CutRoundTripError(f"cut at char {c}: the kept ids do not decode to the text before the cut")
-        return out, tp_out
-    # Byte-table tokenizers: ids[:i] ends on a character boundary, so the new ids decode independently.
-    head = _slice_pieces(tp, i)
-    tail = token_pieces(new, tokenizer)
-    pieces = head.pieces + tail.pieces
-    off = len(head.text)
-    return out, TokenPieces(
-        pieces,
-        head.starts + [s + off for s in tail.starts],
-        head.ends + [e + off for e in tail.ends],
-        head.text + tail.text,
-        head.unclean | frozenset(j + i for j in tail.unclean),
-    )
-
-
-def token_cut(ids: Sequence[int], c: int, tokenizer: Any, pieces: TokenPieces | None = None) -> list[int]:
-    """Cut ``ids`` so that they decode to ``text[:c]`` (§6.6), changing only the token straddling the cut.
-
-    Args:
-        ids: token ids; ``text = decode(ids)``.
-        c: char position of the cut in ``text``.
-        tokenizer: the rollout tokenizer.
-        pieces: ``token_pieces(ids, tokenizer)`` when already computed.
-
-    Returns:
-        ``ids`` unchanged when ``c >= len(text)``; ``ids[:i]`` when the cut falls on a token boundary; else
-        ``ids[:i] + encode(text[start_i:c])``.
-
-    Raises:
-        CutRoundTripError: the re-encoded text does not decode back to itself.
-    """
-    tp = pieces if pieces is not None else token_pieces(ids, tokenizer)
-    return _cut(ids, c, tokenizer, tp)[0]
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # §6.3 streaming scan
 
 
@@ -310,7 +233,8 @@ def _scan(text: str, first: int) -> _Scan:
                 cur = _Obj(key=pending[0], n=pending[1], key_start=pending[2], value_start=p)
                 objects.append(cur)
                 pending = None
-                cm = _CANONICAL_VALUE_RE.match(text, p)
+                # Only at bracket depth 0: inside a list the scan would not see the inner keys as keys.
+                cm = _CANONICAL_VALUE_RE.match(text, p) if bracket == 0 else None
                 if cm is not None:
                     # The whole value in serializer format: the character-level scan would only set last_key to
                     # the geometry key, capture [geometry '[', its ']'), and close the object at cm.end().
@@ -335,7 +259,7 @@ def _scan(text: str, first: int) -> _Scan:
                 break
         elif ch == "[":
             bracket += 1
-            if brace == 2 and cur is not None and not capture and last_key in _GEOM_KEYS:
+            if brace == 2 and cur is not None and not capture and last_key in GEOM_KEYS:
                 capture = True
                 capture_depth = bracket - 1
                 cap_start = p
@@ -356,83 +280,6 @@ def _scan(text: str, first: int) -> _Scan:
         cur.captures.append((cap_start, n_text))
     truncated = not top_closed and (brace != 0 or bracket != 0 or in_string)
     return _Scan(objects, keys, last_end, top_closed, truncated)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# §6.7 per-object validation
-
-
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        raise _DuplicateKey
-    return d
-
-
-def _bin(s: str) -> int | None:
-    m = COORD_TOKEN_RE.fullmatch(s)
-    if m is None:
-        return None
-    k = int(m.group(1))
-    return k if k < COORD_BINS else None
-
-
-def _check_geometry(geom: str, values: list[int], captured_bins: list[int]) -> str | None:
-    n = len(values)
-    if geom == "bbox_2d":
-        if n != 4:
-            return f"bbox_2d has {n} values, expected 4"
-    elif n < 6 or n % 2:
-        return f"poly has {n} values, expected an even number >= 6"
-    if len(captured_bins) != n:
-        return f"{len(captured_bins)} coordinate tokens captured for {n} values"
-    if captured_bins != values:
-        return "captured coordinate tokens differ from the written values (coordinate written as plain text?)"
-    return None
-
-
-def _validate_slow(
-    value_text: str, captured_bins: list[int]
-) -> tuple[str | None, str | None, list[int], str | None]:
-    """Rules 1–6 of §6.7 on arbitrary text; returns ``(desc, geom, bins, reason)``."""
-    try:
-        value = json.loads(value_text, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey:
-        return None, None, [], "duplicate key in object"
-    except (ValueError, RecursionError):
-        return None, None, [], "value is not valid JSON"
-    if not isinstance(value, dict):
-        return None, None, [], "value is not a JSON object"
-    extra = set(value) - _ALLOWED_KEYS
-    if extra:
-        return None, None, [], f"unexpected keys {sorted(extra)}"
-    desc = value.get("desc")
-    if not isinstance(desc, str) or not desc.strip():
-        return None, None, [], "desc missing or empty"
-    geoms = [g for g in _GEOM_KEYS if g in value]
-    if len(geoms) != 1:
-        return desc, None, [], "needs exactly one of bbox_2d / poly"
-    geom = geoms[0]
-    raw = value[geom]
-    if not isinstance(raw, list):
-        return desc, geom, [], f"{geom} is not a list"
-    if all(isinstance(v, str) for v in raw):
-        flat = raw
-    elif all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in raw):
-        flat = [x for v in raw for x in v]
-    else:
-        return desc, geom, [], f"{geom} is neither a flat list of strings nor a list of [x, y] string pairs"
-    values: list[int] = []
-    for s in flat:
-        k = _bin(s)
-        if k is None:
-            return desc, geom, [], f"{geom} value {s[:40]!r} is not a coordinate token string"
-        values.append(k)
-    return desc, geom, values, _check_geometry(geom, values, captured_bins)
 
 
 def _finish_object(
@@ -461,9 +308,9 @@ def _finish_object(
     if cm is not None and cm.group(1).strip():
         desc, geom = cm.group(1), cm.group(2)
         values = [int(k) for k in _COORD_NUM_RE.findall(cm.group(3))]  # \d{1,3}: always < 1000
-        reason = _check_geometry(geom, values, captured)
+        reason = check_geometry(geom, values, captured)
     else:
-        desc, geom, values, reason = _validate_slow(text[o.value_start : o.value_end], captured)
+        desc, geom, values, reason = validate_value(text[o.value_start : o.value_end], captured)
     if reason is not None:
         return ParsedObject(desc=desc, geom_type=geom, bins=(), valid=False, reason=reason, **base)
     return ParsedObject(desc=desc, geom_type=geom, bins=tuple(values), valid=True, **base)
@@ -508,7 +355,7 @@ def _hard_stop(
     if not hits:
         return False, ids, tp
     try:
-        ids, tp = _cut(ids, min(hits), tokenizer, tp)
+        ids, tp = cut_with_pieces(ids, min(hits), tokenizer, tp)
     except CutRoundTripError:
         if not quiet:
             raise
@@ -526,7 +373,7 @@ def _parse(
         return _fallback(ids, tp, tokenizer, cut_fallback=False, hard_stopped=hard_stopped)
     scan = _scan(text, first)
     cut_char = scan.last_complete_object_end if scan.last_complete_object_end is not None else first + 1
-    prefix_ids, prefix_tp = _cut(ids, cut_char, tokenizer, tp)
+    prefix_ids, prefix_tp = cut_with_pieces(ids, cut_char, tokenizer, tp)
     id_to_bin = coord_vocab.id_to_bin
     objs = [_finish_object(o, text, ids, tp.starts, id_to_bin, cut_char) for o in scan.objects]
     valid = [o for o in objs if o.valid]

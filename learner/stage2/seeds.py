@@ -10,7 +10,9 @@ from __future__ import annotations
 __all__ = [
     "MAX_GAS",
     "MAX_REQUESTS_PER_MICRO_STEP",
+    "MICRO_STRIDE",
     "SEED_MASK",
+    "STEP_STRIDE",
     "check_seed_layout",
     "request_index",
     "request_seed",

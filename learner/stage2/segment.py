@@ -6,7 +6,7 @@ fields of :class:`SegmentMeta` that the spec defines as assistant-local (``prefi
 tail-relative (``tail_ignore_pos``), which are kept in their spec form so that packing can call
 :func:`learner.stage2.labels.build_labels` again on a packed row (§14.6).
 
-Token-id lists are plain ``list[int]`` (the algorithm modules are torch-free); packing turns them
+Token-id sequences are plain ``tuple[int, ...]`` (the algorithm modules are torch-free); packing turns them
 into tensors.
 """
 

@@ -90,7 +90,6 @@ class RunParts:
 
 def _training_args(cfg: RunConfig, output_dir: Path) -> TrainingArguments:
     kwargs = {**_DEFAULT_ARGS, **cfg.training, **_FORCED_ARGS, "output_dir": str(output_dir)}
-    kwargs.setdefault("logging_dir", str(output_dir / "tb"))
     kwargs.pop("resume_from_checkpoint", None)
     return TrainingArguments(**kwargs)
 

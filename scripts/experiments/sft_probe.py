@@ -53,6 +53,9 @@ USER_PROMPT = (
     "List every object in the image, top to bottom then left to right, as one JSON object whose entries hold "
     "a desc and one geometry written with coordinate tokens 0–999."
 )
+# Short prompts for the prompt-length ablation (prompts.system / prompts.user are config knobs, §3.2).
+SHORT_SYSTEM_PROMPT = "You are an object detector. Reply with one JSON object."
+SHORT_USER_PROMPT = "List every object."
 COORD_RE = re.compile(r"^<\|coord_(\d{1,3})\|>$")
 OBJ_RE = re.compile(r'\{"desc": "([^"]*)", "(bbox_2d|poly)": (\[[^{}]*?\])\}')
 
@@ -70,10 +73,13 @@ def answer_json(record: dict) -> str:
     return json.dumps(out, ensure_ascii=False, separators=(", ", ": "))
 
 
+PROMPTS = {"system": SYSTEM_PROMPT, "user": USER_PROMPT}
+
+
 def prompt_text(tok, record: dict) -> str:
     messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": scene_user_text(USER_PROMPT, record["metadata"]["scene"])},
+        {"role": "system", "content": PROMPTS["system"]},
+        {"role": "user", "content": scene_user_text(PROMPTS["user"], record["metadata"]["scene"])},
     ]
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -296,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-objects", type=int, default=6)
     ap.add_argument("--scene-style", choices=["tight", "compact", "verbose"], default="tight")
     ap.add_argument("--no-distinct", action="store_true", help="allow repeated coordinate values and descs")
+    ap.add_argument("--system-prompt", choices=["default", "short"], default="default")
+    ap.add_argument("--user-prompt", choices=["default", "short"], default="default")
     ap.add_argument("--loss", choices=["ce", "stage2"], default="ce")
     ap.add_argument("--desc-ce", action="store_true", help="stage2 loss: CE on desc values too (fn_desc_ce)")
     ap.add_argument("--data-seed", type=int, default=0)
@@ -306,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-timing", action="store_true", help="time one 16-prompt greedy batch at the end")
     args = ap.parse_args(argv)
 
+    if args.system_prompt == "short":
+        PROMPTS["system"] = SHORT_SYSTEM_PROMPT
+    if args.user_prompt == "short":
+        PROMPTS["user"] = SHORT_USER_PROMPT
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -53,7 +53,11 @@ def test_bad_sizes_and_values_raise():
 
 @pytest.mark.parametrize(
     ("box", "bins"),
-    [([5, 5, 5, 5], [5, 5, 6, 6]), ([999, 999, 999, 999], [998, 998, 999, 999]), ([5.2, 7.9, 10.1, 7.9], [5, 7, 11, 8])],
+    [
+        ([5, 5, 5, 5], [5, 5, 6, 6]),
+        ([999, 999, 999, 999], [998, 998, 999, 999]),
+        ([5.2, 7.9, 10.1, 7.9], [5, 7, 11, 8]),
+    ],
     ids=["§2.3-collapsed", "§2.3-corner", "floor-ceil"],
 )
 def test_bbox_anti_collapse_identity_scale(box, bins):
@@ -62,7 +66,12 @@ def test_bbox_anti_collapse_identity_scale(box, bins):
 
 def test_bbox_to_bins_scales_and_keeps_order():
     b = bbox_to_bins([10, 20, 630, 470], 640, 480)
-    assert b == [math.floor(10 * 999 / 639), math.floor(20 * 999 / 479), math.ceil(630 * 999 / 639), math.ceil(470 * 999 / 479)]
+    assert b == [
+        math.floor(10 * 999 / 639),
+        math.floor(20 * 999 / 479),
+        math.ceil(630 * 999 / 639),
+        math.ceil(470 * 999 / 479),
+    ]
     assert b[0] < b[2] and b[1] < b[3]
 
 
@@ -91,7 +100,9 @@ def test_canonical_poly_is_clockwise_on_screen():
     geom, bins = canonicalize_poly([(0, 0), (0, 100), (100, 100), (100, 0)])
     pts = list(zip(bins[::2], bins[1::2], strict=True))
     area2 = sum(pts[j][0] * pts[(j + 1) % 4][1] - pts[(j + 1) % 4][0] * pts[j][1] for j in range(4))
-    assert geom == "poly" and pts[0] == (0, 0) and area2 > 0  # y down: positive shoelace = clockwise on screen
+    assert (
+        geom == "poly" and pts[0] == (0, 0) and area2 > 0
+    )  # y down: positive shoelace = clockwise on screen
 
 
 def test_coord_token_and_string_parse():

@@ -43,7 +43,8 @@ def test_entry_numbering_and_escaping():
 
 
 @pytest.mark.parametrize(
-    ("geom", "bins"), [("bbox_2d", [1, 2, 3]), ("poly", [1, 2, 3, 4]), ("poly", [1, 2, 3, 4, 5, 6, 7]), ("box", [1] * 4)]
+    ("geom", "bins"),
+    [("bbox_2d", [1, 2, 3]), ("poly", [1, 2, 3, 4]), ("poly", [1, 2, 3, 4, 5, 6, 7]), ("box", [1] * 4)],
 )
 def test_bad_geometry_raises(geom, bins):
     with pytest.raises(ValueError):

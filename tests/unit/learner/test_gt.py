@@ -28,7 +28,11 @@ MALFORMED = {
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_objects_are_counted_logged_and_excluded(case, caplog):
     lim = MalformedLogLimiter(log_max=20)
-    objs = [GOOD, MALFORMED[case], {"desc": "sofa", "poly": [40, 500, 900, 520, 880, 990, 30, 980], "poly_points": 4}]
+    objs = [
+        GOOD,
+        MALFORMED[case],
+        {"desc": "sofa", "poly": [40, 500, 900, 520, 880, 990, 30, 980], "poly_points": 4},
+    ]
     with caplog.at_level(logging.WARNING, logger="learner.stage2.gt"):
         ex = extract_gt(objs, sample_id=(3 << 32) | 17, limiter=lim)
     assert ex.n_malformed == 1 and ex.malformed[0][0] == 2  # rollout/gt_malformed

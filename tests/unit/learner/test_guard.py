@@ -15,7 +15,9 @@ EOT = 2
 
 
 def cfg(**kw) -> RepeatTerminateConfig:
-    base = dict(enabled=True, min_new_tokens=0, max_consecutive_token_repeats=0, ngram_size=0, ngram_repeats=2)
+    base = dict(
+        enabled=True, min_new_tokens=0, max_consecutive_token_repeats=0, ngram_size=0, ngram_repeats=2
+    )
     return RepeatTerminateConfig(**{**base, **kw})
 
 
@@ -42,10 +44,16 @@ def test_object_keys():
 
 
 def test_disabled_and_defaults():
-    assert not should_terminate([A] * 500, '"object_' * 9, cfg(enabled=False, max_consecutive_token_repeats=3))
+    assert not should_terminate(
+        [A] * 500, '"object_' * 9, cfg(enabled=False, max_consecutive_token_repeats=3)
+    )
     d = RepeatTerminateConfig()
     assert (d.enabled, d.min_new_tokens, d.max_consecutive_token_repeats, d.ngram_size, d.ngram_repeats) == (
-        False, 256, 64, 64, 2
+        False,
+        256,
+        64,
+        64,
+        2,
     )
     assert d.max_object_keys is None
     with pytest.raises(ValidationError):
@@ -54,8 +62,14 @@ def test_disabled_and_defaults():
         RepeatTerminateConfig(min_new_tokens=-1)
 
 
-def _hf_loop(streams: list[list[int]], proc: RepeatTerminateLogitsProcessor, eot: int, vocab: int,
-             prompt_len: int, max_new: int) -> list[list[int]]:
+def _hf_loop(
+    streams: list[list[int]],
+    proc: RepeatTerminateLogitsProcessor,
+    eot: int,
+    vocab: int,
+    prompt_len: int,
+    max_new: int,
+) -> list[list[int]]:
     """A greedy generate loop driven by scripted logits (each row prefers its stream's next token)."""
     batch = len(streams)
     input_ids = torch.full((batch, prompt_len), 1, dtype=torch.long)
@@ -89,13 +103,17 @@ def test_hf_processor_and_stop_check_agree_on_scripted_streams(tiny_tokenizer):
         [A, B, C, D, eot, A, A],  # ends on its own
         [A, B, C, D, A, C, B, D, C, A, D, B],  # never fires: hits max_new_tokens
     ]
-    c = cfg(min_new_tokens=3, max_consecutive_token_repeats=4, ngram_size=2, ngram_repeats=3, max_object_keys=2)
+    c = cfg(
+        min_new_tokens=3, max_consecutive_token_repeats=4, ngram_size=2, ngram_repeats=3, max_object_keys=2
+    )
     proc = RepeatTerminateLogitsProcessor(c, eot, prompt_len=4, tokenizer=tok)
     max_new = 60
     got = _hf_loop(streams, proc, eot, vocab=len(tok) + 20, prompt_len=4, max_new=max_new)
     for b, s in enumerate(streams):
         ref, reason = stop_check_stream(s, c, eot, lambda g: decode_text(tok, g), max_new_tokens=max_new)
-        if reason == "length":  # the scripted loop keeps sampling EOT after the stream; compare the stream part
+        if (
+            reason == "length"
+        ):  # the scripted loop keeps sampling EOT after the stream; compare the stream part
             assert got[b][: len(s)] == ref
         else:
             assert got[b] == ref and ref[-1] == eot

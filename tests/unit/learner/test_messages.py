@@ -38,8 +38,14 @@ def test_system_injection_uses_configured_prompt():
 
 
 def test_list_of_parts_system_is_flattened():
-    sys_parts = {"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "image", "image": "x"},
-                                               {"type": "text", "text": "brief"}]}
+    sys_parts = {
+        "role": "system",
+        "content": [
+            {"type": "text", "text": "be "},
+            {"type": "image", "image": "x"},
+            {"type": "text", "text": "brief"},
+        ],
+    }
     out = rollout_messages([sys_parts, USER])
     assert out[0] == {"role": "system", "content": "be brief"}
     assert sys_parts["content"][0] == {"type": "text", "text": "be "}  # input untouched
@@ -66,7 +72,11 @@ def test_request_rejects_decoded_images():
 
 
 def test_default_prompts_and_build_messages():
-    assert "reply {}" in DEFAULT_SYSTEM_PROMPT and "x1 ≤ x2" in DEFAULT_SYSTEM_PROMPT and "  " not in DEFAULT_SYSTEM_PROMPT
+    assert (
+        "reply {}" in DEFAULT_SYSTEM_PROMPT
+        and "x1 ≤ x2" in DEFAULT_SYSTEM_PROMPT
+        and "  " not in DEFAULT_SYSTEM_PROMPT
+    )
     assert DEFAULT_USER_PROMPT.endswith("coordinate tokens 0–999.")
     msgs = build_messages(["a.jpg"])
     assert msgs[0] == {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}

@@ -11,7 +11,24 @@ from learner.stage2.parse import CutRoundTripError, parse_rollout, token_cut
 from tests.unit.learner.parse_checks import assert_parse_invariants
 from tests.unit.learner.toy_tokenizer import PrefixDecodingToyTokenizer, ToyTokenizer
 
-PIECES = ['{"', "object", '":', ' {"', "desc", ' "', '",', ' ["', ' [["', '"],', '"]', '"]]', "},", "}}", "bbox", "poly"]
+PIECES = [
+    '{"',
+    "object",
+    '":',
+    ' {"',
+    "desc",
+    ' "',
+    '",',
+    ' ["',
+    ' [["',
+    '"],',
+    '"]',
+    '"]]',
+    "},",
+    "}}",
+    "bbox",
+    "poly",
+]
 PIECES += ["person", "dog", "cat", "rug", "garbage"]
 CAT = "猫".encode()  # e7 8c ab
 
@@ -83,7 +100,12 @@ def test_worked_example_21_2_parse(tok, cv):
         (104, 84, 296, 610),
         (18, 21, 24, 27),
     )
-    assert (o2.index, o2.desc, o2.bins, o2.coord_token_indices) == (2, "dog", (880, 60, 990, 180), (48, 51, 54, 57))
+    assert (o2.index, o2.desc, o2.bins, o2.coord_token_indices) == (
+        2,
+        "dog",
+        (880, 60, 990, 180),
+        (48, 51, 54, 57),
+    )
     assert r.all_objects[3].value_span == (r.text.index(' {"desc": "rug') + 1, None)
     assert r.truncated and not r.top_closed and not r.fallback
     assert r.dropped_invalid == 2 and r.obj_total == 4
@@ -104,12 +126,18 @@ def test_appearance_order_max_index_and_single_closing_brace(tok, cv):
     assert [o.index for o in r.valid_objects] == [2, 1]
     assert r.max_object_index_in_prefix == 2
     assert r.top_closed and not r.truncated
-    assert r.prefix_text.endswith('"]}') and r.prefix_text.count("}") == 2  # the two object closes, no top close
+    assert (
+        r.prefix_text.endswith('"]}') and r.prefix_text.count("}") == 2
+    )  # the two object closes, no top close
     assert r.prefix_token_ids[-1] == tok.id_of("}")
 
 
 def test_three_bbox_values_dropped_without_repair_neighbours_valid(tok, cv):
-    toks = bbox(1, "cat", [1, 2, 3, 4], first=True) + bbox(2, "dog", [5, 6, 7]) + bbox(3, "rug", [8, 9, 10, 11], close="}}")
+    toks = (
+        bbox(1, "cat", [1, 2, 3, 4], first=True)
+        + bbox(2, "dog", [5, 6, 7])
+        + bbox(3, "rug", [8, 9, 10, 11], close="}}")
+    )
     r = parse(tok, cv, toks)
     assert [o.index for o in r.valid_objects] == [1, 3]
     bad = r.all_objects[1]
@@ -169,7 +197,12 @@ def test_im_end_hard_stop_removes_everything_after(tok, cv):
 
 
 def test_earliest_stop_marker_wins(tok, cv):
-    toks = bbox(1, "cat", [1, 2, 3, 4], first=True) + ["<|endoftext|>"] + bbox(2, "dog", [1, 2, 3, 4]) + ["<|im_end|>"]
+    toks = (
+        bbox(1, "cat", [1, 2, 3, 4], first=True)
+        + ["<|endoftext|>"]
+        + bbox(2, "dog", [1, 2, 3, 4])
+        + ["<|im_end|>"]
+    )
     r = parse(tok, cv, toks)
     assert r.hard_stopped and r.response_token_ids == tok.ids_of(toks[: toks.index("<|endoftext|>")])
     assert [o.index for o in r.valid_objects] == [1]
@@ -190,7 +223,21 @@ def test_empty_rollout_falls_back(tok, cv):
 
 
 def test_coordinate_written_as_plain_characters_is_invalid(tok, cv):
-    toks = head(1, "cat", first=True) + [' ["', 1, '",', ' "', 2, '",', ' "', *"<|coord_3|>", '",', ' "', 4, '"]', "}}"]
+    toks = head(1, "cat", first=True) + [
+        ' ["',
+        1,
+        '",',
+        ' "',
+        2,
+        '",',
+        ' "',
+        *"<|coord_3|>",
+        '",',
+        ' "',
+        4,
+        '"]',
+        "}}",
+    ]
     r = parse(tok, cv, toks)
     (o,) = r.all_objects
     assert not o.valid and len(o.coord_token_indices) == 3
@@ -198,7 +245,11 @@ def test_coordinate_written_as_plain_characters_is_invalid(tok, cv):
 
 
 def test_max_index_counts_invalid_objects_in_prefix(tok, cv):
-    toks = bbox(1, "cat", [1, 2, 3, 4], first=True) + bbox(2, "dog", [1, 2, 3, 4]) + bbox(3, "rug", [1, 2], close="}}")
+    toks = (
+        bbox(1, "cat", [1, 2, 3, 4], first=True)
+        + bbox(2, "dog", [1, 2, 3, 4])
+        + bbox(3, "rug", [1, 2], close="}}")
+    )
     r = parse(tok, cv, toks)
     assert [o.index for o in r.valid_objects] == [1, 2]
     assert r.max_object_index_in_prefix == 3
@@ -233,7 +284,21 @@ def test_multibyte_character_split_across_two_byte_tokens(tok, cv):
 def test_cut_right_after_a_token_that_holds_a_partial_character(tok, cv):
     # '"]}' + first byte of 猫 in one token (piece ""), the rest in the next (piece '"]}猫'): the cut after '}'
     # must not keep the dangling byte (refinement of §6.6; the literal rule would leave '\ufffd' in the prefix).
-    toks = head(1, "cat", first=True) + [' ["', 1, '",', ' "', 2, '",', ' "', 3, '",', ' "', 4, b'"]}\xe7', CAT[1:]]
+    toks = head(1, "cat", first=True) + [
+        ' ["',
+        1,
+        '",',
+        ' "',
+        2,
+        '",',
+        ' "',
+        3,
+        '",',
+        ' "',
+        4,
+        b'"]}\xe7',
+        CAT[1:],
+    ]
     ids = tok.ids_of(toks)
     tp = token_pieces(ids, tok)
     assert tp.pieces[-2:] == ["", '"]}猫'] and len(ids) - 1 in tp.unclean
@@ -250,12 +315,20 @@ def test_cut_round_trip_failure_falls_back():
     toks = bbox(1, "cat", [1, 2, 3, 4], first=True, close="\t}}")
     with pytest.raises(CutRoundTripError):
         token_cut(t.ids_of(toks), len(decode_text(t, t.ids_of(toks))) - 1, t)
-    results = [parse_rollout(t.ids_of(toks), t, cv), parse_rollout(t.ids_of(bbox(1, "cat", [1, 2, 3, 4], True, "}}")), t, cv)]
+    results = [
+        parse_rollout(t.ids_of(toks), t, cv),
+        parse_rollout(t.ids_of(bbox(1, "cat", [1, 2, 3, 4], True, "}}")), t, cv),
+    ]
     for r in results:
         assert_parse_invariants(r, t, cv)
     assert sum(r.cut_fallback for r in results) == 1  # rollout/parse_cut_fallback
     bad = results[0]
-    assert bad.fallback and bad.cut_fallback and bad.prefix_token_ids == t.encode("{") and bad.valid_objects == []
+    assert (
+        bad.fallback
+        and bad.cut_fallback
+        and bad.prefix_token_ids == t.encode("{")
+        and bad.valid_objects == []
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,7 +388,9 @@ def test_object_validation_rules(tok, cv, value, reason):
 
 def test_nested_garbage_object_is_not_an_object(tok, cv):
     text = '{"meta": {"desc": "a", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}, '
-    text += '"object_1": {"desc": "b", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}'
+    text += (
+        '"object_1": {"desc": "b", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}'
+    )
     r = parse_rollout(tok.encode(text), tok, cv)
     assert_parse_invariants(r, tok, cv)
     assert [o.key for o in r.all_objects] == ["object_1"] and r.valid_objects[0].desc == "b"
@@ -327,6 +402,19 @@ def test_canonical_fast_path_and_general_path_agree(tok, cv, monkeypatch):
     monkeypatch.setattr(parse_mod, "_CANONICAL_VALUE_RE", parse_mod.re.compile(r"(?!)"))
     slow = parse_rollout(tok.ids_of(toks), tok, cv)
     assert fast == slow
+
+
+def test_object_value_inside_a_list_follows_the_scan_rules(tok, cv, monkeypatch):
+    # Spec-literal corner: the '{' inside '[' still starts object_1 (pending key), but its inner strings are not
+    # keys (bracket depth 1), so nothing is captured and the object is invalid; it still sets the cut.
+    text = '{"object_1": [{"desc": "a", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}]}'
+    r = parse_rollout(tok.encode(text), tok, cv)
+    assert_parse_invariants(r, tok, cv)
+    (o,) = r.all_objects
+    assert not o.valid and o.coord_token_indices == ()
+    assert r.prefix_text == text[:-2]
+    monkeypatch.setattr(parse_mod, "_CANONICAL_VALUE_RE", parse_mod.re.compile(r"(?!)"))
+    assert parse_rollout(tok.encode(text), tok, cv) == r
 
 
 def test_parse_never_raises_on_structural_junk(tok, cv):

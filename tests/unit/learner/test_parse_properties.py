@@ -17,17 +17,20 @@ from learner.stage2.gt import GTObject
 from learner.stage2.parse import CutRoundTripError, parse_rollout, token_cut
 from tests.unit.learner.parse_checks import assert_parse_invariants
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-WORDS = ["person", "cat", "dog", "rug", "sofa", "unknown", "red car", "猫", "chat noir", "a\"b", "x\\y", "é"]
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+WORDS = ["person", "cat", "dog", "rug", "sofa", "unknown", "red car", "猫", "chat noir", 'a"b', "x\\y", "é"]
 
 bins = st.integers(0, 999)
 descs = st.one_of(
     st.sampled_from(WORDS),
-    st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), min_size=1, max_size=8)
-    .filter(lambda s: s.strip() and "<|" not in s),
+    st.text(
+        st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), min_size=1, max_size=8
+    ).filter(lambda s: s.strip() and "<|" not in s),
 )
 bbox_geom = st.tuples(st.just("bbox_2d"), st.lists(bins, min_size=4, max_size=4))
-poly_geom = st.tuples(st.just("poly"), st.lists(bins, min_size=6, max_size=16).filter(lambda b: len(b) % 2 == 0))
+poly_geom = st.tuples(
+    st.just("poly"), st.lists(bins, min_size=6, max_size=16).filter(lambda b: len(b) % 2 == 0)
+)
 gt_objects = st.lists(st.tuples(descs, st.one_of(bbox_geom, poly_geom)), max_size=60).map(
     lambda objs: [GTObject(j + 1, d, g, tuple(b)) for j, (d, (g, b)) in enumerate(objs)]
 )
@@ -97,7 +100,26 @@ def test_truncation_anywhere_gives_a_completable_prefix(tiny_tokenizer, cv, objs
         assert got == sorted((g.desc, g.geom_type, g.bins) for g in objs)
 
 
-STRUCTURAL = ['{"', '":', ' {"', '",', ' "', " [", '"]', '"]]', " [[", "},", "}}", "{", "}", "[", "]", '"', ",", ":"]
+STRUCTURAL = [
+    '{"',
+    '":',
+    ' {"',
+    '",',
+    ' "',
+    " [",
+    '"]',
+    '"]]',
+    " [[",
+    "},",
+    "}}",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    ",",
+    ":",
+]
 STRUCTURAL += ["object", "_", "1", "2", "desc", "bbox", "poly", "cat", "\\", " ", "<|im_end|>"]
 
 

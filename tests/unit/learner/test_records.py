@@ -85,7 +85,13 @@ def test_image_path_resolution(tmp_path):
     assert r["images"] == [os.path.join(os.path.abspath(os.path.dirname(path)), "img/000123.jpg")]
     (r,) = load_records(path, image_root=tmp_path / "root")
     assert r["images"] == [os.path.join(str(tmp_path / "root"), "img/000123.jpg")]
-    for kept in ("/abs/x.jpg", "http://h/x.jpg", "https://h/x.png", "file:///x.jpg", "data:image/png;base64,AAAA"):
+    for kept in (
+        "/abs/x.jpg",
+        "http://h/x.jpg",
+        "https://h/x.png",
+        "file:///x.jpg",
+        "data:image/png;base64,AAAA",
+    ):
         assert resolve_image(kept, "/somewhere", "/root") == kept
 
 
@@ -106,7 +112,16 @@ def test_build_sample(tmp_path):
     rec = validate_record(REC, path=str(tmp_path / "d.jsonl"), line_no=1)
     s = build_sample(rec, base_idx=9, dataset="toy", dataset_namespace=2)
     assert set(s) == {
-        "messages", "gt_objects", "images", "width", "height", "base_idx", "dataset", "sample_id", "summary", "metadata"
+        "messages",
+        "gt_objects",
+        "images",
+        "width",
+        "height",
+        "base_idx",
+        "dataset",
+        "sample_id",
+        "summary",
+        "metadata",
     }
     assert s["sample_id"] == (2 << 32) | 9 and s["base_idx"] == 9 and s["dataset"] == "toy"
     assert [o["desc"] for o in s["gt_objects"]] == ["cat", "sofa"]  # sorted by (y, x) anchor: 415 < 500
@@ -114,18 +129,36 @@ def test_build_sample(tmp_path):
         {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
         {
             "role": "user",
-            "content": [{"type": "image", "image": s["images"][0]}, {"type": "text", "text": DEFAULT_USER_PROMPT}],
+            "content": [
+                {"type": "image", "image": s["images"][0]},
+                {"type": "text", "text": DEFAULT_USER_PROMPT},
+            ],
         },
     ]
-    assert (s["width"], s["height"], s["summary"], s["metadata"]) == (640, 480, "a cat on a sofa", {"source": "unit"})
+    assert (s["width"], s["height"], s["summary"], s["metadata"]) == (
+        640,
+        480,
+        "a cat on a sofa",
+        {"source": "unit"},
+    )
 
 
 def test_build_sample_with_assistant_and_custom_prompts():
     rec = validate_record({**REC, "objects": [*REC["objects"], {"desc": "", "bbox_2d": [1, 2, 3, 4]}]})
-    s = build_sample(rec, base_idx=0, dataset="t", dataset_namespace=0, system_prompt=None, user_prompt="go",
-                     include_assistant=True)
+    s = build_sample(
+        rec,
+        base_idx=0,
+        dataset="t",
+        dataset_namespace=0,
+        system_prompt=None,
+        user_prompt="go",
+        include_assistant=True,
+    )
     assert [m["role"] for m in s["messages"]] == ["user", "assistant"]
     assert s["messages"][0]["content"][-1] == {"type": "text", "text": "go"}
     assert s["messages"][1]["content"].startswith('{"object_1": {"desc": "cat", "bbox_2d": ["<|coord_156|>"')
-    assert '"object_2": {"desc": "sofa", "poly": [["<|coord_40|>", "<|coord_500|>"]' in s["messages"][1]["content"]
+    assert (
+        '"object_2": {"desc": "sofa", "poly": [["<|coord_40|>", "<|coord_500|>"]'
+        in s["messages"][1]["content"]
+    )
     assert len(s["gt_objects"]) == 3  # the malformed object stays for GT extraction to count

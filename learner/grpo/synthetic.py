@@ -1,0 +1,121 @@
+"""Tiny synthetic "summary" set for the CPU GRPO demo (spec/GRPO_SUMMARY.md §4).
+
+The tiny demo LM has no vision tower, so the "image" is a short text description of the scene in the user
+prompt; the expected answer is the §4.2 completion (header line + one JSON line, or ``无关图片``). Rows carry
+the §4.1 reference metadata (``task_mode``, ``domain``, ``summary_ref``) that the rewards read, plus the
+reference ``answer`` text that the optional SFT warm start (:mod:`learner.grpo.warm_start`) trains on.
+
+Design choices (why the tiny model can raise the rewards within ~30 GRPO steps after a short warm start):
+
+- The scene text lists the facts in answer order, so the answer is a structured copy of the prompt.
+- Two domains (``BBU``/``RRU``) pick the header; ~20 % irrelevant rows answer ``无关图片``. A weakly warm-started
+  model confuses the domain and the two answer shapes often enough that the format/header/strict rewards
+  vary inside a group — the signal GRPO needs — and improve quickly.
+- A small closed vocabulary (3 categories per domain, attributes from the §5 path list) keeps every fact
+  frequent.
+
+Everything is pure and seeded: the same ``(seed, split, n)`` always gives the same rows; the train and eval
+splits use independent RNG streams.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from learner.rewards.summary_parse import IRRELEVANT, expected_header
+
+__all__ = [
+    "ATTRIBUTES",
+    "CATEGORIES",
+    "DOMAINS",
+    "SYSTEM_PROMPT",
+    "answer_text",
+    "generate_rows",
+    "make_row",
+    "sample_reference",
+    "scene_text",
+]
+
+DOMAINS: tuple[str, ...] = ("BBU", "RRU")
+CATEGORIES: dict[str, tuple[str, ...]] = {"BBU": ("A", "B", "C"), "RRU": ("R", "S", "T")}
+"""Category names per domain (single ASCII letters: one token each for the tiny tokenizer)."""
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "可见性": ("完整", "部分"),
+    "捆扎": ("整齐", "松散"),
+    "位置": ("左侧", "右侧"),
+}
+"""Attribute keys (all in the §5 ``attr_path_recall`` parent list) and their values."""
+SYSTEM_PROMPT = (
+    "Summarize the scene. Answer the header <DOMAIN=d>, <TASK=SUMMARY> and one JSON line, "
+    f"or {IRRELEVANT} when the image is irrelevant."
+)
+IRRELEVANT_FRACTION = 0.2
+_SPLIT_SALT = {"train": 0, "eval": 1}
+
+
+def sample_reference(rng: random.Random, domain: str) -> dict[str, Any]:
+    """A reference summary object: 1–2 categories, each with 1–2 attributes of one value and a count 1–3."""
+    names = rng.sample(CATEGORIES[domain], rng.randint(1, 2))
+    stats = []
+    for name in sorted(names):
+        entry: dict[str, Any] = {"类别": name}
+        for key in sorted(rng.sample(list(ATTRIBUTES), rng.randint(1, 2))):
+            entry[key] = {rng.choice(ATTRIBUTES[key]): rng.randint(1, 3)}
+        stats.append(entry)
+    return {"统计": stats}
+
+
+def scene_text(domain: str, ref: dict[str, Any] | None) -> str:
+    """The user prompt: the domain and the facts in answer order (``None`` → an irrelevant scene)."""
+    if ref is None:
+        return f"domain {domain}. scene: nothing relevant"
+    facts = []
+    for entry in ref["统计"]:
+        attrs = " ".join(
+            f"{key}={value} x{count}"
+            for key, values in entry.items()
+            if key != "类别"
+            for value, count in values.items()
+        )
+        facts.append(f"{entry['类别']} {attrs}")
+    return f"domain {domain}. scene: " + "; ".join(facts)
+
+
+def answer_text(domain: str, ref: dict[str, Any] | None) -> str:
+    """The §4.2 reference completion (without the end-of-turn token)."""
+    if ref is None:
+        return IRRELEVANT
+    return f"{expected_header(domain)}\n{json.dumps(ref, ensure_ascii=False)}"
+
+
+def make_row(rng: random.Random, row_id: str) -> dict[str, Any]:
+    """One dataset row: chat ``messages`` (system + user), §4.1 metadata and the reference ``answer``."""
+    domain = rng.choice(DOMAINS)
+    ref = None if rng.random() < IRRELEVANT_FRACTION else sample_reference(rng, domain)
+    return {
+        "id": row_id,
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": scene_text(domain, ref)},
+        ],
+        "task_mode": "summary",
+        "domain": domain,
+        "summary_ref": IRRELEVANT if ref is None else ref,
+        "answer": answer_text(domain, ref),
+    }
+
+
+def generate_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+    """``n`` rows of ``split`` (``train`` or ``eval``), deterministic in ``(seed, split, n)``.
+
+    Raises:
+        ValueError: unknown split or negative ``n``.
+    """
+    if split not in _SPLIT_SALT:
+        raise ValueError(f"split {split!r} is not one of {sorted(_SPLIT_SALT)}")
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    rng = random.Random(seed * 1_000_003 + _SPLIT_SALT[split])
+    return [make_row(rng, f"{split}-{i:05d}") for i in range(n)]
