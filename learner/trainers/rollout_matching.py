@@ -59,6 +59,7 @@ class RolloutMatchingTrainer(Trainer):
         self.run_cfg = run_cfg
         self.eval_samples = eval_samples or []
         self.coord_ids = torch.tensor(planner.ctx.coord_vocab.ids, dtype=torch.long)
+        self._last_forward_s = 0.0
         self.step_metrics = StepMetrics(reduce_fn=self._reduce_metrics if self.args.world_size > 1 else None)
 
     # -- step planning ------------------------------------------------------------------------------
@@ -106,6 +107,14 @@ class RolloutMatchingTrainer(Trainer):
         return int(counts[0]), int(counts[1])
 
     # -- loss ---------------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """HF's step, timed: `time/backward_s` = the step's wall time minus the forward measured in compute_loss."""
+        t0 = time.perf_counter()
+        self._last_forward_s = 0.0
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_metrics.add_time("time/backward_s", max(0.0, time.perf_counter() - t0 - self._last_forward_s))
+        return loss
+
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         # Prepared batches hold a dataclass (not a tensor mapping); moved to the device in compute_loss.
         return inputs
@@ -125,7 +134,8 @@ class RolloutMatchingTrainer(Trainer):
         loss = micro_loss(sums, inputs["n_ce_total"], inputs["n_coord_total"], self.args.world_size,
                           loss_cfg.normalization, gas)
         self.step_metrics.add(sums.metric_sums())
-        self.step_metrics.add_time("time/forward_s", time.perf_counter() - t0)
+        self._last_forward_s = time.perf_counter() - t0
+        self.step_metrics.add_time("time/forward_s", self._last_forward_s)
         return (loss, outputs) if return_outputs else loss
 
     # -- evaluation ---------------------------------------------------------------------------------
