@@ -8,6 +8,7 @@ Extension points used, and why:
 - `compute_loss` — one forward per prepared micro-batch, sum-form CE + coordinate losses, token-weighted
   normalisation; `loss_is_scaled_for_ga = True` because the loss is already normalised for the window.
 - `evaluate` — rollout-only evaluation (no teacher forcing, no loss), reporting `eval_rollout_*`.
+- `training_step` — calls `super()` and only times it (`time/backward_s`).
 - `log` — merges the step's rollout/loss/packing/time metrics, then `super().log`.
 
 The data order (shuffle + rollout-buffer repetition) lives in `RepeatedWindowDataset`; the trainer samples

@@ -18,15 +18,16 @@ from learner.stage2.gt import GTObject
 from learner.stage2.parse import CutRoundTripError, parse_rollout, token_cut
 from tests.unit.learner.parse_checks import assert_parse_invariants
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORDS = ["person", "cat", "dog", "rug", "sofa", "unknown", "red car", "猫", "chat noir", 'a"b', "x\\y", "é"]
 
 bins = st.integers(0, 999)
 descs = st.one_of(
     st.sampled_from(WORDS),
-    st.text(
-        st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), min_size=1, max_size=8
-    ).filter(lambda s: s.strip() and "<|" not in s),
+    # NFC-stable text: Qwen tokenizers NFC-normalize on encode, and a rollout only holds what the model emitted.
+    st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), min_size=1, max_size=8)
+    .map(lambda s: unicodedata.normalize("NFC", s))
+    .filter(lambda s: s.strip() and "<|" not in s),
 )
 bbox_geom = st.tuples(st.just("bbox_2d"), st.lists(bins, min_size=4, max_size=4))
 poly_geom = st.tuples(
