@@ -18,7 +18,7 @@ from learner.stage2.gt import GTObject
 from learner.stage2.parse import CutRoundTripError, parse_rollout, token_cut
 from tests.unit.learner.parse_checks import assert_parse_invariants
 
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORDS = ["person", "cat", "dog", "rug", "sofa", "unknown", "red car", "猫", "chat noir", 'a"b', "x\\y", "é"]
 
 bins = st.integers(0, 999)

@@ -1,0 +1,243 @@
+"""GRPO prompt data (spec/GRPO_SUMMARY.md §3.3–§3.5, §4.1): prompt rows from JSONL and the slot dataset.
+
+A JSONL row is a JSON object with:
+
+- ``messages``: chat messages (system/user; trailing assistant turns, e.g. an SFT answer, are dropped), or
+  ``prompt``: the user text (with ``system`` as an optional system text);
+- ``task_mode`` (required), ``domain``, ``summary_ref``: the §4.1 reference metadata the rewards read;
+- ``id`` (optional) and any other keys (kept in :attr:`PromptRow.meta`, ignored by the rewards);
+- ``images``: must be absent or empty — image prompts need the learner's vision forward, which this trainer
+  does not have yet (the row is rejected with a message saying so).
+
+Prompts are templated and tokenized ONCE on the learner; the same ids are sent to the server as
+``prompt_token_ids`` and fed to the learner's forward, so both sides condition on identical tokens.
+``truncation_strategy: delete`` (§3.5) is applied at load time: a prompt longer than
+``global_max_length − max_completion_length`` is removed, which is the same as replacing it by the next
+sample; the count is reported as ``data/deleted_overlong``.
+
+The trainer's dataset (:class:`GenerationSlots`) lists *completion slots*: optimizer step ``k`` owns the
+contiguous slots ``[k·E, (k+1)·E)`` (``E`` = generation batch size in completions), laid out group-major
+(prompt ``p`` of the step, generation ``j``). HF ``Trainer`` samples it sequentially and accelerate deals
+micro-batch ``b`` to rank ``b % world``, so every rank receives its share of the step's slots and the
+trainer re-assembles the full window from the slot tags (never from positions).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from learner.data.errors import DataRecordError
+
+__all__ = [
+    "GenerationSlots",
+    "PromptRow",
+    "PromptSet",
+    "chat_messages",
+    "load_prompt_rows",
+    "prompt_order",
+]
+
+REWARD_KEYS = ("task_mode", "domain", "summary_ref")
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt of the GRPO data.
+
+    Attributes:
+        index: position in the loaded (filtered) prompt set.
+        row_id: the row's ``id`` (or ``<file stem>:<line>``).
+        messages: the chat messages sent for generation (no assistant turn).
+        prompt_ids: templated prompt token ids (generation prompt included), as sent to the server.
+        reward_row: ``task_mode``/``domain``/``summary_ref`` for the rewards (§4.1).
+        meta: every other key of the JSONL row.
+    """
+
+    index: int
+    row_id: str
+    messages: list[dict[str, Any]] = field(repr=False)
+    prompt_ids: list[int] = field(repr=False)
+    reward_row: dict[str, Any] = field(repr=False)
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Loaded prompts and what the §3.5 deletion removed.
+
+    Attributes:
+        rows: kept rows, ``rows[i].index == i``.
+        deleted_overlong: rows removed because the prompt exceeded the budget.
+        budget: prompt-token budget ``global_max_length − max_completion_length``.
+    """
+
+    rows: list[PromptRow]
+    deleted_overlong: int
+    budget: int
+
+
+def chat_messages(record: Mapping[str, Any], *, where: str) -> list[dict[str, Any]]:
+    """The generation messages of a row: ``messages`` minus trailing assistant turns, or built from ``prompt``.
+
+    Raises:
+        DataRecordError: neither ``messages`` nor ``prompt``, or an unusable message list.
+    """
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        messages = [dict(m) for m in messages]
+        while messages and messages[-1].get("role") == "assistant":
+            messages.pop()
+        if not messages:
+            raise ValueError(f"{where}: 'messages' has no system/user turn left after dropping assistant turns")
+        return messages
+    if isinstance(record.get("prompt"), str):
+        messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+        return [*messages, {"role": "user", "content": record["prompt"]}]
+    raise ValueError(f"{where}: a GRPO row needs 'messages' (chat list) or 'prompt' (user text)")
+
+
+def _row_from_record(
+    record: Any, *, path: Path, line_no: int, encode: Callable[[list[dict[str, Any]]], list[int]]
+) -> tuple[str, list[dict[str, Any]], list[int], dict[str, Any], dict[str, Any]]:
+    where = f"{path}:{line_no}"
+    if not isinstance(record, dict):
+        raise DataRecordError(str(path), line_no, f"a row must be a JSON object, got {type(record).__name__}")
+    if "task_mode" not in record:
+        raise DataRecordError(str(path), line_no, "missing 'task_mode' (summary or dense; §4.1)")
+    if record.get("images"):
+        raise DataRecordError(
+            str(path),
+            line_no,
+            "image prompts are not supported by the GRPO learner yet (it has no vision forward); "
+            "use text-only rows or the rollout-matching trainer",
+        )
+    try:
+        messages = chat_messages(record, where=where)
+    except ValueError as exc:
+        raise DataRecordError(str(path), line_no, str(exc).removeprefix(f"{where}: ")) from None
+    reward_row = {key: record[key] for key in REWARD_KEYS if key in record}
+    skip = {*REWARD_KEYS, "messages", "prompt", "system", "images", "id"}
+    meta = {key: value for key, value in record.items() if key not in skip}
+    row_id = str(record.get("id", f"{path.stem}:{line_no}"))
+    return row_id, messages, encode(messages), reward_row, meta
+
+
+def load_prompt_rows(
+    files: Sequence[str | Path],
+    encode: Callable[[list[dict[str, Any]]], list[int]],
+    *,
+    budget: int,
+) -> PromptSet:
+    """Reads GRPO prompt rows from JSONL files, in file then line order, deleting overlong prompts (§3.5).
+
+    Args:
+        files: JSONL paths.
+        encode: messages → templated prompt ids (generation prompt included).
+        budget: largest allowed prompt length in tokens (``global_max_length − max_completion_length``).
+
+    Returns:
+        :class:`PromptSet`.
+
+    Raises:
+        DataRecordError: a malformed line (names file and line), or no prompt left.
+    """
+    rows: list[PromptRow] = []
+    deleted = 0
+    for file in files:
+        path = Path(file)
+        with path.open(encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataRecordError(str(path), line_no, f"invalid JSON: {exc.msg}") from None
+                row_id, messages, ids, reward_row, meta = _row_from_record(
+                    record, path=path, line_no=line_no, encode=encode
+                )
+                if len(ids) > budget:
+                    deleted += 1
+                    continue
+                rows.append(PromptRow(len(rows), row_id, messages, ids, reward_row, meta))
+    if not rows:
+        raise DataRecordError(
+            ", ".join(str(f) for f in files),
+            None,
+            f"no prompt left ({deleted} longer than the {budget}-token budget were deleted); "
+            "check data.train or raise grpo.global_max_length",
+        )
+    return PromptSet(rows=rows, deleted_overlong=deleted, budget=budget)
+
+
+def prompt_order(num_rows: int, count: int, seed: int) -> list[int]:
+    """The first ``count`` row indices of the endless prompt stream: seeded permutations, one per pass.
+
+    Pass ``e`` is ``range(num_rows)`` shuffled with ``random.Random(seed + e)``; a step's prompts are
+    consecutive entries, so the order does not depend on the world size.
+    """
+    if num_rows < 1:
+        raise ValueError("prompt_order needs at least one row")
+    order: list[int] = []
+    epoch = 0
+    while len(order) < count:
+        perm = list(range(num_rows))
+        random.Random(seed + epoch).shuffle(perm)
+        order.extend(perm)
+        epoch += 1
+    return order[:count]
+
+
+class GenerationSlots(Dataset):
+    """Completion slots in step order (see the module docstring); item ``i`` is a small tag dict.
+
+    Item keys: ``step`` (window), ``slot`` (position in the window), ``prompt_slot`` (``p``, position of the
+    prompt in the step's generation batch), ``generation`` (``j``), ``row`` (prompt row index).
+
+    Args:
+        num_rows: prompts available.
+        prompts_per_step: ``P = generation_batch_size / num_generations``.
+        num_generations: ``G``.
+        num_steps: windows listed (``max_steps``, or one pass over the prompts).
+        seed: prompt-order seed (``training.seed``).
+    """
+
+    def __init__(self, *, num_rows: int, prompts_per_step: int, num_generations: int, num_steps: int, seed: int) -> None:
+        if prompts_per_step < 1 or num_generations < 1 or num_steps < 1:
+            raise ValueError(
+                f"GenerationSlots needs prompts_per_step, num_generations and num_steps >= 1, got "
+                f"{prompts_per_step}, {num_generations}, {num_steps}"
+            )
+        self.prompts_per_step = prompts_per_step
+        self.num_generations = num_generations
+        self.num_steps = num_steps
+        self._rows = prompt_order(num_rows, prompts_per_step * num_steps, seed)
+
+    @property
+    def slots_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    def __len__(self) -> int:
+        return self.num_steps * self.slots_per_step
+
+    def __getitem__(self, index: int) -> dict[str, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"slot {index} outside [0, {len(self)})")
+        step, slot = divmod(index, self.slots_per_step)
+        p, j = divmod(slot, self.num_generations)
+        return {
+            "step": step,
+            "slot": slot,
+            "prompt_slot": p,
+            "generation": j,
+            "row": self._rows[step * self.prompts_per_step + p],
+        }

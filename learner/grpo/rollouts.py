@@ -1,0 +1,179 @@
+"""Generate requests and result grouping for GRPO (spec/GRPO_SUMMARY.md §1).
+
+One generate request per prompt with ``n = num_generations``; request ``i`` of a round carries the global
+prompt index ``first_index + i`` (its position in the step's generation batch, resample rounds continuing
+after the regular round), the explicit per-request seed
+``(training.seed + global_step · 1_000_003 + prompt_index) & 0x7FFFFFFF`` and the request id
+``grpo-s<step>-p<prompt_index>``. Results are matched back by index AND request id (a mismatch raises),
+never by position; each result must hold exactly ``n`` choices and echo the prompt ids that were sent.
+
+Pure: no HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from learner.grpo.data import PromptRow
+from learner.grpo.sections import GrpoConfig
+from shared_schemas.infer import SEED_MASK, FinishReason, InferBatch, InferRequest, InferResult, RequestConfig
+
+__all__ = [
+    "SEED_STEP_STRIDE",
+    "Completion",
+    "GenerationError",
+    "Group",
+    "build_infer_batch",
+    "group_results",
+    "prompt_seed",
+    "request_config",
+    "request_id",
+]
+
+SEED_STEP_STRIDE = 1_000_003
+"""Seed stride per optimizer step (§1)."""
+
+
+class GenerationError(RuntimeError):
+    """The server's answer does not fit the request (wrong request id, choice count or prompt ids)."""
+
+
+def prompt_seed(seed: int, global_step: int, prompt_index: int) -> int:
+    """``(training.seed + global_step · 1_000_003 + prompt_index) & 0x7FFFFFFF`` (§1)."""
+    if global_step < 0 or prompt_index < 0:
+        raise ValueError(f"global_step {global_step} and prompt_index {prompt_index} must be >= 0")
+    return (seed + global_step * SEED_STEP_STRIDE + prompt_index) & SEED_MASK
+
+
+def request_id(global_step: int, prompt_index: int) -> str:
+    """The id of the request for ``prompt_index`` at ``global_step`` (unique within a run)."""
+    return f"grpo-s{global_step}-p{prompt_index}"
+
+
+def request_config(grpo: GrpoConfig, *, logprobs: bool = True) -> RequestConfig:
+    """The sampling config of every GRPO request: ``n = num_generations`` and the §3 sampling knobs.
+
+    ``logprobs`` asks the server for the sampling log-probs (kept for the importance-ratio metric).
+    """
+    return RequestConfig(
+        n=grpo.num_generations,
+        max_tokens=grpo.max_completion_length,
+        temperature=grpo.temperature,
+        top_p=grpo.top_p,
+        top_k=grpo.top_k if grpo.top_k is not None else -1,
+        repetition_penalty=grpo.repetition_penalty,
+        logprobs=logprobs,
+    )
+
+
+def build_infer_batch(
+    rows: Sequence[PromptRow],
+    *,
+    global_step: int,
+    first_index: int,
+    seed: int,
+    config: RequestConfig,
+) -> InferBatch:
+    """One request per prompt (``prompt_token_ids``), global indices from ``first_index``, explicit seeds."""
+    indices = range(first_index, first_index + len(rows))
+    return InferBatch(
+        infer_requests=[
+            InferRequest(prompt_token_ids=list(row.prompt_ids), request_id=request_id(global_step, i))
+            for row, i in zip(rows, indices, strict=True)
+        ],
+        request_config=config,
+        first_index=first_index,
+        seeds=[prompt_seed(seed, global_step, i) for i in indices],
+    )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion.
+
+    Attributes:
+        token_ids: sampled ids (may end with the end-of-turn id).
+        text: the server's decoded text (rewards read it).
+        finish_reason: ``length`` marks a truncated completion.
+        logprobs: the server's sampling log-prob per token, when returned.
+    """
+
+    token_ids: list[int] = field(repr=False)
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[float] | None = field(default=None, repr=False)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Group:
+    """The ``G`` completions of one prompt, and their rewards once scored.
+
+    Attributes:
+        prompt_index: position in the step's generation batch (seed and request id derive from it).
+        row: the prompt.
+        completions: ``G`` completions in choice order.
+        rewards: total reward per completion (§3.6); empty until scored.
+        per_reward: raw value of every configured reward per completion.
+    """
+
+    prompt_index: int
+    row: PromptRow
+    completions: list[Completion]
+    rewards: list[float] = field(default_factory=list)
+    per_reward: dict[str, list[float]] = field(default_factory=dict)
+
+
+def group_results(
+    batch: InferBatch, results: Sequence[InferResult], rows: Sequence[PromptRow], *, global_step: int
+) -> list[Group]:
+    """Groups the server's results by prompt: ``out[i]`` answers ``rows[i]`` (prompt index ``first_index + i``).
+
+    Args:
+        batch: the batch that was sent (from :func:`build_infer_batch`).
+        results: the results in any order.
+        rows: the prompts of ``batch``, in request order.
+        global_step: the step the batch was built for (request ids embed it).
+
+    Raises:
+        GenerationError: a missing, extra or duplicated result, a request id that does not name its prompt,
+            a choice count other than ``n``, or prompt ids other than those sent.
+    """
+    n = batch.request_config.n
+    first = batch.first_index
+    if len(rows) != len(batch.infer_requests):
+        raise GenerationError(f"{len(rows)} rows for a batch of {len(batch.infer_requests)} requests")
+    by_index: dict[int, InferResult] = {}
+    for result in results:
+        if result.index in by_index:
+            raise GenerationError(f"result index {result.index} received twice")
+        by_index[result.index] = result
+    expected = set(range(first, first + len(rows)))
+    if set(by_index) != expected:
+        missing = sorted(expected - set(by_index))[:10]
+        extra = sorted(set(by_index) - expected)[:10]
+        raise GenerationError(f"results do not answer the batch: missing indices {missing}, extra {extra}")
+    groups = []
+    for offset, row in enumerate(rows):
+        index = first + offset
+        result = by_index[index]
+        want = request_id(global_step, index)
+        if result.request_id != want:
+            raise GenerationError(f"result index {index} carries request_id {result.request_id!r}, expected {want!r}")
+        if len(result.choices) != n:
+            raise GenerationError(f"result {want} holds {len(result.choices)} choices, requested n={n}")
+        if list(result.prompt_token_ids) != list(row.prompt_ids):
+            raise GenerationError(
+                f"result {want}: the server conditioned on {len(result.prompt_token_ids)} prompt ids that differ "
+                f"from the {len(row.prompt_ids)} sent; server and learner must load the same tokenizer"
+            )
+        completions = [
+            Completion(list(c.token_ids), c.text, c.finish_reason, list(c.logprobs) if c.logprobs is not None else None)
+            for c in result.choices
+        ]
+        groups.append(Group(prompt_index=index, row=row, completions=completions))
+    return groups
