@@ -54,11 +54,15 @@ def collate_rows(rows: Sequence[CompletionRow], pad_id: int) -> dict[str, torch.
         raise ValueError("collate_rows needs at least one completion")
     for i, row in enumerate(rows):
         if not row.prompt_ids or not row.completion_ids:
-            raise ValueError(f"completion {i}: prompt ({len(row.prompt_ids)}) and completion "
-                             f"({len(row.completion_ids)}) must both be non-empty")
+            raise ValueError(
+                f"completion {i}: prompt ({len(row.prompt_ids)}) and completion "
+                f"({len(row.completion_ids)}) must both be non-empty"
+            )
         if row.server_logprobs is not None and len(row.server_logprobs) != len(row.completion_ids):
-            raise ValueError(f"completion {i}: {len(row.server_logprobs)} server log-probs for "
-                             f"{len(row.completion_ids)} tokens")
+            raise ValueError(
+                f"completion {i}: {len(row.server_logprobs)} server log-probs for "
+                f"{len(row.completion_ids)} tokens"
+            )
     total = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     min_prompt = min(len(r.prompt_ids) for r in rows)
     keep = total - min_prompt
@@ -112,7 +116,10 @@ def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor | int]) -> 
     """``[B, K]`` log-probs of ``batch["targets"]`` under ``model`` (mask with ``completion_mask``)."""
     keep = int(batch["logits_to_keep"])
     outputs = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep, use_cache=False
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        logits_to_keep=keep,
+        use_cache=False,
     )
     logits = outputs.logits[:, :-1, :]
     return selective_log_softmax(logits, batch["targets"])

@@ -97,10 +97,14 @@ def chat_messages(record: Mapping[str, Any], *, where: str) -> list[dict[str, An
         while messages and messages[-1].get("role") == "assistant":
             messages.pop()
         if not messages:
-            raise ValueError(f"{where}: 'messages' has no system/user turn left after dropping assistant turns")
+            raise ValueError(
+                f"{where}: 'messages' has no system/user turn left after dropping assistant turns"
+            )
         return messages
     if isinstance(record.get("prompt"), str):
-        messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+        messages = (
+            [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+        )
         return [*messages, {"role": "user", "content": record["prompt"]}]
     raise ValueError(f"{where}: a GRPO row needs 'messages' (chat list) or 'prompt' (user text)")
 
@@ -211,7 +215,9 @@ class GenerationSlots(Dataset):
         seed: prompt-order seed (``training.seed``).
     """
 
-    def __init__(self, *, num_rows: int, prompts_per_step: int, num_generations: int, num_steps: int, seed: int) -> None:
+    def __init__(
+        self, *, num_rows: int, prompts_per_step: int, num_generations: int, num_steps: int, seed: int
+    ) -> None:
         if prompts_per_step < 1 or num_generations < 1 or num_steps < 1:
             raise ValueError(
                 f"GenerationSlots needs prompts_per_step, num_generations and num_steps >= 1, got "

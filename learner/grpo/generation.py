@@ -154,7 +154,9 @@ class GroupGenerator:
         out.filled_with_zero_var = result.filled_with_zero_var
         return out
 
-    def _round(self, rows: Sequence[PromptRow], global_step: int, *, first_index: int, out: StepRollout) -> list[Group]:
+    def _round(
+        self, rows: Sequence[PromptRow], global_step: int, *, first_index: int, out: StepRollout
+    ) -> list[Group]:
         batch = build_infer_batch(
             rows, global_step=global_step, first_index=first_index, seed=self.seed, config=self.config
         )

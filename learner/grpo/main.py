@@ -1,0 +1,301 @@
+"""Entry point of a GRPO run: ``run_grpo(config_path)`` (``python -m learner --config X`` dispatches here when
+the YAML has a ``grpo:`` section), and ``build_grpo_trainer`` which wires the parts.
+
+The YAML is validated by ``learner.grpo.config.validate_grpo_run`` (spec/GRPO_SUMMARY.md §2.3; a failure is a
+``ConfigError``, exit 2 in ``__main__``). Launcher flags reach the learner through ONE variable set by
+``scripts/start_learner.sh``: ``ROLLMATCH_TRAIN_GPUS`` (its ``--gpus``/``--nproc``), applied as the
+``train_gpus`` override so the learner validates exactly what the launcher validated. The process count
+(``WORLD_SIZE`` from torchrun) must equal ``len(train_gpus)`` — the batch sizes of rule 8 depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from learner.config import RunConfig, check_runtime_guards
+from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
+from learner.grpo.data import GenerationSlots, PromptSet, load_prompt_rows
+from learner.grpo.generation import GroupGenerator, ResamplePool
+from learner.grpo.progress import GrpoProgressCallback
+from learner.grpo.reference import build_reference
+from learner.grpo.rollouts import request_config
+from learner.grpo.trainer import GrpoTrainer
+from learner.rewards.summary_schema import load_schemas
+from learner.rollout.base import RolloutSource
+from learner.trainers.callbacks import MetricsJsonlCallback
+from learner.weights.sync import WeightSyncPolicy
+from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
+
+__all__ = ["TRAIN_GPUS_ENV", "GrpoRun", "build_grpo_trainer", "resolve_grpo_config", "run_grpo"]
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRAIN_GPUS_ENV = "ROLLMATCH_TRAIN_GPUS"
+"""Set by ``scripts/start_learner.sh`` when ``--gpus``/``--nproc`` override ``train_gpus``."""
+
+# TrainingArguments we must own (and why): the identity collator needs the slot tags; the step windows live
+# in the dataset order, so sampling must be sequential.
+_FORCED_ARGS = {"remove_unused_columns": False, "train_sampling_strategy": "sequential"}
+_DEFAULT_ARGS = {
+    "logging_steps": 1,
+    "report_to": ["tensorboard"],
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "disable_tqdm": True,
+    "dataloader_num_workers": 0,
+}
+
+
+@dataclass
+class GrpoRun:
+    """Everything ``run_grpo`` needs after building."""
+
+    trainer: GrpoTrainer
+    source: RolloutSource
+    resolved: ResolvedGrpoRun
+    output_dir: Path
+
+
+def resolve_grpo_config(
+    config_path: str | Path, train_gpus: str | None = None
+) -> tuple[ResolvedGrpoRun, RunConfig]:
+    """Loads the YAML, validates it (§2.3) and returns the resolved run and its learner ``RunConfig``.
+
+    Args:
+        config_path: the run YAML (``extends`` chain allowed).
+        train_gpus: optional ``train_gpus`` override (``"6,7"``), as the launcher passes it.
+
+    Raises:
+        ConfigError: one line naming the key and the rule.
+    """
+    raw = load_yaml_with_extends(config_path)
+    overrides = {"train_gpus": train_gpus} if train_gpus else None
+    resolved = validate_grpo_run(raw, REPO_ROOT, overrides)
+    try:
+        cfg = RunConfig.model_validate(resolved.learner_config)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, config_path)) from exc
+    return resolved, cfg
+
+
+def _training_args(cfg: RunConfig, output_dir: Path, max_steps: int) -> TrainingArguments:
+    defaults = {**_DEFAULT_ARGS, "use_cpu": not torch.cuda.is_available()}
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        defaults["ddp_backend"] = "gloo"  # multi-rank CPU runs (accelerate would otherwise pick nothing)
+    kwargs = {
+        **defaults,
+        **cfg.training,
+        **_FORCED_ARGS,
+        "output_dir": str(output_dir),
+        "max_steps": max_steps,
+    }
+    kwargs.pop("resume_from_checkpoint", None)
+    kwargs.pop("num_train_epochs", None)
+    return TrainingArguments(**kwargs)
+
+
+def _num_steps(cfg: RunConfig, num_rows: int, prompts_per_step: int) -> int:
+    """``training.max_steps`` when set, else ``num_train_epochs`` passes over the prompts (rounded up)."""
+    max_steps = int(cfg.training.get("max_steps", -1))
+    if max_steps > 0:
+        return max_steps
+    epochs = float(cfg.training.get("num_train_epochs", 1.0))
+    return max(1, math.ceil(epochs * num_rows / prompts_per_step))
+
+
+def _load_policy(cfg: RunConfig, model_path: Path) -> tuple[PreTrainedModel, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
+    )
+    if cfg.model.adapter != "none":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.model.lora_r,
+                lora_alpha=cfg.model.lora_alpha,
+                lora_dropout=cfg.model.lora_dropout,
+                target_modules=cfg.model.lora_target_modules,
+                use_dora=cfg.model.adapter == "dora",
+                task_type="CAUSAL_LM",
+            ),
+        )
+    return model, tokenizer
+
+
+def _prompt_encoder(tokenizer: Any):
+    def encode(messages: list[dict[str, Any]]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return encode
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (REPO_ROOT / p).resolve()
+
+
+def _sync_dtype(resolved: ResolvedGrpoRun) -> torch.dtype | None:
+    """The server's dtype (full syncs are cast to it; the server rejects a mismatch); None for ``auto``."""
+    name = resolved.server.dtype
+    return None if name == "auto" else getattr(torch, name)
+
+
+def _build_source(cfg: RunConfig) -> RolloutSource:
+    from learner.rollout.client import ServerRolloutSource
+
+    source = ServerRolloutSource.from_config(cfg.rollout)
+    source.wait_healthy()
+    return source
+
+
+def build_grpo_trainer(
+    resolved: ResolvedGrpoRun, cfg: RunConfig, *, source: RolloutSource | None = None
+) -> GrpoRun:
+    """Builds model, reference, prompts, rollout source, sync policy, generator and trainer.
+
+    Args:
+        resolved: from :func:`resolve_grpo_config`.
+        cfg: its learner ``RunConfig``.
+        source: an already-built rollout source (default: the configured servers, waited for).
+
+    Raises:
+        ConfigError: the world size does not match ``train_gpus``, or a runtime guard failed.
+    """
+    grpo = resolved.grpo
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != resolved.world_size:
+        raise ConfigError(
+            f"train_gpus: {len(resolved.train_gpus)} learner GPUs {list(resolved.train_gpus)} but {world} processes "
+            "were started (GRPO_SUMMARY §2.3 rule 7: world size = len(train_gpus)); launch with "
+            "scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
+        )
+    model, tokenizer = _load_policy(cfg, resolved.model_path)
+    reference = build_reference(model, grpo.beta)
+    budget = grpo.global_max_length - grpo.max_completion_length
+    prompts: PromptSet = load_prompt_rows(
+        [_resolve(f) for f in cfg.data.train], _prompt_encoder(tokenizer), budget=budget
+    )
+    prompts_per_step = resolved.prompts_per_step
+    num_steps = _num_steps(cfg, len(prompts.rows), prompts_per_step)
+    args = _training_args(cfg, resolved.output_dir, num_steps)
+    source = source if source is not None else _build_source(cfg)
+    health = source.health()
+    check_runtime_guards(
+        cfg,
+        world_size=args.world_size,
+        server_max_model_len=health.max_model_len,
+        longest_prompt_tokens=max(len(r.prompt_ids) for r in prompts.rows),
+    )
+    sync = WeightSyncPolicy(
+        cfg.rollout.sync,
+        is_rank0=lambda: args.process_index == 0,
+        barrier=torch.distributed.barrier if args.world_size > 1 else (lambda: None),
+        dtype=_sync_dtype(resolved),
+        seed=args.seed,
+    )
+    generator = None
+    if args.process_index == 0:
+        schemas = load_schemas(resolved.reward_schema_path) if resolved.reward_schema_path else None
+        generator = GroupGenerator(
+            source=source,
+            config=request_config(grpo),
+            reward_weights=resolved.reward_weights,
+            schemas=schemas,
+            seed=args.seed,
+            resample_pool=ResamplePool(prompts.rows, args.seed),
+            dynamic_sample=grpo.dynamic_sample,
+            max_resample_times=grpo.max_resample_times,
+        )
+    dataset = GenerationSlots(
+        num_rows=len(prompts.rows),
+        prompts_per_step=prompts_per_step,
+        num_generations=grpo.num_generations,
+        num_steps=num_steps,
+        seed=args.seed,
+    )
+    trainer = GrpoTrainer(
+        grpo=grpo,
+        prompts=prompts.rows,
+        source=source,
+        weight_sync=sync,
+        generator=generator,
+        reference=reference,
+        deleted_overlong=prompts.deleted_overlong,
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=_identity_collator,
+        processing_class=tokenizer,
+        callbacks=[MetricsJsonlCallback(resolved.output_dir / "metrics.jsonl"), GrpoProgressCallback()],
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    logger.info(
+        "GRPO: %d prompts (%d deleted as overlong), %d steps of %d prompts × %d generations, world %d, reference %s",
+        len(prompts.rows),
+        prompts.deleted_overlong,
+        num_steps,
+        prompts_per_step,
+        grpo.num_generations,
+        args.world_size,
+        reference.kind if reference else "none (beta 0)",
+    )
+    return GrpoRun(trainer=trainer, source=source, resolved=resolved, output_dir=resolved.output_dir)
+
+
+def _identity_collator(batch: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Micro-batches are plain lists of slot tags; the trainer builds the tensors."""
+    return batch
+
+
+def _first_last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
+    values = []
+    if metrics_path.exists():
+        for line in metrics_path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get(key) is not None:
+                values.append(float(record[key]))
+    return (values[0], values[-1]) if values else (None, None)
+
+
+def run_grpo(config_path: str | Path) -> int:
+    """Runs GRPO for the YAML at ``config_path``; returns the process exit code (0 on success).
+
+    Raises:
+        ConfigError: invalid configuration (``__main__`` prints it and exits 2).
+    """
+    resolved, cfg = resolve_grpo_config(config_path, os.environ.get(TRAIN_GPUS_ENV) or None)
+    run = build_grpo_trainer(resolved, cfg)
+    trainer = run.trainer
+    try:
+        trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
+    finally:
+        run.source.close()
+    if trainer.is_world_process_zero():
+        metrics_path = run.output_dir / "metrics.jsonl"
+        first, last = _first_last(metrics_path, "reward/first_round_total_mean")
+        summary = {
+            "steps": trainer.state.global_step,
+            "reward_first_round_start": first,
+            "reward_first_round_end": last,
+            "metrics": str(metrics_path),
+        }
+        (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        logger.info("GRPO done: %s", json.dumps(summary))
+    return 0

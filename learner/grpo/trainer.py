@@ -1,0 +1,303 @@
+"""GRPO on HF ``Trainer`` with generation on the rollout server (spec/GRPO_SUMMARY.md §1, §3, §7).
+
+Extension points used (STYLE §6), and why:
+
+- ``get_batch_samples`` — HF fetches the whole accumulation window here before the first forward, which is
+  where a GRPO step must generate: ``super()`` fetches this rank's completion slots (``GenerationSlots``),
+  then the step runs (below) and prepared micro-batches are returned, as many as were fetched.
+- ``compute_loss`` — one forward per micro-batch, the §3.2 loss (``grpo_loss``); HF divides by the number of
+  micro-batches and DDP averages the ranks, so the step's loss is the mean over all its completions.
+- ``log`` — merges the §7 metrics of the steps since the last log (micro-batch values all-reduced), then
+  ``super().log``.
+
+One optimizer step (``global_step = k``):
+
+1. every rank all-gathers its slot tags, so every rank knows the step's prompts (prompt ``p`` = position in
+   the generation batch) — "rank 0 gathers" of §1, done as an all-gather of a few integers per slot;
+2. weight sync right before fresh generation: ``WeightSyncPolicy.maybe_sync`` on every rank (only rank 0
+   sends full merged weights; all ranks meet at its barrier);
+3. rank 0 runs :class:`~learner.grpo.generation.GroupGenerator` (one request per prompt with
+   ``n = num_generations``, grouping by request id, rewards, dynamic sampling) and broadcasts the scored
+   groups; a failure there is broadcast too, so every rank raises instead of hanging;
+4. every rank builds the tensors of its own slots (slot ``(p, j)`` trains on completion ``j`` of group
+   ``p``), computes the reference log-probs (no grad) and, with ``kl_in_reward``, the per-completion KL,
+   which is all-gathered;
+5. every rank computes the advantages over the WHOLE generation batch from the broadcast rewards (group and
+   batch statistics are global, §3.1; float64, identical on every rank) and keeps its slots' values.
+
+Rewards are computed on rank 0 for the whole batch (they are cheap string functions, and dynamic sampling
+must see every group's rewards before the batch is final); the spec's "every rank scores its own rows" is
+equivalent in value.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from learner.grpo.advantages import compute_advantages, sequence_kl
+from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
+from learner.grpo.data import PromptRow
+from learner.grpo.generation import GroupGenerator, StepRollout
+from learner.grpo.loss import grpo_loss
+from learner.grpo.metrics import MetricWindow, advantage_metrics, completion_metrics, reward_metrics
+from learner.grpo.reference import ReferencePolicy
+from learner.grpo.sections import GrpoConfig
+from learner.grpo.window import SlotTag, assemble_window, slot_tags
+from learner.rollout.base import RolloutSource
+from learner.weights.sync import WeightSyncPolicy
+
+__all__ = ["GrpoTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class GrpoTrainer(Trainer):
+    """HF ``Trainer`` running GRPO steps (see the module docstring).
+
+    Args:
+        grpo: the resolved ``grpo`` knobs (``generation_batch_size`` set).
+        prompts: the prompt rows the slot dataset indexes.
+        source: the rollout source (used on rank 0).
+        weight_sync: the once-per-step sync policy.
+        generator: the rank-0 generation step (None on other ranks).
+        reference: the KL reference (None when ``beta == 0``).
+        deleted_overlong: prompts removed at load time by §3.5 (logged as ``data/deleted_overlong``).
+        **kwargs: passed to ``Trainer`` (model, args, train_dataset, data_collator, callbacks, ...).
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(
+        self,
+        *,
+        grpo: GrpoConfig,
+        prompts: Sequence[PromptRow],
+        source: RolloutSource,
+        weight_sync: WeightSyncPolicy,
+        generator: GroupGenerator | None,
+        reference: ReferencePolicy | None,
+        deleted_overlong: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if grpo.generation_batch_size is None:
+            raise ValueError(
+                "grpo.generation_batch_size must be resolved (validate_grpo_run) before training"
+            )
+        if grpo.beta > 0 and reference is None:
+            raise ValueError(f"grpo.beta {grpo.beta} > 0 needs a reference policy (build_reference)")
+        self.grpo = grpo
+        self.prompts = list(prompts)
+        self.source = source
+        self.weight_sync = weight_sync
+        self.generator = generator
+        self.reference = reference
+        self.deleted_overlong = deleted_overlong
+        self.prompts_per_step = grpo.generation_batch_size // grpo.num_generations
+        self.metric_window = MetricWindow()
+        self._prepared_at: float | None = None
+        self._pad_id = _pad_id(self.processing_class)
+        self.add_callback(_ForwardBackwardTimer(self))
+
+    # -- one GRPO step ------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
+        """Fetch this rank's slots for the step, then generate, score and prepare its micro-batches."""
+        raws, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not raws:
+            return raws, None
+        step = self.state.global_step
+        local = [slot_tags(raw) for raw in raws]
+        window = assemble_window(
+            self._all_gather([t for tags in local for t in tags]),
+            prompts_per_step=self.prompts_per_step,
+            num_generations=self.grpo.num_generations,
+        )
+        sync_s = self.weight_sync.maybe_sync(self.model, step, self.source)
+        rollout = self._generate([self.prompts[i] for i in window], step)
+        prepared = [self._micro_batch(tags, rollout) for tags in local]
+        kl = self._sequence_kl(prepared, local) if self._kl_in_reward else None
+        advantages = self._advantages(rollout, kl)
+        for batch, tags in zip(prepared, local, strict=True):
+            batch["advantages"] = advantages[[t.flat_index(self.grpo.num_generations) for t in tags]].float()
+        self._record_step(rollout, advantages, sync_s)
+        self._prepared_at = time.perf_counter()
+        return prepared, None
+
+    @property
+    def _kl_in_reward(self) -> bool:
+        return self.grpo.kl_in_reward and self.grpo.beta > 0
+
+    def _generate(self, prompts: list[PromptRow], step: int) -> StepRollout:
+        """Rank 0 generates and scores; the result (or its failure) is broadcast to every rank."""
+        payload: StepRollout | str | None = None
+        if self.args.process_index == 0:
+            if self.generator is None:
+                raise RuntimeError("rank 0 has no GroupGenerator; build_grpo_trainer passes one to rank 0")
+            try:
+                payload = self.generator.generate_step(prompts, step)
+            except Exception as exc:  # broadcast the failure so no rank hangs in the collective below
+                if self.args.world_size == 1:
+                    raise
+                logger.exception("GRPO generation failed at step %d", step)
+                payload = f"{type(exc).__name__}: {exc}"
+        payload = self._broadcast(payload)
+        if isinstance(payload, str):
+            raise RuntimeError(f"GRPO generation on rank 0 failed at step {step}: {payload}")
+        assert payload is not None
+        return payload
+
+    def _micro_batch(self, tags: Sequence[SlotTag], rollout: StepRollout) -> dict[str, Any]:
+        rows = []
+        for tag in tags:
+            completion = rollout.groups[tag.prompt_slot].completions[tag.generation]
+            group = rollout.groups[tag.prompt_slot]
+            rows.append(CompletionRow(group.row.prompt_ids, completion.token_ids, completion.logprobs, 0.0))
+        batch: dict[str, Any] = collate_rows(rows, self._pad_id)
+        if self.reference is not None:
+            started = time.perf_counter()
+            on_device = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch["ref_logps"] = self.reference.logps(on_device).cpu()
+            self.metric_window.add_max("time/reference_s", time.perf_counter() - started)
+        return batch
+
+    @torch.no_grad()
+    def _sequence_kl(self, prepared: list[dict[str, Any]], local: list[list[SlotTag]]) -> torch.Tensor:
+        """``KL_i = Σ_t (log π − log π_ref)`` of every completion of the step (``kl_in_reward``), all-gathered."""
+        mine: list[tuple[int, float]] = []
+        for batch, tags in zip(prepared, local, strict=True):
+            on_device = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            logps = completion_logps(self.model, on_device).cpu()
+            kl = sequence_kl(logps, batch["ref_logps"], batch["completion_mask"])
+            mine.extend(
+                (t.flat_index(self.grpo.num_generations), float(v)) for t, v in zip(tags, kl, strict=True)
+            )
+        out = torch.zeros(self.grpo.generation_batch_size, dtype=torch.float64)
+        for index, value in self._all_gather(mine):
+            out[index] = value
+        return out
+
+    def _advantages(self, rollout: StepRollout, kl: torch.Tensor | None) -> torch.Tensor:
+        """§3.1 over the whole generation batch (group-major ``p · G + j``), the same on every rank."""
+        rewards = torch.tensor([r for g in rollout.groups for r in g.rewards], dtype=torch.float64)
+        return compute_advantages(
+            rewards,
+            self.grpo.num_generations,
+            estimator=self.grpo.advantage_estimator,
+            scale_rewards=self.grpo.scale_rewards,
+            kl_in_reward=self._kl_in_reward,
+            beta=self.grpo.beta,
+            kl=kl,
+        )
+
+    def _record_step(self, rollout: StepRollout, advantages: torch.Tensor, sync_s: float) -> None:
+        metrics = {
+            **reward_metrics(rollout.groups, rollout.first_round_rewards),
+            **advantage_metrics(advantages),
+            **completion_metrics(rollout.groups),
+            **rollout.dynamic_sample_metrics(),
+            "data/deleted_overlong": float(self.deleted_overlong),
+            "time/generate_s": rollout.generate_s,
+            "time/reward_s": rollout.reward_s,
+            "rollout/requests": float(rollout.requests),
+            "rollout/infer_calls": float(rollout.infer_calls),
+            "weight_sync/version": float(self.weight_sync.version if self.args.process_index == 0 else 0),
+            "rollout/weight_version_min": float(min(g.weight_version for g in rollout.groups)),
+        }
+        self.metric_window.add_step(metrics)
+        self.metric_window.add_max("time/weight_sync_s", sync_s)
+
+    # -- loss ---------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """§3.2 loss of one micro-batch (mean over its completions); micro-batch metrics are recorded."""
+        logps = completion_logps(model, inputs)
+        mask = inputs["completion_mask"]
+        out = grpo_loss(
+            logps,
+            inputs["advantages"],
+            mask,
+            ref_logps=inputs.get("ref_logps"),
+            beta=self.grpo.beta,
+            epsilon=self.grpo.epsilon,
+            kl_in_reward=self.grpo.kl_in_reward,
+        )
+        rows = float(mask.shape[0])
+        self.metric_window.add_sum("kl/mean", float(out.kl_mean) * rows, rows)
+        self.metric_window.add_sum("loss/clip_ratio", float(out.clip_ratio) * rows, rows)
+        self._record_importance_ratio(logps.detach(), inputs, mask)
+        return (out.loss, None) if return_outputs else out.loss
+
+    def _record_importance_ratio(
+        self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor
+    ) -> None:
+        """``exp(log π_learner − log π_server)`` per token over tokens with server log-probs (1 = no mismatch)."""
+        server_mask = inputs["server_logprobs_mask"] * mask
+        count = float(server_mask.sum())
+        diff = (logps - inputs["server_logprobs"]) * server_mask
+        self.metric_window.add_sum(
+            "sampling/importance_ratio_mean", float((torch.exp(diff) * server_mask).sum()), count
+        )
+        self.metric_window.add_sum("sampling/logp_abs_diff_mean", float(diff.abs().sum()), count)
+        self.metric_window.add_max("sampling/logp_abs_diff_max", float(diff.abs().max()) if count else 0.0)
+
+    # -- logging ------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the GRPO metrics of the steps since the last log to training logs, then defers to HF."""
+        if "loss" in logs:
+            logs.update(self._finalize_metrics())
+        super().log(logs, start_time)
+
+    def _finalize_metrics(self) -> dict[str, float]:
+        if self.args.world_size <= 1:
+            return self.metric_window.finalize()
+        _, sums, _, maxima = self.metric_window.reduce_vector()
+        sums_t = torch.tensor(sums, dtype=torch.float64, device=self.args.device)
+        max_t = torch.tensor(maxima, dtype=torch.float64, device=self.args.device)
+        torch.distributed.all_reduce(sums_t)
+        torch.distributed.all_reduce(max_t, op=torch.distributed.ReduceOp.MAX)
+        return self.metric_window.finalize(sums_t.tolist(), max_t.tolist())
+
+    def record_forward_backward(self) -> None:
+        """Called before the optimizer step: the time since the micro-batches were prepared."""
+        if self._prepared_at is not None:
+            self.metric_window.add_max("time/forward_backward_s", time.perf_counter() - self._prepared_at)
+            self._prepared_at = None
+
+    # -- collectives --------------------------------------------------------------------------------
+    def _all_gather(self, items: list[Any]) -> list[Any]:
+        if self.args.world_size <= 1:
+            return list(items)
+        gathered: list[list[Any] | None] = [None] * self.args.world_size
+        torch.distributed.all_gather_object(gathered, items)
+        return [item for part in gathered for item in (part or [])]
+
+    def _broadcast(self, payload: Any) -> Any:
+        if self.args.world_size <= 1:
+            return payload
+        box = [payload]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class _ForwardBackwardTimer(TrainerCallback):
+    """Times forward + backward of a step: from the end of preparation to the optimizer step."""
+
+    def __init__(self, trainer: GrpoTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self.trainer.record_forward_backward()
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise ValueError("the tokenizer has neither pad_token_id nor eos_token_id; set one for padding")
+    return int(pad)

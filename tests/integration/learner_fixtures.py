@@ -1,0 +1,191 @@
+"""Fixtures and helpers for the learner-loop integration tests: real rollout servers on loopback, a small
+synthetic detection set, and run configs built in code.
+
+Servers are real `python -m rollout_server` processes (no mocks), each started on a free loopback port, ready
+when `/health` says so, and stopped by their own pid (SIGTERM, then SIGKILL of their process group). Import the
+fixtures into a test module (`from tests.integration.learner_fixtures import ...`) to use them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from learner.config import RunConfig, deep_merge
+
+__all__ = [
+    "RolloutServer",
+    "demo_data",
+    "free_port",
+    "run_config",
+    "start_server",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER_MAX_MODEL_LEN = 640
+"""Demo prompts are ~420 tokens with the default system prompt; 640 leaves room for short rollouts."""
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RolloutServer:
+    """One rollout server process."""
+
+    base_url: str
+    backend: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    shm_dir: Path
+    stopped: bool = field(default=False)
+
+    def health(self) -> dict[str, Any]:
+        """The `/health` body."""
+        return httpx.get(f"{self.base_url}/health", timeout=10).json()
+
+    def weight_version(self) -> int:
+        """The served weight version (one per applied sync)."""
+        return int(self.health()["weight_version"])
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the tests' "server dies mid-run")."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.stopped = True
+
+    def stop(self) -> None:
+        """SIGTERM and wait (the engine shuts down), SIGKILL of the group after 60 s; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        else:
+            # The server's own children (vLLM engine core) may outlive a crashed parent.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.stopped = True
+
+
+def start_server(
+    model_dir: Path,
+    tmp: Path,
+    *,
+    backend: str = "vllm",
+    max_model_len: int = SERVER_MAX_MODEL_LEN,
+    enable_lora: bool = False,
+    deadline_s: float = 240.0,
+) -> RolloutServer:
+    """Starts a rollout server (float32, seed 0, eager, 1 GiB KV cache) and waits until `/health` is ok.
+
+    Raises:
+        AssertionError: the process died or was not healthy within `deadline_s` (log tail included).
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    shm = tmp / "shm"
+    cfg = tmp / "server.yaml"
+    cfg.write_text(
+        f"server:\n  model: {model_dir}\n  backend: {backend}\n  dtype: float32\n  seed: 0\n  port: {port}\n"
+        f"  shm_dir: {shm}\n  hf: {{batch_size: 8}}\n"
+        f"  vllm: {{max_model_len: {max_model_len}, enforce_eager: true, enable_prefix_caching: true,"
+        f" enable_lora: {str(enable_lora).lower()}, max_num_seqs: 32, kv_cache_space_gb: 1}}\n"
+    )
+    log = tmp / "server.log"
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_server", "--config", str(cfg)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    server = RolloutServer(f"http://127.0.0.1:{port}", backend, proc, log, shm)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        if proc.poll() is not None:
+            server.stop()
+            raise AssertionError(f"{backend} server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise AssertionError(f"{backend} server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic detection set (spec/STAGE2.md §1; text-only scenes): 48 train rows."""
+    from learner.data.synthetic import DemoDataConfig, write_demo_dataset
+
+    train, _ = write_demo_dataset(tmp_path_factory.mktemp("loop_data"), 48, 4, 0, DemoDataConfig())
+    return Path(train)
+
+
+def run_config(model_dir: Path, train: Path, output_dir: Path, **sections: Any) -> RunConfig:
+    """A float32 learner run on the tiny model: 4 samples per step, 16 new tokens, no eval, no checkpoints.
+
+    Keyword arguments are top-level sections deep-merged over the defaults (lists replace).
+    """
+    base: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"train": [str(train)], "max_images_per_sample": 0},
+        "rollout": {
+            "backend": "hf",
+            "mode": "colocate",
+            "timeout_s": 60,
+            "infer_timeout_s": 30,
+            "decoding": {"max_new_tokens": 16, "temperature": 0.0, "rollout_generate_batch_size": 4},
+        },
+        "training": {
+            "seed": 0,
+            "max_steps": 1,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "learning_rate": 5.0e-3,
+            "lr_scheduler_type": "constant",
+            "report_to": [],
+            "save_strategy": "no",
+            "logging_steps": 1,
+        },
+        "stage2": {"encode": {"global_max_length": 1024}, "eval": {"at_start": False}},
+    }
+    return RunConfig.model_validate(deep_merge(base, sections))
+
+
+@pytest.fixture()
+def stop_after() -> Iterator[list[Any]]:
+    """Objects with `close()`/`stop()` appended here are closed after the test, in reverse order."""
+    items: list[Any] = []
+    yield items
+    for item in reversed(items):
+        closer = getattr(item, "close", None) or item.stop
+        closer()

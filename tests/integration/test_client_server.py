@@ -1,0 +1,246 @@
+"""The learner's side of the wire against REAL rollout server processes (no mocks).
+
+- a full sync of the seed-1 tiny model through `WeightSyncPolicy` + `ServerRolloutSource`, over http and
+  shm, makes the server answer like the seed-1 model;
+- an adapter sync against a LoRA-less server raises `SyncRejected`, and the policy falls back to full once
+  (the merged LoRA weights are then served);
+- killing a server makes the next `infer` fail fast, naming that server (no hang).
+
+Every test leaves the shared server serving the seed-0 weights it started with.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from learner.rollout.base import SyncRejected, WeightUpdate
+from learner.rollout.client import InferFailed, ServerRolloutSource
+from learner.weights.export import adapter_state
+from learner.weights.sync import SyncConfig, WeightSyncPolicy
+from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [
+    [{"role": "user", "content": "List every object in the image."}],
+    [{"role": "user", "content": 'Reply with one JSON object: {"object_1": <|coord_12|>'}],
+    [{"role": "user", "content": "hello"}],
+]
+MAX_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    shm_dir: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_hf_server(model_dir: Path, tmp: Path) -> Server:
+    """A real `python -m rollout_server` with the HF backend (no vLLM engine: starts in seconds)."""
+    port = _free_port()
+    shm = tmp / "shm"
+    cfg = tmp / "server.yaml"
+    cfg.write_text(
+        f"server:\n  model: {model_dir}\n  backend: hf\n  dtype: float32\n  port: {port}\n"
+        f"  shm_dir: {shm}\n  vllm: {{max_model_len: 512}}\n"
+    )
+    log = tmp / "server.log"
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_server", "--config", str(cfg)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", shm, proc, log)
+    with ServerRolloutSource([server.base_url], timeout_s=5) as source:
+        try:
+            source.wait_healthy(deadline_s=120)
+        except Exception:
+            _stop(server)
+            raise AssertionError(f"server did not come up:\n{log.read_text()[-3000:]}") from None
+    return server
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = _start_hf_server(tiny_model_dir, tmp_path_factory.mktemp("client_server"))
+    try:
+        yield srv
+    finally:
+        _stop(srv)
+
+
+def load_lm(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@dataclass(frozen=True)
+class Answer:
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def rollout(source: ServerRolloutSource) -> list[Answer]:
+    """Greedy answers with the logprob of every token, through the learner's client.
+
+    The tiny random models answer every prompt greedily with the same newline token, so token ids alone
+    cannot tell two weight sets apart; the logprobs can.
+    """
+    batch = InferBatch(
+        infer_requests=[InferRequest(messages=m, request_id=f"p{i}") for i, m in enumerate(PROMPTS)],
+        request_config=RequestConfig(max_tokens=MAX_TOKENS, temperature=0.0, seed=7, logprobs=True),
+    )
+    results = source.infer(batch)
+    assert [r.request_id for r in results] == ["p0", "p1", "p2"]
+    return [Answer(r.prompt_token_ids, r.choices[0].token_ids, r.choices[0].logprobs or []) for r in results]
+
+
+def reference(model: torch.nn.Module, answers: list[Answer]) -> list[Answer]:
+    """What `model` answers to the same prompts: greedy tokens and their logprobs."""
+    out = []
+    for answer in answers:
+        prompt = torch.tensor([answer.prompt])
+        with torch.no_grad():
+            ids = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_TOKENS, do_sample=False
+            )[0]
+            logits = model(ids[None, :-1]).logits[0, len(answer.prompt) - 1 :]
+        tokens = ids[len(answer.prompt) :]
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None])[:, 0]
+        out.append(Answer(answer.prompt, tokens.tolist(), logprobs.tolist()))
+    return out
+
+
+def same_model(served: list[Answer], expected: list[Answer], atol: float = 1e-4) -> bool:
+    """Same greedy tokens and logprobs within `atol`."""
+    return all(
+        s.tokens == e.tokens and torch.allclose(torch.tensor(s.logprobs), torch.tensor(e.logprobs), atol=atol)
+        for s, e in zip(served, expected, strict=True)
+    )
+
+
+def restore_seed0(source: ServerRolloutSource, tiny_model_dir: Path) -> None:
+    WeightSyncPolicy(SyncConfig()).maybe_sync(load_lm(tiny_model_dir), 0, source)
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_full_sync_serves_the_seed1_model(
+    server: Server, tiny_model_dir: Path, tiny_model_dir_seed1: Path, transport: str
+) -> None:
+    seed0, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
+    shm_dir = server.shm_dir if transport == "shm" else None
+    # 0.1 MiB buckets: several buckets per sync.
+    with ServerRolloutSource(
+        [server.base_url], timeout_s=30, transport=transport, shm_dir=shm_dir, bucket_mb=0.1
+    ) as source:
+        before = rollout(source)
+        assert same_model(before, reference(seed0, before))
+        assert not same_model(reference(seed1, before), reference(seed0, before)), "seed-0/1 must differ"
+        policy = WeightSyncPolicy(SyncConfig(transport=transport))
+        try:
+            seconds = policy.maybe_sync(seed1, 0, source)
+            report = policy.last_report
+            assert report is not None and report.transport == transport and report.mode == "full"
+            assert seconds > 0 and source.health().weight_version == policy.version == report.version
+            after = rollout(source)
+            assert same_model(after, reference(seed1, after))
+            assert source.last_infer.staleness == [0, 0, 0]
+            assert policy.maybe_sync(seed1, 0, source) == 0.0  # same step: no second sync
+        finally:
+            restore_seed0(source, tiny_model_dir)
+        assert same_model(rollout(source), before, atol=0.0)
+    if transport == "shm":
+        assert list(server.shm_dir.iterdir()) == [], "bucket files are removed after the sync"
+
+
+def test_adapter_sync_rejected_then_policy_falls_back_to_full(server: Server, tiny_model_dir: Path) -> None:
+    model = get_peft_model(
+        load_lm(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"])
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
+    merged = copy.deepcopy(model).merge_and_unload().eval()
+    with ServerRolloutSource([server.base_url], timeout_s=30) as source:
+        assert not source.health().lora_enabled
+        config, state = adapter_state(model)
+        version = source.health().weight_version + 1
+        update = WeightUpdate(
+            mode="adapter", version=version, tensors=state, adapter_config=config, adapter_name="a"
+        )
+        with pytest.raises(SyncRejected, match="without LoRA"):
+            source.sync_weights(update)
+        assert source.health().weight_version == version - 1, "a refused sync applies nothing"
+
+        policy = WeightSyncPolicy(SyncConfig(mode="adapter", fallback_to_full=True))
+        try:
+            policy.maybe_sync(model, 0, source)
+            assert policy.mode == "full" and policy.last_report is not None
+            assert policy.last_report.mode == "full" and policy.request_adapter is None
+            after = rollout(source)
+            assert same_model(after, reference(merged, after))
+            assert not same_model(after, reference(load_lm(tiny_model_dir), after))
+            policy.maybe_sync(model, 1, source)  # stays full: no second adapter attempt
+            assert policy.last_report.mode == "full"
+        finally:
+            restore_seed0(source, tiny_model_dir)
+
+
+def test_killed_server_fails_fast_naming_it(server: Server, tiny_model_dir: Path, tmp_path: Path) -> None:
+    doomed = _start_hf_server(tiny_model_dir, tmp_path)
+    infer_timeout_s = 30.0
+    try:
+        with ServerRolloutSource(
+            [server.base_url, doomed.base_url], timeout_s=5, infer_timeout_s=infer_timeout_s
+        ) as source:
+            assert len(rollout(source)) == 3
+            doomed.proc.send_signal(signal.SIGKILL)
+            doomed.proc.wait(30)
+            started = time.monotonic()
+            with pytest.raises(InferFailed) as info:
+                rollout(source)
+            elapsed = time.monotonic() - started
+    finally:
+        _stop(doomed)
+    assert elapsed < infer_timeout_s
+    assert info.value.url == doomed.base_url and doomed.base_url in str(info.value)
+    assert info.value.indices == [2]  # 3 requests over 2 servers: the second server held index 2
