@@ -237,15 +237,20 @@ class OffloadConfig(_Section):
     """`stage2.offload:` (§16) — colocated vLLM only."""
 
     enabled: bool = False
+    """Wrap the rollout section of an E-step in the offload context (colocated vLLM only)."""
     model: bool = False
+    """Move parameters to CPU while the engine generates."""
     optimizer: bool = False
+    """Move optimizer states to CPU while the engine generates."""
 
 
 class EvalConfig(_Section):
     """`stage2.eval:` — decoding overrides for evaluation (default: inherit rollout.decoding)."""
 
     max_new_tokens: int | None = Field(default=None, ge=1)
+    """Override of rollout.decoding.max_new_tokens for evaluation (None: inherit)."""
     temperature: float | None = Field(default=None, ge=0.0)
+    """Override of rollout.decoding.temperature for evaluation (None: inherit)."""
     at_start: bool = True
     """Evaluate before the first step too (the demo reports F1 at step 0)."""
 
@@ -306,6 +311,11 @@ class RunConfig(_Section):
             raise ValueError("rollout.vllm.max_model_len is required for a colocated vLLM engine")
         if self.stage2.offload.enabled and self.rollout.mode != "colocate":
             raise ValueError("stage2.offload.enabled only applies to rollout.mode colocate")
+        if self.stage2.offload.enabled and (self.training.get("deepspeed") or self.training.get("fsdp")):
+            raise ValueError(
+                "stage2.offload.enabled cannot be combined with sharded parameters or optimizer states "
+                "(training.deepspeed / training.fsdp); use ZeRO's own offload instead (STAGE2 §16)"
+            )
         return self
 
 

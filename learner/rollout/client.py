@@ -291,7 +291,8 @@ class ServerRolloutSource:
         )
         if n == 1 or server_down:
             raise InferFailed(
-                f"rollout server {client.base_url} failed request {format_indices(indices)} twice: {error}",
+                f"rollout server {client.base_url} failed request {format_indices(indices)} twice ({error});"
+                " see that server's log",
                 url=client.base_url,
                 indices=indices,
             ) from error

