@@ -30,7 +30,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = 4
+RECIPE_VERSION = 5
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -69,7 +69,7 @@ CHAT_TEMPLATE = (
 # Size presets. head_dim 64: vLLM's CPU attention rejects 16; hidden 128 keeps the test model ~0.5 MB of weights.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=64),
+                 num_key_value_heads=1, head_dim=64, initializer_range=0.1),
     "demo": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64),
 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
@@ -56,6 +57,7 @@ from rollout_server.engines.vllm_params import (
 from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
 from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.infer import SEED_MASK, Choice, InferBatch, InferResult, RequestConfig, resolve_seeds
+from shared_schemas.repeat_guard import needs_text
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +235,7 @@ class VllmEngine:
                 for j in range(cfg.n)
             ]
             completions = await _gather_or_cancel(jobs)
+        completions = await asyncio.to_thread(self._with_text, completions)
         return [
             self._result(batch, i, completions[i * cfg.n : (i + 1) * cfg.n], version)
             for i in range(len(batch.infer_requests))
@@ -284,24 +287,34 @@ class VllmEngine:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _with_text(self, completions: list[Completion]) -> list[Completion]:
+        """Decodes the completions vLLM did not detokenize (same text as its detokenizer: specials skipped)."""
+        return [
+            c if c.text is not None else dataclasses.replace(c, text=self._decode(c.token_ids))
+            for c in completions
+        ]
+
     async def _complete(
         self, prompt: PreparedPrompt, cfg: RequestConfig, seed: int, i: int, batch: InferBatch, lora: Any
     ) -> Completion:
-        guard = (
-            cfg.repeat_terminate
-            if cfg.repeat_terminate is not None and cfg.repeat_terminate.enabled
-            else None
-        )
+        rt = cfg.repeat_terminate
+        guard = rt if rt is not None and rt.enabled else None
+        # vLLM detokenizes only when something reads text while generating (stop strings, guard rule (c)).
+        detokenize = bool(cfg.stop) or (guard is not None and needs_text(guard))
         index = batch.first_index + i
+        params = sampling_params(
+            cfg, seed, end_of_turn_id=self._end_of_turn_id if guard else None, detokenize=detokenize
+        )
         return await run_completion(
             self._llm,
             prompt.engine_input(),
-            sampling_params(cfg, seed, end_of_turn_id=self._end_of_turn_id if guard else None),
+            params,
             f"{uuid.uuid4().hex[:16]}-{index}",
             index=index,
             lora=lora,
             guard=guard,
             want_logprobs=cfg.logprobs,
+            detokenize=detokenize,
             end_of_turn_id=self._end_of_turn_id,
             decode=self._decode,
         )
@@ -313,7 +326,9 @@ class VllmEngine:
         # Image placeholders are expanded by vLLM, so only now is the real prompt length known.
         check_prompt_lengths([len(prompt_ids)], cfg.max_tokens, self._max_model_len, index)
         choices = [
-            Choice(token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs)  # type: ignore[arg-type]
+            Choice(
+                token_ids=c.token_ids, text=c.text or "", finish_reason=c.finish_reason, logprobs=c.logprobs
+            )  # type: ignore[arg-type]
             for c in own
         ]
         return InferResult(

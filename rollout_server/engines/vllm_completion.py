@@ -25,14 +25,15 @@ class Completion:
 
     Attributes:
         token_ids: sampled ids (guarded: `g[:n] + [end_of_turn_id]`).
-        text: decoded text, special tokens skipped, stop strings cut.
+        text: decoded text, special tokens skipped, stop strings cut; None when vLLM did not detokenize (the
+            caller decodes `token_ids` off the event loop).
         finish_reason: `stop`, `length` or `repeat_terminate`.
         logprobs: raw logprob of every id (None unless requested).
         prompt_token_ids: the ids vLLM conditioned on (image placeholders expanded).
     """
 
     token_ids: list[int]
-    text: str
+    text: str | None
     finish_reason: str
     logprobs: list[float] | None
     prompt_token_ids: list[int]
@@ -48,6 +49,7 @@ async def run_completion(
     lora: Any,
     guard: RepeatTerminateConfig | None,
     want_logprobs: bool,
+    detokenize: bool,
     end_of_turn_id: int,
     decode: Callable[[list[int]], str],
 ) -> Completion:
@@ -62,6 +64,7 @@ async def run_completion(
         lora: a `LoRARequest` or None.
         guard: the enabled guard config, or None.
         want_logprobs: whether logprobs were requested.
+        detokenize: whether `params` ask vLLM for text (else `Completion.text` is None).
         end_of_turn_id: id appended when the guard fires.
         decode: ids → text (special tokens skipped), as the HF engine decodes.
 
@@ -86,8 +89,9 @@ async def run_completion(
         raise EngineError(f"request {index}: vLLM failed ({type(exc).__name__}: {exc})") from exc
     if state.finish is None or state.finish == "abort":
         raise EngineError(f"request {index}: vLLM ended the request without a finish reason ({state.finish})")
+    text = state.text if detokenize else None
     return Completion(
-        state.tokens, state.text, state.finish, state.logprobs if want_logprobs else None, state.prompt_ids
+        state.tokens, text, state.finish, state.logprobs if want_logprobs else None, state.prompt_ids
     )
 
 

@@ -88,7 +88,9 @@ def engine_args_from_config(cfg: ServerConfig) -> Any:
     return AsyncEngineArgs(**engine_kwargs_from_config(cfg))
 
 
-def sampling_params(cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None = None) -> Any:
+def sampling_params(
+    cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None = None, detokenize: bool = True
+) -> Any:
     """`vllm.SamplingParams` of ONE completion.
 
     Args:
@@ -96,6 +98,8 @@ def sampling_params(cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None
         seed: this completion's seed.
         end_of_turn_id: set when the repeat guard is on: outputs are streamed (per-step stop check) and,
             with logprobs, the end-of-turn id's logprob is reported at every step (the guard may emit it).
+        detokenize: let vLLM detokenize every step (needed by stop strings and guard rule (c)); without it
+            the serving loop does no per-token text work and the caller decodes the final ids once.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -117,6 +121,7 @@ def sampling_params(cfg: RequestConfig, seed: int, *, end_of_turn_id: int | None
         logprobs=len(scored) if scored else (0 if cfg.logprobs else None),
         logprob_token_ids=scored,
         skip_special_tokens=True,
+        detokenize=detokenize or bool(cfg.stop),
         output_kind=RequestOutputKind.DELTA if guarded else RequestOutputKind.FINAL_ONLY,
     )
 
