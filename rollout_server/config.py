@@ -177,6 +177,11 @@ class ServerConfig(_Section):
         return path if path.is_absolute() else (REPO_ROOT / path).resolve()
 
     @property
+    def served_dtype(self) -> str | None:
+        """The dtype reported in `/health` (None for `auto`: the engine picks it from the checkpoint)."""
+        return None if self.dtype == "auto" else self.dtype
+
+    @property
     def max_body_bytes(self) -> int:
         """`max_body_mb` in bytes."""
         return int(self.max_body_mb * 2**20)

@@ -30,6 +30,8 @@ class Health(BaseModel):
     """Whether adapter syncs are accepted (else the learner falls back to full syncs)."""
     max_model_len: int = Field(ge=1)
     """Prompt + new tokens limit."""
+    dtype: str | None = None
+    """Torch dtype name the weights are served in (`float32`, `bfloat16`, ...); a full sync must send it."""
     uptime_s: float = Field(ge=0.0)
     """Seconds since the server process started."""
     detail: str | None = None

@@ -27,6 +27,7 @@ async def build_health(state: ServerState) -> Health:
             tp=cfg.vllm.tensor_parallel_size if cfg.backend == "vllm" else 1,
             lora_enabled=cfg.vllm.enable_lora if cfg.backend == "vllm" else False,
             max_model_len=cfg.vllm.max_model_len,
+            dtype=cfg.served_dtype,
             uptime_s=state.uptime_s,
             detail=state.load_error,
         )
@@ -40,6 +41,7 @@ async def build_health(state: ServerState) -> Health:
         tp=engine_health.tp,
         lora_enabled=engine_health.lora_enabled,
         max_model_len=engine_health.max_model_len,
+        dtype=cfg.served_dtype,
         uptime_s=state.uptime_s,
         detail=engine_health.detail,
     )
