@@ -11,6 +11,7 @@ are not guaranteed bit-identical across machines; the demo does not need that).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -90,7 +91,9 @@ def warm_start(
         "recipe": WARM_START_RECIPE,
         "base": str(Path(model_dir).resolve()),
         "rows": len(rows),
-        "first_row": rows[0].get("id") if rows else None,
+        "rows_sha1": hashlib.sha1(
+            json.dumps([[r["messages"], r["answer"]] for r in rows], ensure_ascii=False).encode()
+        ).hexdigest(),
         "steps": steps,
         "batch_size": batch_size,
         "lr": lr,

@@ -150,16 +150,28 @@ class _Stream:
         return self.decode(self.tokens[:n])
 
 
+def _position_logprob(step_logprobs: Any, position: int, token_id: int) -> float:
+    """Logprob of `token_id` at one position of vLLM's logprobs (`FlatLogprobs` or a list of dicts)."""
+    flat_ids = getattr(step_logprobs, "token_ids", None)
+    if flat_ids is None:
+        return float(step_logprobs[position][token_id].logprob)
+    start, end = step_logprobs.start_indices[position], step_logprobs.end_indices[position]
+    for k in range(start, end):
+        if flat_ids[k] == token_id:
+            return float(step_logprobs.logprobs[k])
+    raise EngineError(f"vLLM reported no logprob for token {token_id} at position {position}")
+
+
 def sampled_logprobs(token_ids: Sequence[int], step_logprobs: Any) -> list[float]:
-    """The logprob of each sampled id from vLLM's per-step logprob dicts."""
-    if step_logprobs is None:
-        raise EngineError("vLLM returned no logprobs although they were requested")
-    return [float(step[token].logprob) for token, step in zip(token_ids, step_logprobs, strict=True)]
+    """The logprob of each sampled id from vLLM's per-position logprobs."""
+    if step_logprobs is None or len(step_logprobs) != len(token_ids):
+        raise EngineError("vLLM returned no (or misaligned) logprobs although they were requested")
+    return [_position_logprob(step_logprobs, i, token) for i, token in enumerate(token_ids)]
 
 
 def token_logprobs(token_id: int, step_logprobs: Any) -> list[float]:
-    """The logprob of one fixed id at every step (requested through `logprob_token_ids`)."""
-    return [float(step[token_id].logprob) for step in step_logprobs]
+    """The logprob of one fixed id at every position (requested through `logprob_token_ids`)."""
+    return [_position_logprob(step_logprobs, i, token_id) for i in range(len(step_logprobs))]
 
 
 def _validation_error(index: int, exc: Exception) -> BadRequestError:

@@ -120,6 +120,8 @@ def sampling_params(
         # vLLM wants logprobs == len(logprob_token_ids) when both are set; the sampled token always comes too.
         logprobs=len(scored) if scored else (0 if cfg.logprobs else None),
         logprob_token_ids=scored,
+        # A few flat lists per request instead of one object per token: no long GC pauses on the serving loop.
+        flat_logprobs=True,
         skip_special_tokens=True,
         detokenize=detokenize or bool(cfg.stop),
         output_kind=RequestOutputKind.DELTA if guarded else RequestOutputKind.FINAL_ONLY,
