@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-eval", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grid", type=int, default=DemoDataConfig.grid)
-    parser.add_argument("--scene-style", choices=["tight", "compact", "verbose"], default=DemoDataConfig.scene_style)
+    parser.add_argument(
+        "--scene-style", choices=["tight", "compact", "verbose"], default=DemoDataConfig.scene_style
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DemoDataConfig(grid=args.grid, scene_style=args.scene_style)

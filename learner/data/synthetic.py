@@ -111,7 +111,9 @@ class DemoDataConfig:
                 f"DemoDataConfig: min_size={self.min_size}, max_size={self.max_size}, grid={self.grid}; "
                 "need grid <= min_size <= max_size <= 999 - grid"
             )
-        if not self.categories or any(s not in ("bbox", "triangle", "quad") for s in self.categories.values()):
+        if not self.categories or any(
+            s not in ("bbox", "triangle", "quad") for s in self.categories.values()
+        ):
             raise ValueError(f"DemoDataConfig.categories={self.categories}: need shapes bbox|triangle|quad")
         if self.scene_style not in ("tight", "compact", "verbose"):
             raise ValueError(
@@ -208,13 +210,18 @@ def _sample_shape(rng: random.Random, desc: str, shape: Shape, cfg: DemoDataConf
         # Apex on the top edge, base corners on the bottom quarter (tilted so that all values can differ):
         # area ≥ w*h/4, never degenerate.
         apex = _grid_value(rng, x1 + w // 4, x2 - w // 4, g)
-        ring = [(apex, y1), (x2, y2 - _grid_value(rng, 0, h // 4, g)), (x1, y2 - _grid_value(rng, 0, h // 4, g))]
+        ring = [
+            (apex, y1),
+            (x2, y2 - _grid_value(rng, 0, h // 4, g)),
+            (x1, y2 - _grid_value(rng, 0, h // 4, g)),
+        ]
     else:
         # Each corner moves inward by at most a quarter side: the quad stays convex with area ≥ w*h/2.
         dx, dy = max(g, (w // 4) // g * g), max(g, (h // 4) // g * g)
         corners = [(x1, y1, 1, 1), (x2, y1, -1, 1), (x2, y2, -1, -1), (x1, y2, 1, -1)]
         ring = [
-            (x + sx * _grid_value(rng, 0, dx, g), y + sy * _grid_value(rng, 0, dy, g)) for x, y, sx, sy in corners
+            (x + sx * _grid_value(rng, 0, dx, g), y + sy * _grid_value(rng, 0, dy, g))
+            for x, y, sx, sy in corners
         ]
     ring = canonical_ring(ring)
     return SceneObject(desc, "poly", tuple(v for p in ring for v in p))
@@ -298,7 +305,9 @@ def make_record(objects: Sequence[SceneObject], record_id: str, cfg: DemoDataCon
     }
 
 
-def generate_records(n: int, seed: int, split: str, cfg: DemoDataConfig | None = None) -> list[dict[str, Any]]:
+def generate_records(
+    n: int, seed: int, split: str, cfg: DemoDataConfig | None = None
+) -> list[dict[str, Any]]:
     """``n`` records of one split; identical for identical arguments.
 
     The RNG is seeded from the string ``"rollmatch-demo/{split}/{seed}"`` (Python's str seeding is a

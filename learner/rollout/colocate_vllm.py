@@ -26,22 +26,19 @@ Tensor parallelism (`tensor_parallel_size > 1`): see `learner.rollout.colocate_t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import torch
 from torch import nn
 
 from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.colocate import EngineStartError, EngineStatus
 from learner.rollout.colocate_tp import TpGroup, TpLayout, current_cuda_device, engine_device_env, tp_layout
-from learner.weights.codec import DTYPE_CODES, raw_tensor
+from learner.rollout.colocate_weights import encode_full_update, encode_tensors
+from learner.rollout.loop_thread import LoopThread
 from learner.yaml_loader import ConfigError
-from shared_schemas.buckets import encode_bucket
 from shared_schemas.infer import InferBatch, InferResult
 
 if TYPE_CHECKING:
@@ -49,53 +46,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoopThread", "VllmColocateBackend", "encode_full_update", "server_config_for"]
+__all__ = ["VllmColocateBackend", "server_config_for"]
 
 T = TypeVar("T")
-_TORCH_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-_DEFAULT_BUCKET_BYTES = 512 * 2**20
-
-
-class LoopThread:
-    """One daemon thread running one asyncio event loop for the engine's whole life.
-
-    Args:
-        name: thread name (shows in stack dumps).
-    """
-
-    def __init__(self, name: str = "colocate-vllm-loop") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Runs `coro` on the loop and waits for its result.
-
-        Raises:
-            TimeoutError: not done within `timeout_s` (the coroutine is cancelled).
-            Whatever the coroutine raises.
-        """
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("LoopThread.run called from its own loop thread (would deadlock)")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
-
-    def close(self) -> None:
-        """Stops the loop and joins the thread; idempotent."""
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 def server_config_for(cfg: RunConfig) -> Any:
@@ -125,53 +78,6 @@ def server_config_for(cfg: RunConfig) -> Any:
             engine_kwargs=extra,
         ),
     )
-
-
-def encode_full_update(
-    items: Iterable[tuple[str, torch.Tensor]],
-    specs: dict[str, tuple[str, tuple[int, ...]]],
-    bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
-) -> tuple[list[bytes], int]:
-    """Casts tensors to the engine's dtypes, checks them against its table, encodes safetensors buckets.
-
-    Args:
-        items: `(base-model name, tensor)` pairs of a full sync.
-        specs: the engine's parameter table (name → (safetensors dtype code, shape)).
-        bucket_bytes: a bucket is closed once it holds at least this many bytes.
-
-    Returns:
-        The encoded buckets and the raw tensor bytes they hold.
-
-    Raises:
-        SyncError: a name the engine does not serve, or a shape that differs (names the tensor and the fix).
-    """
-    buckets: list[bytes] = []
-    current: dict[str, torch.Tensor] = {}
-    size = total = 0
-    for name, tensor in items:
-        spec = specs.get(name)
-        if spec is None:
-            raise SyncError(
-                f"tensor {name!r} is not a parameter of the colocated engine's model; the training model and"
-                " model.path must be the same architecture"
-            )
-        code, shape = spec
-        if tuple(tensor.shape) != tuple(shape):
-            raise SyncError(
-                f"tensor {name!r} has shape {list(tensor.shape)}, the engine serves {list(shape)}"
-            )
-        dtype = _TORCH_DTYPES.get(code, tensor.dtype) if tensor.is_floating_point() else tensor.dtype
-        data = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        current[name] = data
-        nbytes = data.numel() * data.element_size()
-        size += nbytes
-        total += nbytes
-        if size >= bucket_bytes:
-            buckets.append(_encode(current))
-            current, size = {}, 0
-    if current:
-        buckets.append(_encode(current))
-    return buckets, total
 
 
 class VllmColocateBackend:
@@ -269,6 +175,13 @@ class VllmColocateBackend:
                 f" {v.max_model_len}) or set rollout.backend: hf to generate with the training model instead"
             ) from exc
         backend = cls(engine, loop, **kwargs)
+        logger.info(
+            "colocated vLLM engine ready: %s (tp %d, gpu_memory_utilization %.2f, sleep_level %d)",
+            server_cfg.model_path,
+            layout.tp,
+            v.gpu_memory_utilization,
+            v.sleep_level,
+        )
         if v.sleep_level > 0:
             backend._sleep()  # the first sync wakes it; nothing is generated before
         return backend
@@ -345,7 +258,7 @@ class VllmColocateBackend:
                 version=update.version,
                 adapter_name=update.adapter_name or "adapter",
                 adapter_config=update.adapter_config or {},
-                adapter_safetensors=_encode(state),
+                adapter_safetensors=encode_tensors(state),
             )
         else:
             buckets, nbytes = encode_full_update(update.iter_tensors(), dict(self._engine.parameter_specs()))
@@ -461,11 +374,6 @@ class VllmColocateBackend:
                     f"colocated vLLM engine: {exc.message.replace('server.vllm.', 'rollout.vllm.')}"
                 ) from exc
             raise
-
-
-def _encode(tensors: dict[str, torch.Tensor]) -> bytes:
-    """One safetensors blob; tied tensors (shared storage) are written as separate entries, as a sync must."""
-    return encode_bucket([raw_tensor(name, t) for name, t in tensors.items()])
 
 
 def _what(batch: InferBatch) -> str:

@@ -7,6 +7,7 @@ cheapest path); with the guard outputs are streamed as deltas so the guard can s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,11 +77,14 @@ async def run_completion(
 
     state = _Stream(guard, end_of_turn_id, decode)
     try:
-        async for out in llm.generate(engine_input, params, request_id, lora_request=lora):
-            done = state.add(out, want_logprobs)
-            if done is not None:
-                # Leaving the loop aborts the vLLM request; tokens after the cut are discarded.
-                return done
+        # Closing the stream on exit aborts the vLLM request at once (guard cut, cancellation, error).
+        async with contextlib.aclosing(
+            llm.generate(engine_input, params, request_id, lora_request=lora)
+        ) as stream:
+            async for out in stream:
+                done = state.add(out, want_logprobs)
+                if done is not None:
+                    return done  # the tokens after the cut are discarded
     except VLLMValidationError as exc:
         raise _validation_error(index, exc) from exc
     except (BadRequestError, EngineError):
@@ -132,9 +136,9 @@ class _Stream:
         if want_logprobs:
             self.logprobs.extend(sampled_logprobs(o.token_ids, o.logprobs))
             self.eot_logprobs.extend(token_logprobs(self.end_of_turn_id, o.logprobs))
-        # Before token n is chosen the guard looks at g[:n]; check every n whose token n exists, so that its
-        # end-of-turn logprob is known (a finished request has no token len(tokens)).
-        stop = len(self.tokens) if self.finish is None else len(self.tokens) - 1
+        # Before token n is chosen the guard looks at g[:n]: check every n whose token n exists (n < len), so that
+        # step n's end-of-turn logprob is known; n == len waits for the next chunk (or never comes: finished).
+        stop = len(self.tokens)
         text_of = self._text_of if needs_text(self.guard) else None
         cut = first_guard_cut(self.tokens, self.checked, stop, self.guard, text_of)
         self.checked = max(self.checked, stop)

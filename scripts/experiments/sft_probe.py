@@ -32,11 +32,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from shapely.geometry import Polygon, box
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from copy_pretrain import CopyPretrainConfig, copy_pretrain  # noqa: E402
+from probe_eval import gt_coords, match_counts, parse_objects  # noqa: E402
 
 from learner.data.synthetic import DemoDataConfig, generate_records, scene_user_text  # noqa: E402
 
@@ -56,8 +59,6 @@ USER_PROMPT = (
 # Short prompts for the prompt-length ablation (prompts.system / prompts.user are config knobs, §3.2).
 SHORT_SYSTEM_PROMPT = "You are an object detector. Reply with one JSON object."
 SHORT_USER_PROMPT = "List every object."
-COORD_RE = re.compile(r"^<\|coord_(\d{1,3})\|>$")
-OBJ_RE = re.compile(r'\{"desc": "([^"]*)", "(bbox_2d|poly)": (\[[^{}]*?\])\}')
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -156,7 +157,9 @@ def coord_loss(z: torch.Tensor, coord_ids: torch.Tensor, t: torch.Tensor) -> tor
     return soft_ce + w1_weight * w1 + gate
 
 
-def compute_loss(model, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+def compute_loss(
+    model, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     lab = batch["labels"][:, 1:]
     lg = logits[:, :-1]
@@ -170,64 +173,6 @@ def compute_loss(model, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor)
 
 
 # ------------------------------------------------------------------------------------------------ eval
-def parse_objects(text: str) -> list[tuple[str, list[int]]]:
-    """Complete objects of a (possibly truncated) answer: ``(desc, flat coords)`` with valid geometry."""
-    text = text.split("<|im_end|>")[0]
-    out = []
-    for m in OBJ_RE.finditer(text):
-        try:
-            geom = json.loads(m.group(3))
-        except json.JSONDecodeError:
-            continue
-        flat = geom if m.group(2) == "bbox_2d" else [v for p in geom if isinstance(p, list) for v in p]
-        if m.group(2) == "poly" and not all(isinstance(p, list) and len(p) == 2 for p in geom):
-            continue
-        bins = [COORD_RE.match(v) if isinstance(v, str) else None for v in flat]
-        if not all(bins) or not m.group(1).strip():
-            continue
-        vals = [int(b.group(1)) for b in bins]
-        if (m.group(2) == "bbox_2d" and len(vals) == 4) or (m.group(2) == "poly" and len(vals) >= 6):
-            out.append((m.group(1), vals))
-    return out
-
-
-def shape_of(vals: list[int]):
-    if len(vals) == 4:
-        x1, y1, x2, y2 = vals
-        return box(min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))
-    return Polygon(list(zip(vals[0::2], vals[1::2], strict=True))).buffer(0)
-
-
-def iou(a, b) -> float:
-    try:
-        u = a.union(b).area
-        return a.intersection(b).area / u if u > 0 else 0.0
-    except Exception:  # noqa: BLE001 - invalid predicted polygons simply score 0 in this probe
-        return 0.0
-
-
-def match_counts(preds: list[list[int]], gts: list[list[int]], thr: float) -> int:
-    ps, gs = [shape_of(p) for p in preds], [shape_of(g) for g in gts]
-    pairs = sorted(((iou(p, g), i, j) for i, p in enumerate(ps) for j, g in enumerate(gs)), reverse=True)
-    used_p, used_g, m = set(), set(), 0
-    for v, i, j in pairs:
-        if v < thr:
-            break
-        if i not in used_p and j not in used_g:
-            used_p.add(i)
-            used_g.add(j)
-            m += 1
-    return m
-
-
-def gt_coords(record: dict) -> list[list[int]]:
-    out = []
-    for o in record["objects"]:
-        flat = o.get("bbox_2d") or o["poly"]
-        out.append([int(COORD_RE.match(v).group(1)) for v in flat])
-    return out
-
-
 @torch.no_grad()
 def evaluate(model, tok, records: list[dict], gen_batch: int, max_new: int, stop_ids: list[int]) -> dict:
     model.eval()
@@ -236,7 +181,9 @@ def evaluate(model, tok, records: list[dict], gen_batch: int, max_new: int, stop
     gen_times = []
     for i in range(0, len(records), gen_batch):
         chunk = records[i : i + gen_batch]
-        enc = tok([prompt_text(tok, r) for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok(
+            [prompt_text(tok, r) for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False
+        )
         enc = enc.to(model.device)
         t0 = time.perf_counter()
         out = model.generate(
@@ -270,72 +217,6 @@ def evaluate(model, tok, records: list[dict], gen_batch: int, max_new: int, stop
         "gen_s_per_batch": round(sum(gen_times) / len(gen_times), 3),
         "sample": texts[0][:200],
     }
-
-
-# ------------------------------------------------------------------------------------- copy pretraining
-def copy_pretrain_batch(rng: random.Random, content: list[int], filler: list[int], bs: int, filler_max: int):
-    """Generic copy data (no prompts, no JSON, no scenes): ``noise + S + noise + S interleaved with noise``.
-
-    ``S`` is 8..40 distinct random content tokens (coord tokens and words); its second copy has 0..filler_max
-    random filler tokens before each element, and only those elements carry labels — the model must learn to
-    emit the successor (in the first copy) of the last content token it saw, skipping filler.
-    """
-    rows = []
-    for _ in range(bs):
-        ids: list[int] = [rng.choice(filler) for _ in range(rng.randint(10, 60))]
-        seq = rng.sample(content, rng.randint(8, 40))
-        ids += seq + [rng.choice(filler) for _ in range(rng.randint(1, 10))]
-        labels = [-100] * len(ids)
-        for t in seq:
-            k = rng.randint(0, filler_max)
-            ids += [rng.choice(filler) for _ in range(k)] + [t]
-            labels += [-100] * k + [t]
-        rows.append((ids, labels))
-    n = max(len(r[0]) for r in rows)
-    x = torch.zeros((bs, n), dtype=torch.long)
-    y = torch.full((bs, n), -100, dtype=torch.long)
-    a = torch.zeros((bs, n), dtype=torch.long)
-    for i, (ids, labels) in enumerate(rows):
-        x[i, : len(ids)] = torch.tensor(ids)
-        y[i, : len(ids)] = torch.tensor(labels)
-        a[i, : len(ids)] = 1
-    return x, y, a
-
-
-def copy_pretrain(model, tok, args, rng: random.Random) -> float:
-    """Run ``args.pretrain_steps`` steps of generic copy pretraining; return its wall time."""
-    special = set(tok.all_special_ids)
-    coord = [tok.convert_tokens_to_ids(f"<|coord_{k}|>") for k in range(1000)]
-    coord_set = set(coord)
-    words = [i for w in ("cat dog car tree lamp rug sofa chair person table bird bike cup book plant").split()
-             for i in [tok.encode(w, add_special_tokens=False)] if len(i) == 1 for i in i]
-    filler = [i for i in range(len(tok)) if i not in special and i not in coord_set and i not in set(words)]
-    content = coord + words
-    opt = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    t0 = time.perf_counter()
-    stop_at, ema = None, 0.0
-    for step in range(args.pretrain_steps):
-        for g in opt.param_groups:
-            g["lr"] = args.pretrain_lr * min(1.0, (step + 1) / 20)
-        x, y, a = copy_pretrain_batch(rng, content, filler, args.pretrain_batch, args.pretrain_filler_max)
-        x, y, a = x.to(args.device), y.to(args.device), a.to(args.device)
-        logits = model(input_ids=x, attention_mask=a).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        lv = float(loss.detach())
-        ema = lv if step == 0 else 0.9 * ema + 0.1 * lv
-        if stop_at is None and args.pretrain_until_loss and ema < args.pretrain_until_loss:
-            stop_at = step + args.pretrain_extra
-        last = step + 1 == args.pretrain_steps or (stop_at is not None and step >= stop_at)
-        if (step + 1) % 100 == 0 or last:
-            print(json.dumps({"pretrain_step": step + 1, "loss": round(lv, 4), "ema": round(ema, 4),
-                              "t_s": round(time.perf_counter() - t0, 1)}), flush=True)
-        if last:
-            break
-    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -386,20 +267,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-train-s", type=float, default=0.0, help="stop after this much training time (0 = off)")
-    ap.add_argument("--pretrain-steps", type=int, default=0, help="generic copy pretraining steps before SFT")
+    ap.add_argument(
+        "--max-train-s", type=float, default=0.0, help="stop after this much training time (0 = off)"
+    )
+    ap.add_argument(
+        "--pretrain-steps", type=int, default=0, help="copy pretraining (copy_pretrain.py) step cap; 0 = off"
+    )
     ap.add_argument("--pretrain-batch", type=int, default=32)
     ap.add_argument("--pretrain-lr", type=float, default=3e-3)
-    ap.add_argument("--pretrain-filler-max", type=int, default=3)
-    ap.add_argument(
-        "--pretrain-until-loss", type=float, default=0.0, help="stop pretraining once the loss EMA is below this"
-    )
-    ap.add_argument("--pretrain-extra", type=int, default=0, help="steps to keep pretraining after that")
+    ap.add_argument("--pretrain-filler-max", type=int, default=12, help="copy_pretrain gap_max")
+    ap.add_argument("--pretrain-until-loss", type=float, default=0.5, help="stop once the loss EMA is below")
+    ap.add_argument("--pretrain-extra", type=int, default=50, help="steps to keep pretraining after that")
+    ap.add_argument("--pretrain-seq-max", type=int, default=40, help="longest copied sequence")
+    ap.add_argument("--pretrain-prefix-max", type=int, default=60, help="longest noise prefix")
+    ap.add_argument("--save-pretrained", default="", help="save the copy-pretrained model here")
     ap.add_argument("--gen-timing", action="store_true", help="time one 16-prompt greedy batch at the end")
     args = ap.parse_args(argv)
 
     COORD_LOSS.update(
-        sigma=args.coord_sigma, truncate=None if args.coord_truncate < 0 else args.coord_truncate, w1_weight=args.w1_weight
+        sigma=args.coord_sigma,
+        truncate=None if args.coord_truncate < 0 else args.coord_truncate,
+        w1_weight=args.w1_weight,
     )
     if args.system_prompt == "short":
         PROMPTS["system"] = SHORT_SYSTEM_PROMPT
@@ -432,10 +320,28 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     if args.pretrain_steps:
-        copy_pretrain(model, tok, args, random.Random(args.seed + 12345))
+        pcfg = CopyPretrainConfig(
+            max_steps=args.pretrain_steps,
+            until_loss=args.pretrain_until_loss,
+            extra_steps=args.pretrain_extra,
+            batch=args.pretrain_batch,
+            lr=args.pretrain_lr,
+            gap_max=args.pretrain_filler_max,
+            seq_max=args.pretrain_seq_max,
+            prefix_max=args.pretrain_prefix_max,
+            seed=args.seed + 12345,
+        )
+        rep = copy_pretrain(model, tok, pcfg, args.device, on_log=lambda d: print(json.dumps(d), flush=True))
+        print(json.dumps({"pretrain_report": rep}), flush=True)
+        if args.save_pretrained:
+            model.save_pretrained(args.save_pretrained)
+            tok.save_pretrained(args.save_pretrained)
 
     cfg = DemoDataConfig(
-        grid=args.grid, max_objects=args.max_objects, scene_style=args.scene_style, distinct=not args.no_distinct
+        grid=args.grid,
+        max_objects=args.max_objects,
+        scene_style=args.scene_style,
+        distinct=not args.no_distinct,
     )
     train = generate_records(args.n_train, args.data_seed, "train", cfg)
     held = generate_records(args.n_eval, args.data_seed, "eval", cfg)
@@ -509,17 +415,27 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(
-                    **enc16, max_new_tokens=max_new, do_sample=False, eos_token_id=stop_ids, pad_token_id=tok.pad_token_id
+                    **enc16,
+                    max_new_tokens=max_new,
+                    do_sample=False,
+                    eos_token_id=stop_ids,
+                    pad_token_id=tok.pad_token_id,
                 )
             times.append(time.perf_counter() - t1)
         print(
             json.dumps(
-                {"gen16_s": [round(t, 3) for t in times], "gen16_new_tokens_max": out.shape[1] - enc16["input_ids"].shape[1]}
+                {
+                    "gen16_s": [round(t, 3) for t in times],
+                    "gen16_new_tokens_max": out.shape[1] - enc16["input_ids"].shape[1],
+                }
             ),
             flush=True,
         )
     best = max(history, key=lambda h: h["f1"])
-    print(json.dumps({"final_f1": history[-1]["f1"], "best_f1": best["f1"], "best_step": best["step"]}), flush=True)
+    print(
+        json.dumps({"final_f1": history[-1]["f1"], "best_f1": best["f1"], "best_step": best["step"]}),
+        flush=True,
+    )
     return 0
 
 

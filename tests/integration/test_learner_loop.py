@@ -7,7 +7,8 @@ Qwen2 model in float32 with the synthetic detection set, and its `RolloutSource`
 1. 1 server vs 2 servers vs colocate (vLLM in-process): identical rollouts and identical first-step losses.
 2. One training step advances the server's `weight_version` exactly once; after the next step's sync the
    server's greedy answers (tokens and logprobs) equal the trained model's own HF greedy answers.
-3. `stage2.rollout_buffer {enabled, m_steps: 3}`: one sync and one `/infer/` round per 3 optimizer steps.
+3. `stage2.rollout_buffer {enabled, m_steps: 3}`: one sync and one `/infer/` round per 3 optimizer steps
+   (4 steps: syncs and rollouts at steps 0 and 3 only).
 4. Adapter sync against a LoRA-less server falls back to full once and stays full.
 5. A server killed mid-run makes the next rollout fail fast, naming the server.
 6. Checkpoint + resume continues with no sample skipped or repeated (sample ids compared).
@@ -56,7 +57,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 SECOND_SERVER_BACKEND = os.environ.get("ROLLMATCH_LOOP_SECOND_SERVER", "vllm")
 COLOCATE_VLLM = {
-    "max_model_len": 640,
+    "max_model_len": 256,
     "dtype": "float32",
     "enforce_eager": True,
     "kv_cache_space_gb": 1,
@@ -67,7 +68,7 @@ COLOCATE_VLLM = {
 # -- fixtures -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutServer]:
-    """The module's LoRA-less vLLM server (float32, max_model_len 640)."""
+    """The module's LoRA-less vLLM server (float32, max_model_len 256)."""
     server = start_server(tiny_model_dir, tmp_path_factory.mktemp("vllm_server"))
     try:
         yield server
@@ -239,7 +240,7 @@ def test_rollout_buffer_syncs_and_infers_once_per_window(tiny_model_dir, demo_da
         demo_data,
         tmp_path / "run",
         [vllm_server],
-        training={"max_steps": 6},
+        training={"max_steps": 4},
         stage2={"rollout_buffer": {"enabled": True, "m_steps": 3}},
     )
     before = vllm_server.weight_version()
@@ -248,13 +249,13 @@ def test_rollout_buffer_syncs_and_infers_once_per_window(tiny_model_dir, demo_da
         rec.trainer.train()
     finally:
         rec.close()
-    assert rec.trainer.state.global_step == 6
+    assert rec.trainer.state.global_step == 4
     assert [step for step, _, _ in rec.syncs] == [0, 3]
     assert len(rec.rollouts) == 2 and rec.http_calls == 2
     assert vllm_server.weight_version() == before + 2
-    # The M-steps replay the E-step's samples: window 0 trains on the same 4 samples three times.
+    # Steps 1 and 2 are M-steps replaying step 0's rollouts; step 3 opens the next window with an E-step.
     reuse = [entry.get("rollout/buffer_reuse") for entry in rec.trainer.state.log_history if "loss" in entry]
-    assert reuse == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert reuse == [0.0, 1.0, 1.0, 0.0]
 
 
 # -- 4. adapter sync against a LoRA-less server ----------------------------------------------------------------
@@ -381,7 +382,7 @@ def test_cli_refuses_guard_cases_with_one_line_naming_the_key(tiny_model_dir, de
             rollout={**rollout, "backend": "vllm", "vllm": {**COLOCATE_VLLM, "tensor_parallel_size": 2}},
         ),
         "rollout.vllm.max_model_len": _cli_config(
-            tmp_path, "max_len", base, rollout={**rollout, "vllm": {"max_model_len": 200}}
+            tmp_path, "max_len", base, rollout={**rollout, "vllm": {"max_model_len": 64}}
         ),
     }
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
@@ -409,9 +410,9 @@ def test_server_guards_name_the_key(tiny_model_dir, demo_data, vllm_server, tmp_
         demo_data,
         tmp_path / "a",
         [vllm_server],
-        rollout={"decoding": {"max_new_tokens": 400}},
+        rollout={"decoding": {"max_new_tokens": 200}},
     )
-    with pytest.raises(ConfigError, match=r"server\.vllm\.max_model_len 640 < longest prompt \d+ \+ "):
+    with pytest.raises(ConfigError, match=r"server\.vllm\.max_model_len 256 < longest prompt \d+ \+ "):
         build_run(too_long)
     no_fallback = server_cfg(
         tiny_model_dir,
