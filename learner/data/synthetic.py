@@ -5,13 +5,16 @@ that the learner appends to the user prompt (:func:`scene_user_text`). Records f
 except that ``images`` is EMPTY: the data loader must accept text-only records for the demo (no image part
 in the user message). ``width`` and ``height`` are 1000, so pixel values and norm1000 bins coincide (§2.2).
 
-Design choices that make the task learnable by a ~0.5M-parameter model in a few hundred steps on CPU:
+Design choices that make the task learnable by the ~0.5M-parameter ``tiny`` model in ~100–150 SFT steps
+(measured with scripts/experiments/sft_probe.py; the model must first get a generic copy circuit, see
+scripts/experiments/copy_pretrain.py — from random init the same circuit needs ≥ 25k training samples):
 
 - The scene text lists the objects in the same order as the answer (§1.4 ``sorted``: anchor ``(y, x)``),
-  each as ``desc`` followed by its coordinate tokens in answer order, so the answer is a structured copy of
-  the scene: "emit the scene token that follows the last content token I emitted", wrapped in the JSON
-  grammar of §4. A 2-layer model learns that copy (an induction-style head) quickly; sorting on its own
-  would need far more capacity and steps.
+  each as ``desc`` immediately followed by its coordinate tokens in answer order (style ``tight``), so the
+  answer is a structured copy of the scene: "emit the scene token that follows the last content token I
+  emitted", wrapped in the JSON grammar of §4. Sorting on the model's side would need far more capacity.
+- ``distinct`` (default): no coordinate value and no desc repeats within a scene, so every content token of
+  the scene identifies its successor unambiguously (with repeats the copy is ambiguous and learns slower).
 - Coordinates lie on a coarse grid (default every 20 bins, 50 values per axis), so every coord token the
   model must copy is seen often during training; the coord tokens of the tokenizer stay single ids.
 - Objects are large (sides 100..360 bins) and overlap little (pairwise AABB IoU ≤ 0.2), so a prediction that

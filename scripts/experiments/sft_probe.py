@@ -11,12 +11,18 @@ teacher-forces the GT answers of ``learner/data/synthetic.py`` and measures gree
 - ``--loss ce``: cross-entropy on every answer token and ``<|im_end|>`` (plain SFT).
   ``--loss stage2``: what the rollout-matching learner does to an appended tail (§12, §13): CE on structure
   tokens and ``<|im_end|>``, no CE on desc values unless ``--desc-ce``, the coordinate loss of §13.2
-  (softCE σ 2 + W1 + gate) at coord tokens, token-weighted ``S_ce/N_ce + S_coord/N_coord``.
+  (softCE + W1 + gate; ``--coord-sigma``, ``--coord-truncate``, ``--w1-weight``) at coord tokens,
+  token-weighted ``S_ce/N_ce + S_coord/N_coord``.
+- ``--pretrain-steps N`` (N = cap, e.g. 2500) first runs generic copy pretraining (copy_pretrain.py) with the
+  validated recipe; ``--save-pretrained DIR`` keeps that model, ``--preset DIR`` starts from a saved one.
+- ``--preset-arch JSON`` tries a model size that is not a builder preset (registered in memory only).
 - Evaluation (approximate, for the probe only): HF greedy ``generate`` in left-padded batches, complete
   objects extracted by regex (truncated answers keep their complete objects), greedy one-to-one matching
   by polygon IoU (shapely). ``f1`` uses IoU ≥ 0.5, ``f1_03`` IoU ≥ 0.3 (the product gate is maskIoU 0.3).
 
-Example: ``python scripts/experiments/sft_probe.py --preset tiny --lr 3e-3 --batch 8 --steps 250``.
+Winning recipe (copy-pretrained ``tiny``, default prompts, grid 20):
+``python scripts/experiments/sft_probe.py --preset tiny --pretrain-steps 2500 --grid 20 --batch 8 --lr 3e-3
+--schedule cosine --warmup 10 --steps 250``.
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ Qwen2 model in float32 with the synthetic detection set, and its `RolloutSource`
 6. Checkpoint + resume continues with no sample skipped or repeated (sample ids compared).
 7. Guard cases are refused with one line naming the key (`python -m learner` exits 2, or `ConfigError`).
 
-Engines: one vLLM server for the module (LoRA-less), started once; the in-process engine test runs last and
-stops that server first, so at most one vLLM engine runs at a time when the second server of test 1 is an HF
-server. The second server's backend is `vllm` (the acceptance setting: two vLLM servers at once) unless
-`ROLLMATCH_LOOP_SECOND_SERVER=hf` (hosts that must not run two vLLM engines at once: the HF engine's float32
-greedy tokens are the same, so the comparison stays exact).
+Engines: the session's shared seed-0 vLLM server (`tests/integration/conftest.py::vllm_server`; tests that
+change its weights restore them), one in-process vLLM engine (started and closed inside `colocate_step`,
+which runs before the shared server is first needed when this module runs alone), and cheap HF-backend
+servers for the kill test. The second server of test 1 is a vLLM server (the acceptance setting: two vLLM
+servers at once) unless `ROLLMATCH_LOOP_SECOND_SERVER=hf` (hosts that must not run two vLLM engines at once;
+the HF engine's float32 greedy tokens are the same, so the comparison stays exact).
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ from transformers import AutoModelForCausalLM
 
 from learner.config import ConfigError, RunConfig
 from learner.rollout.base import WeightUpdate
-from learner.rollout.client import InferFailed
+from learner.rollout.client import InferFailed, ServerRolloutSource
 from learner.rollout.colocate import ColocateRolloutSource
 from learner.rollout.colocate_hf import HfColocateBackend
 from learner.trainers.build import RunParts, build_run
+from learner.weights.sync import SyncConfig, WeightSyncPolicy
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.learner_fixtures import (  # noqa: F401 - fixtures
     REPO,
-    RolloutServer,
     demo_data_fixture,
     run_config,
     start_server,
@@ -66,14 +67,20 @@ COLOCATE_VLLM = {
 
 
 # -- fixtures -------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutServer]:
-    """The module's LoRA-less vLLM server (float32, max_model_len 256)."""
-    server = start_server(tiny_model_dir, tmp_path_factory.mktemp("vllm_server"))
-    try:
-        yield server
-    finally:
-        server.stop()
+def served_version(server: Any) -> int:
+    """The weight version a server reports on `/health` (one new version per applied sync)."""
+    return int(server.health()["weight_version"])
+
+
+@pytest.fixture()
+def restores_seed0(vllm_server: Any, tiny_model_dir: Path) -> Iterator[None]:
+    """After the test, the shared server serves the seed-0 checkpoint weights again (conftest's contract)."""
+    before = served_version(vllm_server)
+    yield
+    if served_version(vllm_server) != before:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        with ServerRolloutSource([vllm_server.base_url], timeout_s=60) as source:
+            WeightSyncPolicy(SyncConfig()).maybe_sync(model, 0, source)
 
 
 @dataclass
@@ -147,9 +154,7 @@ def first_step(cfg: RunConfig) -> tuple[list[tuple[Any, ...]], float, float]:
     return signature(rec.rollouts), logged["loss"], logged["loss/total"]
 
 
-def server_cfg(
-    model_dir: Path, data: Path, out: Path, servers: list[RolloutServer], **sections: Any
-) -> RunConfig:
+def server_cfg(model_dir: Path, data: Path, out: Path, servers: list[Any], **sections: Any) -> RunConfig:
     rollout = {"backend": "vllm", "mode": "server", "servers": [{"base_url": s.base_url} for s in servers]}
     return run_config(
         model_dir, data, out, **{**sections, "rollout": {**rollout, **sections.get("rollout", {})}}
@@ -157,18 +162,56 @@ def server_cfg(
 
 
 @pytest.fixture(scope="module")
-def one_server_step(
-    tiny_model_dir: Path,
-    demo_data: Path,
-    vllm_server: RolloutServer,
-    tmp_path_factory: pytest.TempPathFactory,
+def colocate_step(
+    tiny_model_dir: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[list[tuple[Any, ...]], float, float]:
-    """Rollouts and first-step loss through ONE vLLM server (the reference of test 1)."""
+    """Rollouts and first-step loss through the colocated in-process vLLM engine (started and closed here).
+
+    Requested before `one_server_step` by the test that compares them, so that when this module runs alone no
+    vLLM server is up while the in-process engine runs (one engine at a time on small hosts).
+    """
+    cfg = run_config(
+        tiny_model_dir,
+        demo_data,
+        tmp_path_factory.mktemp("colocate"),
+        rollout={"backend": "vllm", "mode": "colocate", "vllm": COLOCATE_VLLM},
+    )
+    rec = build_recorded(cfg)
+    try:
+        assert rec.source.endpoints == ("colocate:vllm",)
+        rec.trainer.train()
+        report = rec.trainer.weight_sync.last_report
+        # load_format dummy: only the in-process step-0 sync makes the engine serve the checkpoint's weights.
+        assert report is not None and report.transport == "in_process" and report.bytes > 0
+        assert rec.source.health().weight_version == 1
+    finally:
+        rec.close()
+    logged = next(entry for entry in rec.trainer.state.log_history if "loss" in entry)
+    assert len(rec.rollouts) == 1 and len(rec.rollouts[0]) == 4
+    return signature(rec.rollouts), logged["loss"], logged["loss/total"]
+
+
+@pytest.fixture(scope="module")
+def one_server_step(
+    tiny_model_dir: Path, demo_data: Path, vllm_server: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[tuple[Any, ...]], float, float]:
+    """Rollouts and first-step loss through ONE vLLM server (the session's shared seed-0 server).
+
+    The run's only sync is step 0's (the checkpoint's own weights), so the server keeps serving seed 0.
+    """
     out = tmp_path_factory.mktemp("one_server")
     return first_step(server_cfg(tiny_model_dir, demo_data, out, [vllm_server]))
 
 
 # -- 1. 1 server vs 2 servers vs colocate ---------------------------------------------------------------------
+def test_colocate_vllm_matches_one_server(colocate_step, one_server_step):
+    # Argument order matters: the in-process engine runs (and is closed) before the server is needed.
+    rollouts, loss, loss_total = one_server_step
+    assert len({sig[2] for sig in rollouts}) > 1  # diverse rollouts: the comparison can fail
+    assert colocate_step[0] == rollouts
+    assert colocate_step[1:] == (loss, loss_total)
+
+
 def test_two_servers_match_one_server(tiny_model_dir, demo_data, vllm_server, one_server_step, tmp_path):
     rollouts, loss, loss_total = one_server_step
     assert len({sig[2] for sig in rollouts}) >= 1 and all(len(sig[2]) >= 1 for sig in rollouts)
@@ -186,21 +229,21 @@ def test_two_servers_match_one_server(tiny_model_dir, demo_data, vllm_server, on
 
 # -- 2. one step → one sync; the server then answers like the trained model -----------------------------------
 def test_one_step_syncs_once_and_server_answers_like_trained_model(
-    tiny_model_dir, demo_data, vllm_server, tiny_tokenizer, tmp_path
+    tiny_model_dir, demo_data, vllm_server, tiny_tokenizer, tmp_path, restores_seed0
 ):
     cfg = server_cfg(tiny_model_dir, demo_data, tmp_path / "run", [vllm_server])
-    before = vllm_server.weight_version()
+    before = served_version(vllm_server)
     rec = build_recorded(cfg)
     try:
         rec.trainer.train()
         assert rec.trainer.state.global_step == 1
-        assert vllm_server.weight_version() == before + 1
+        assert served_version(vllm_server) == before + 1
         assert [(step, mode) for step, mode, _ in rec.syncs] == [(0, "full")]
 
         trained = rec.trainer.model
         # The next step's lazy sync (what step 1's first rollout would trigger) brings the trained weights.
         rec.trainer.weight_sync.maybe_sync(trained, rec.trainer.state.global_step, rec.source)
-        assert vllm_server.weight_version() == before + 2
+        assert served_version(vllm_server) == before + 2
         samples = [rec.trainer.train_dataset[i] for i in range(4)]
         ctx = rec.trainer.planner.ctx
         batch = InferBatch(
@@ -234,7 +277,9 @@ def test_one_step_syncs_once_and_server_answers_like_trained_model(
 
 
 # -- 3. rollout buffer: one sync and one /infer/ round per window -----------------------------------------------
-def test_rollout_buffer_syncs_and_infers_once_per_window(tiny_model_dir, demo_data, vllm_server, tmp_path):
+def test_rollout_buffer_syncs_and_infers_once_per_window(
+    tiny_model_dir, demo_data, vllm_server, tmp_path, restores_seed0
+):
     cfg = server_cfg(
         tiny_model_dir,
         demo_data,
@@ -243,7 +288,7 @@ def test_rollout_buffer_syncs_and_infers_once_per_window(tiny_model_dir, demo_da
         training={"max_steps": 4},
         stage2={"rollout_buffer": {"enabled": True, "m_steps": 3}},
     )
-    before = vllm_server.weight_version()
+    before = served_version(vllm_server)
     rec = build_recorded(cfg)
     try:
         rec.trainer.train()
@@ -252,14 +297,16 @@ def test_rollout_buffer_syncs_and_infers_once_per_window(tiny_model_dir, demo_da
     assert rec.trainer.state.global_step == 4
     assert [step for step, _, _ in rec.syncs] == [0, 3]
     assert len(rec.rollouts) == 2 and rec.http_calls == 2
-    assert vllm_server.weight_version() == before + 2
+    assert served_version(vllm_server) == before + 2
     # Steps 1 and 2 are M-steps replaying step 0's rollouts; step 3 opens the next window with an E-step.
     reuse = [entry.get("rollout/buffer_reuse") for entry in rec.trainer.state.log_history if "loss" in entry]
     assert reuse == [0.0, 1.0, 1.0, 0.0]
 
 
 # -- 4. adapter sync against a LoRA-less server ----------------------------------------------------------------
-def test_adapter_sync_falls_back_to_full_once(tiny_model_dir, demo_data, vllm_server, tmp_path, caplog):
+def test_adapter_sync_falls_back_to_full_once(
+    tiny_model_dir, demo_data, vllm_server, tmp_path, caplog, restores_seed0
+):
     cfg = server_cfg(
         tiny_model_dir,
         demo_data,
@@ -269,7 +316,7 @@ def test_adapter_sync_falls_back_to_full_once(tiny_model_dir, demo_data, vllm_se
         rollout={"sync": {"mode": "adapter", "fallback_to_full": True}},
         training={"max_steps": 3},
     )
-    before = vllm_server.weight_version()
+    before = served_version(vllm_server)
     rec = build_recorded(cfg)
     with caplog.at_level(logging.WARNING, logger="learner.weights.sync"):
         try:
@@ -285,7 +332,7 @@ def test_adapter_sync_falls_back_to_full_once(tiny_model_dir, demo_data, vllm_se
     assert rec.trainer.weight_sync.mode == "full"
     versions = [version for _, _, version in rec.syncs]
     assert versions == list(range(before + 1, before + 5))
-    assert vllm_server.weight_version() == versions[-1]  # served: the last full sync
+    assert served_version(vllm_server) == versions[-1]  # served: the last full sync
     assert len([r for r in caplog.records if "falling back to full" in r.getMessage()]) == 1
     # After the fallback no request names the adapter (the server has none).
     assert rec.trainer.weight_sync.request_adapter is None
@@ -425,27 +472,3 @@ def test_server_guards_name_the_key(tiny_model_dir, demo_data, vllm_server, tmp_
     with pytest.raises(ConfigError, match=r"rollout\.sync\.fallback_to_full") as info:
         build_run(no_fallback)
     assert "\n" not in str(info.value)
-
-
-# -- 1 (end). colocate: the in-process vLLM engine ---------------------------------------------------------------
-def test_colocate_vllm_matches_servers(tiny_model_dir, demo_data, vllm_server, one_server_step, tmp_path):
-    rollouts, loss, loss_total = one_server_step
-    vllm_server.stop()  # one vLLM engine at a time: the reference is computed, the server is not needed again
-    cfg = run_config(
-        tiny_model_dir,
-        demo_data,
-        tmp_path / "run",
-        rollout={"backend": "vllm", "mode": "colocate", "vllm": COLOCATE_VLLM},
-    )
-    rec = build_recorded(cfg)
-    try:
-        assert rec.source.endpoints == ("colocate:vllm",)
-        rec.trainer.train()
-        logged = next(entry for entry in rec.trainer.state.log_history if "loss" in entry)
-        report = rec.trainer.weight_sync.last_report
-        assert report is not None and report.transport == "in_process" and report.bytes > 0
-        assert rec.source.health().weight_version == 1
-    finally:
-        rec.close()
-    assert signature(rec.rollouts) == rollouts
-    assert (logged["loss"], logged["loss/total"]) == (loss, loss_total)
