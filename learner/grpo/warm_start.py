@@ -87,9 +87,11 @@ def warm_start(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir).resolve()
+    weights = Path(model_dir) / "model.safetensors"
     recipe = {
         "recipe": WARM_START_RECIPE,
         "base": str(Path(model_dir).resolve()),
+        "base_sha1": hashlib.sha1(weights.read_bytes()).hexdigest() if weights.exists() else None,
         "rows": len(rows),
         "rows_sha1": hashlib.sha1(
             json.dumps([[r["messages"], r["answer"]] for r in rows], ensure_ascii=False).encode()

@@ -141,17 +141,21 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     ctx = _sample_context(cfg, tokenizer)
     train = load_samples(cfg.data.train, cfg)
     evals = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]
+    longest = max((len(ctx.prompt_ids(s)) for s in train[:256]), default=0)
+    # Guards that need no engine run first: a colocated engine is slow to start and takes GPU memory.
+    check_runtime_guards(cfg, world_size=args.world_size, longest_prompt_tokens=longest)
     source = build_rollout_source(cfg, model, tokenizer)
     health = source.health()
-    longest = max((len(ctx.prompt_ids(s)) for s in train[:256]), default=0)
     check_runtime_guards(cfg, world_size=args.world_size, server_lora_enabled=health.lora_enabled,
                          server_max_model_len=health.max_model_len, longest_prompt_tokens=longest)
+    # Colocated engines: every TP-group host rank feeds its own engine; servers: only global rank 0 sends.
+    sends = getattr(source, "sends_weights", args.process_index == 0)
     gas = args.gradient_accumulation_steps
     buffer_cfg = cfg.stage2.rollout_buffer
     m_steps = buffer_cfg.m_steps if buffer_cfg.enabled else 1
     block = args.per_device_train_batch_size * gas * args.world_size
     dataset = RepeatedWindowDataset(train, block=block, m_steps=m_steps, seed=args.seed)
-    sync = WeightSyncPolicy(cfg.rollout.sync, is_rank0=lambda: args.process_index == 0,
+    sync = WeightSyncPolicy(cfg.rollout.sync, is_rank0=lambda: bool(sends),
                             barrier=_barrier if args.world_size > 1 else (lambda: None),
                             dtype=_engine_dtype(health), seed=args.seed)
     planner = StepPlanner(source=source, ctx=ctx, stage2=cfg.stage2, decoding=cfg.rollout.decoding,

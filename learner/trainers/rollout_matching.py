@@ -76,8 +76,11 @@ class RolloutMatchingTrainer(Trainer):
             self.step_metrics.add(cached.metrics())
         else:
             offload = self.run_cfg.stage2.offload
+            rollout = self.run_cfg.rollout
+            # Offload only helps a colocated vLLM engine; hf generates with these very parameters (STAGE2 §16).
+            offload_on = offload.enabled and rollout.mode == "colocate" and rollout.backend == "vllm"
             with offload_context(self.model, self.optimizer, offload_model=offload.model,
-                                 offload_optimizer=offload.optimizer, enabled=offload.enabled) as report:
+                                 offload_optimizer=offload.optimizer, enabled=offload_on) as report:
                 planned = self.planner.plan([t.batch for t in tagged], global_step=step,
                                             metrics=self.step_metrics, before_rollout=self._sync_now)
             self.step_metrics.add_time("time/offload_s", getattr(report, "seconds", 0.0))

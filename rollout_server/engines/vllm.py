@@ -35,27 +35,22 @@ from typing import Any
 
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import (
-    AdapterUpdate,
     EngineHealth,
     ParamSpec,
     StagedUpdate,
     check_adapter_request,
     check_prompt_lengths,
 )
-from rollout_server.engines.gate import UpdateGate
-from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
 from rollout_server.engines.vllm_completion import Completion, run_completion
 from rollout_server.engines.vllm_inputs import IMAGE_PLACEHOLDER, PreparedPrompt, prepare_prompt
 from rollout_server.engines.vllm_params import (
     COMPLETION_SEED_STRIDE,
     checkpoint_specs,
     engine_args_from_config,
-    incomplete_load_groups,
-    safetensors_names,
     sampling_params,
 )
-from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
-from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
+from rollout_server.engines.vllm_updates import WeightUpdater
+from rollout_server.errors import EngineError
 from shared_schemas.infer import SEED_MASK, Choice, InferBatch, InferResult, RequestConfig, resolve_seeds
 from shared_schemas.repeat_guard import needs_text
 
@@ -113,16 +108,12 @@ class VllmEngine:
         self._max_model_len = max_model_len
         self._tp = tp
         self._lora_enabled = lora_enabled
-        self._max_lora_rank = max_lora_rank
         self._specs = dict(specs or {})
         self._default_seed = default_seed
-        self._version = 0
-        self._gate = UpdateGate()
-        self._update_lock = asyncio.Lock()
-        self._pending: tuple[StagedUpdate, Any] | None = None  # staged update and its LoRARequest (adapters)
-        self._adapters = AdapterStore()
+        self._updates = WeightUpdater(
+            llm, self._specs, lora_enabled=lora_enabled, max_lora_rank=max_lora_rank
+        )
         self._closed = False
-        self._failure: str | None = None
         eot = _token_id(tokenizer, "<|im_end|>")
         self._end_of_turn_id: int = eot if eot is not None else tokenizer.eos_token_id
         self._placeholder_id = _token_id(tokenizer, IMAGE_PLACEHOLDER) if _takes_images(llm) else None
@@ -188,12 +179,12 @@ class VllmEngine:
     @property
     def weight_version(self) -> int:
         """Version of the weights served now."""
-        return self._version
+        return self._updates.version
 
     @property
     def adapters(self) -> tuple[str, ...]:
         """Names of the adapters synced so far."""
-        return self._adapters.names
+        return self._updates.adapters.names
 
     def parameter_specs(self) -> Mapping[str, ParamSpec]:
         """Checkpoint (HF) parameter names → (served dtype code, shape); a tied head is listed too."""
@@ -206,7 +197,7 @@ class VllmEngine:
             status="error" if error else "ok",
             engine="vllm",
             model=self._model_name,
-            weight_version=self._version,
+            weight_version=self._updates.version,
             dp=1,
             tp=self._tp,
             lora_enabled=self._lora_enabled,
@@ -220,7 +211,7 @@ class VllmEngine:
         if error:
             raise EngineError(f"engine cannot serve: {error}")
         cfg = batch.request_config
-        check_adapter_request(cfg.adapter, self._lora_enabled, self._adapters.names)
+        check_adapter_request(cfg.adapter, self._lora_enabled, self._updates.adapters.names)
         if not batch.infer_requests:
             return []
         prompts = await asyncio.to_thread(self._prepare, batch)
@@ -228,9 +219,9 @@ class VllmEngine:
             [len(p.prompt_token_ids) for p in prompts], cfg.max_tokens, self._max_model_len, batch.first_index
         )
         seeds = resolve_seeds(batch, self._default_seed)
-        async with self._gate.generation():
-            version = self._version
-            lora = self._adapters.resolve(cfg.adapter)
+        async with self._updates.gate.generation():
+            version = self._updates.version
+            lora = self._updates.adapters.resolve(cfg.adapter)
             jobs = [
                 self._complete(
                     prompts[i], cfg, (seeds[i] + j * COMPLETION_SEED_STRIDE) & SEED_MASK, i, batch, lora
@@ -247,7 +238,7 @@ class VllmEngine:
 
     async def apply_update(self, update: StagedUpdate) -> None:
         """Applies a staged update all or nothing: `prepare_update` then `commit_update`."""
-        async with self._update_lock:
+        async with self._updates.lock:
             await self.prepare_update(update)
             try:
                 await self.commit_update()
@@ -268,7 +259,7 @@ class VllmEngine:
             with contextlib.suppress(BaseException):
                 await handler
         await asyncio.to_thread(llm.shutdown)
-        self._adapters.close()
+        self._updates.adapters.close()
         # Dropping the last reference now lets AsyncLLM.__del__ run while the interpreter is intact.
         del llm
 
@@ -279,7 +270,7 @@ class VllmEngine:
             return "engine closed"
         if self._llm.errored:
             return "the vLLM engine process died; restart the server"
-        return self._failure
+        return self._updates.failure
 
     def _prepare(self, batch: InferBatch) -> list[PreparedPrompt]:
         placeholder = self._placeholder_id
@@ -343,138 +334,21 @@ class VllmEngine:
             weight_version=version,
         )
 
-    # ---- updates ------------------------------------------------------------------------------------------
+    # ---- updates (two-phase, see `vllm_updates`) -----------------------------------------------------------
 
     async def prepare_update(self, update: StagedUpdate) -> None:
-        """Phase 1 of an update, while generations go on: nothing served changes.
-
-        Full: every worker decodes the buckets and keeps the tensors. Adapter: the PEFT folder is written and
-        loaded into vLLM's LoRA cache (unused until commit).
-
-        Raises:
-            LoraDisabledError: adapter update without LoRA (409).
-            SyncValidationError: a layer sent in part, an adapter rank above the limit or an adapter vLLM
-                rejects (400).
-            EngineError: another update is staged, or the workers failed to decode the buckets.
-        """
+        """Phase 1, while generations go on: stages the update; nothing served changes."""
         if self._unavailable():
             raise EngineError(f"engine cannot be updated: {self._unavailable()}")
-        if self._pending is not None:
-            raise EngineError(
-                f"an update to version {self._pending[0].version} is staged; commit or abort it"
-            )
-        if isinstance(update, AdapterUpdate):
-            self._pending = (update, await self._load_adapter(update))
-            return
-        await asyncio.to_thread(self._check_whole_layers, update.buckets)
-        try:
-            await self._llm.collective_rpc(STAGE_METHOD, args=(list(update.buckets),))
-        except Exception as exc:
-            await self._discard_worker_stage()
-            raise EngineError(
-                f"staging weight version {update.version} in the vLLM workers failed ({type(exc).__name__}: {exc})"
-            ) from exc
-        self._pending = (update, None)
+        await self._updates.prepare(update)
 
     async def commit_update(self) -> None:
-        """Phase 2: waits for running batches, swaps the staged update in, resets caches, bumps the version.
-
-        Raises:
-            EngineError: nothing staged, or loading failed (health then reports `error`: the workers may hold a
-                partial load).
-        """
-        if self._pending is None:
-            raise EngineError("no update is staged; prepare one first")
-        update, lora = self._pending
-        try:
-            async with self._gate.exclusive():
-                if lora is None:
-                    await self._commit_full(update.version)
-                else:
-                    previous = self._adapters.serve(update.adapter_name, lora)  # type: ignore[union-attr]
-                    if previous is not None:
-                        await self._llm.remove_lora(previous.lora_int_id)
-                        self._adapters.delete(previous)
-                    logger.info("adapter version %d served as LoRA id %d", update.version, lora.lora_int_id)
-                await self._reset_caches()
-                self._version = update.version
-        finally:
-            self._pending = None
+        """Phase 2: waits for running batches, serves the staged update, bumps the version."""
+        await self._updates.commit()
 
     async def abort_update(self) -> None:
-        """Drops a staged update (no-op when none); the served weights never changed."""
-        if self._pending is None:
-            return
-        _, lora = self._pending
-        self._pending = None
-        if lora is None:
-            await self._discard_worker_stage()
-            return
-        with contextlib.suppress(Exception):
-            await self._llm.remove_lora(lora.lora_int_id)
-        self._adapters.delete(lora)
-
-    def _check_whole_layers(self, buckets: Sequence[bytes]) -> None:
-        staged = {name for bucket in buckets for name in safetensors_names(bucket)}
-        partial = incomplete_load_groups(staged, set(self._specs))
-        if partial:
-            layer, missing = next(iter(partial.items()))
-            raise SyncValidationError(
-                f"layer {layer!r} is sent in part (missing {', '.join(missing)}); vLLM reloads whole layers, so"
-                f" send every tensor of each layer you update ({len(partial)} layer(s) incomplete)",
-                type="partial_layer",
-                detail={"layers": sorted(partial)[:10]},
-            )
-
-    async def _commit_full(self, version: int) -> None:
-        try:
-            counts = await self._llm.collective_rpc(COMMIT_METHOD)
-        except Exception as exc:
-            self._failure = (
-                f"weight version {version} failed to load ({type(exc).__name__}); restart the server"
-            )
-            raise EngineError(
-                f"loading weight version {version} into the vLLM workers failed ({type(exc).__name__}: {exc})"
-            ) from exc
-        self._adapters.clear_default()
-        logger.info("vLLM weights version %d applied (%s tensors per worker)", version, counts)
-
-    async def _discard_worker_stage(self) -> None:
-        try:
-            await self._llm.collective_rpc(DISCARD_METHOD)
-        except Exception:
-            logger.warning("could not discard staged weights in the vLLM workers", exc_info=True)
-
-    async def _load_adapter(self, update: AdapterUpdate) -> Any:
-        if not self._lora_enabled:
-            raise LoraDisabledError(
-                "adapter sync refused: the server runs without LoRA; sync full weights or start the server"
-                " with server.vllm.enable_lora: true"
-            )
-        rank = adapter_rank(update.adapter_config)
-        if rank is not None and rank > self._max_lora_rank:
-            raise SyncValidationError(
-                f"adapter {update.adapter_name!r} has rank {rank} > server.vllm.max_lora_rank"
-                f" {self._max_lora_rank}; raise max_lora_rank or train a smaller adapter",
-                type="adapter_rank_too_large",
-            )
-        lora = await asyncio.to_thread(self._adapters.write, update)
-        try:
-            await self._llm.add_lora(lora)
-        except Exception as exc:
-            self._adapters.delete(lora)
-            raise SyncValidationError(
-                f"vLLM rejected adapter {update.adapter_name!r} ({type(exc).__name__}: {exc}); send a PEFT"
-                " LoRA whose target modules exist in the served model",
-                type="adapter_invalid",
-            ) from exc
-        return lora
-
-    async def _reset_caches(self) -> None:
-        # No request is running (the gate is held), so the reset cannot be refused for running requests.
-        if not await self._llm.reset_prefix_cache():
-            raise EngineError("vLLM refused to reset the prefix cache after a weight update")
-        await self._llm.reset_encoder_cache()
+        """Drops a staged update (no-op when none)."""
+        await self._updates.abort()
 
 
 async def _gather_or_cancel(jobs: Sequence[Any]) -> list[Any]:

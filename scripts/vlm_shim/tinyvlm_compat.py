@@ -14,8 +14,9 @@ Without torchvision (the registry's builds are CUDA builds that break CPU torch)
    `AutoVideoProcessor`. The shim resolves the mixin from `transformers.video_processing_utils` and loads
    the video processor with the real class named in the saved config.
 
-The hook is a `sys.meta_path` finder: nothing is imported until transformers imports the patched modules.
-`install()` does nothing when torchvision imports (real GPU installs never need the shim).
+The hook is a `sys.meta_path` finder: nothing is imported until transformers imports the patched modules
+(modules already imported when `install()` runs are patched at once). `install()` does nothing when
+torchvision imports (real GPU installs never need the shim).
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class _VideoProcessorLoader:
 
 
 def _patch_processing_utils(module: ModuleType) -> None:
+    if getattr(module, "_tinyvlm_compat_patched", False):
+        return
+    module._tinyvlm_compat_patched = True
     mixin = module.ProcessorMixin
     original = mixin.__dict__["get_possibly_dynamic_module"].__func__
 
@@ -172,5 +176,10 @@ def install() -> bool:
     if torchvision_available():
         return False
     sys.meta_path.insert(0, _ShimFinder())
+    # Modules imported before the hook (e.g. by an earlier import in a test session) are patched now.
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
     _installed = True
     return True

@@ -452,14 +452,15 @@ def test_cli_refuses_guard_cases_with_one_line_naming_the_key(tiny_model_dir, de
 
 
 def test_server_guards_name_the_key(tiny_model_dir, demo_data, vllm_server, tmp_path):
+    limit = int(vllm_server.health()["max_model_len"])
     too_long = server_cfg(
         tiny_model_dir,
         demo_data,
         tmp_path / "a",
         [vllm_server],
-        rollout={"decoding": {"max_new_tokens": 200}},
+        rollout={"decoding": {"max_new_tokens": limit - 8}},
     )
-    with pytest.raises(ConfigError, match=r"server\.vllm\.max_model_len 256 < longest prompt \d+ \+ "):
+    with pytest.raises(ConfigError, match=rf"server\.vllm\.max_model_len {limit} < longest prompt \d+ \+ "):
         build_run(too_long)
     no_fallback = server_cfg(
         tiny_model_dir,

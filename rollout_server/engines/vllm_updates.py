@@ -1,0 +1,190 @@
+"""Weight updates of one vLLM engine: two-phase (stage, then commit) so a data-parallel group can apply an
+update to all its members or to none (DESIGN.md §3 `/sync_weights/`).
+
+Staging happens while generations go on and changes nothing served: full weights are decoded by every
+worker (`vllm_worker`), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit
+closes the `UpdateGate` (new batches wait, running ones finish on the old weights), swaps the update in,
+resets the prefix and encoder caches and sets the version. A full sync may leave whole layers out, but a
+layer sent in part is refused before anything is staged (vLLM rebuilds every layer it touches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_server.engines.base import AdapterUpdate, ParamSpec, StagedUpdate
+from rollout_server.engines.gate import UpdateGate
+from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
+from rollout_server.engines.vllm_params import incomplete_load_groups, safetensors_names
+from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
+from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightUpdater"]
+
+
+class WeightUpdater:
+    """Stages and commits updates for one `AsyncLLM`; owns the gate, the adapters and the weight version.
+
+    Args:
+        llm: the engine's `AsyncLLM`.
+        specs: checkpoint parameter table (for the whole-layer check).
+        lora_enabled: whether adapters may be served.
+        max_lora_rank: largest adapter rank vLLM accepts.
+    """
+
+    def __init__(
+        self, llm: Any, specs: Mapping[str, ParamSpec], *, lora_enabled: bool, max_lora_rank: int
+    ) -> None:
+        self._llm = llm
+        self._specs = specs
+        self._lora_enabled = lora_enabled
+        self._max_lora_rank = max_lora_rank
+        self.gate = UpdateGate()
+        """Generations hold it shared, commits exclusively."""
+        self.adapters = AdapterStore()
+        """Synced adapters and the default one."""
+        self.version = 0
+        """Weight version served now."""
+        self.failure: str | None = None
+        """Set when a commit failed half-way (the engine must not serve)."""
+        self.lock = asyncio.Lock()
+        """Serializes whole updates (`apply_update`)."""
+        self._pending: tuple[StagedUpdate, Any] | None = None  # staged update and its LoRARequest (adapters)
+
+    async def prepare(self, update: StagedUpdate) -> None:
+        """Phase 1 of an update, while generations go on: nothing served changes.
+
+        Full: every worker decodes the buckets and keeps the tensors. Adapter: the PEFT folder is written and
+        loaded into vLLM's LoRA cache (unused until commit).
+
+        Raises:
+            LoraDisabledError: adapter update without LoRA (409).
+            SyncValidationError: a layer sent in part, an adapter rank above the limit or an adapter vLLM
+                rejects (400).
+            EngineError: another update is staged, or the workers failed to decode the buckets.
+        """
+        if self.failure:
+            raise EngineError(f"engine cannot be updated: {self.failure}")
+        if self._pending is not None:
+            raise EngineError(
+                f"an update to version {self._pending[0].version} is staged; commit or abort it"
+            )
+        if isinstance(update, AdapterUpdate):
+            self._pending = (update, await self._load_adapter(update))
+            return
+        await asyncio.to_thread(self._check_whole_layers, update.buckets)
+        try:
+            await self._llm.collective_rpc(STAGE_METHOD, args=(list(update.buckets),))
+        except Exception as exc:
+            await self._discard_worker_stage()
+            raise EngineError(
+                f"staging weight version {update.version} in the vLLM workers failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        self._pending = (update, None)
+
+    async def commit(self) -> None:
+        """Phase 2: waits for running batches, swaps the staged update in, resets caches, bumps the version.
+
+        Raises:
+            EngineError: nothing staged, or loading failed (health then reports `error`: the workers may hold a
+                partial load).
+        """
+        if self._pending is None:
+            raise EngineError("no update is staged; prepare one first")
+        update, lora = self._pending
+        try:
+            async with self.gate.exclusive():
+                if lora is None:
+                    await self._commit_full(update.version)
+                else:
+                    assert isinstance(update, AdapterUpdate)
+                    previous = self.adapters.serve(update.adapter_name, lora)
+                    if previous is not None:
+                        await self._llm.remove_lora(previous.lora_int_id)
+                        self.adapters.delete(previous)
+                    logger.info("adapter version %d served as LoRA id %d", update.version, lora.lora_int_id)
+                await self._reset_caches()
+                self.version = update.version
+        finally:
+            self._pending = None
+
+    async def abort(self) -> None:
+        """Drops a staged update (no-op when none); the served weights never changed."""
+        if self._pending is None:
+            return
+        _, lora = self._pending
+        self._pending = None
+        if lora is None:
+            await self._discard_worker_stage()
+            return
+        with contextlib.suppress(Exception):
+            await self._llm.remove_lora(lora.lora_int_id)
+        self.adapters.delete(lora)
+
+    def _check_whole_layers(self, buckets: Sequence[bytes]) -> None:
+        staged = {name for bucket in buckets for name in safetensors_names(bucket)}
+        partial = incomplete_load_groups(staged, set(self._specs))
+        if partial:
+            layer, missing = next(iter(partial.items()))
+            raise SyncValidationError(
+                f"layer {layer!r} is sent in part (missing {', '.join(missing)}); vLLM reloads whole layers, so"
+                f" send every tensor of each layer you update ({len(partial)} layer(s) incomplete)",
+                type="partial_layer",
+                detail={"layers": sorted(partial)[:10]},
+            )
+
+    async def _commit_full(self, version: int) -> None:
+        try:
+            counts = await self._llm.collective_rpc(COMMIT_METHOD)
+        except Exception as exc:
+            self.failure = (
+                f"weight version {version} failed to load ({type(exc).__name__}); restart the server"
+            )
+            raise EngineError(
+                f"loading weight version {version} into the vLLM workers failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        self.adapters.clear_default()
+        logger.info("vLLM weights version %d applied (%s tensors per worker)", version, counts)
+
+    async def _discard_worker_stage(self) -> None:
+        try:
+            await self._llm.collective_rpc(DISCARD_METHOD)
+        except Exception:
+            logger.warning("could not discard staged weights in the vLLM workers", exc_info=True)
+
+    async def _load_adapter(self, update: AdapterUpdate) -> Any:
+        if not self._lora_enabled:
+            raise LoraDisabledError(
+                "adapter sync refused: the server runs without LoRA; sync full weights or start the server"
+                " with server.vllm.enable_lora: true"
+            )
+        rank = adapter_rank(update.adapter_config)
+        if rank is not None and rank > self._max_lora_rank:
+            raise SyncValidationError(
+                f"adapter {update.adapter_name!r} has rank {rank} > server.vllm.max_lora_rank"
+                f" {self._max_lora_rank}; raise max_lora_rank or train a smaller adapter",
+                type="adapter_rank_too_large",
+            )
+        lora = await asyncio.to_thread(self.adapters.write, update)
+        try:
+            await self._llm.add_lora(lora)
+        except Exception as exc:
+            self.adapters.delete(lora)
+            raise SyncValidationError(
+                f"vLLM rejected adapter {update.adapter_name!r} ({type(exc).__name__}: {exc}); send a PEFT"
+                " LoRA whose target modules exist in the served model",
+                type="adapter_invalid",
+            ) from exc
+        return lora
+
+    async def _reset_caches(self) -> None:
+        # No request is running (the gate is held), so the reset cannot be refused for running requests.
+        if not await self._llm.reset_prefix_cache():
+            raise EngineError("vLLM refused to reset the prefix cache after a weight update")
+        await self._llm.reset_encoder_cache()
