@@ -323,7 +323,7 @@ class VllmEngine:
         choices = [
             Choice(
                 token_ids=c.token_ids, text=c.text or "", finish_reason=c.finish_reason, logprobs=c.logprobs
-            )  # type: ignore[arg-type]
+            )
             for c in own
         ]
         return InferResult(

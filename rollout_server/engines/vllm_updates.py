@@ -21,7 +21,7 @@ from rollout_server.engines.gate import UpdateGate
 from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
 from rollout_server.engines.vllm_params import incomplete_load_groups, safetensors_names
 from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
-from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
+from rollout_server.errors import EngineError, LoraDisabledError, StaleVersionError, SyncValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class WeightUpdater:
             LoraDisabledError: adapter update without LoRA (409).
             SyncValidationError: a layer sent in part, an adapter rank above the limit or an adapter vLLM
                 rejects (400).
+            StaleVersionError: version not above the current one (409).
             EngineError: another update is staged, or the workers failed to decode the buckets.
         """
         if self.failure:
@@ -75,12 +76,19 @@ class WeightUpdater:
             raise EngineError(
                 f"an update to version {self._pending[0].version} is staged; commit or abort it"
             )
+        if update.version <= self.version:
+            raise StaleVersionError(
+                f"update version {update.version} <= current weight_version {self.version};"
+                f" send a version > {self.version}"
+            )
         if isinstance(update, AdapterUpdate):
             self._pending = (update, await self._load_adapter(update))
             return
         await asyncio.to_thread(self._check_whole_layers, update.buckets)
         try:
-            await self._llm.collective_rpc(STAGE_METHOD, args=(list(update.buckets),))
+            await self._llm.collective_rpc(DISCARD_METHOD)
+            for bucket in update.buckets:
+                await self._llm.collective_rpc(STAGE_METHOD, args=([bucket],))
         except Exception as exc:
             await self._discard_worker_stage()
             raise EngineError(

@@ -3,8 +3,8 @@
 It runs inside every vLLM worker process (one per tensor-parallel rank), reached through
 `AsyncLLM.collective_rpc`. Tensors travel as safetensors bytes (DESIGN.md §6: plain tensors would arrive as
 lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or
-nothing: `STAGE_METHOD` decodes every bucket and keeps the tensors (the served weights are untouched, a
-corrupt bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
+nothing: `STAGE_METHOD` decodes buckets and keeps their tensors (the served weights are untouched, a corrupt
+bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
 which maps checkpoint names (fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as
 loading the checkpoint from disk does — and `DISCARD_METHOD` drops a staged update.
 
@@ -63,17 +63,18 @@ class WeightLoadExtension:
     _rollmatch_staged: list[tuple[str, Any]] | None = None
 
     def rollmatch_stage_weights(self, buckets: list[bytes]) -> int:
-        """Decodes every safetensors bucket and keeps the tensors for `rollmatch_commit_weights`.
+        """Decodes safetensors buckets and adds their tensors to the staged update (one call per bucket keeps
+        each message bounded by the learner's bucket size).
 
         Args:
             buckets: safetensors-encoded buckets; names are the checkpoint's (HF) parameter names.
 
         Returns:
-            The number of tensors staged.
+            The number of tensors staged so far.
         """
         from safetensors.torch import load
 
-        staged: list[tuple[str, Any]] = []
+        staged = self._rollmatch_staged if self._rollmatch_staged is not None else []
         for bucket in buckets:
             staged.extend(load(bytes(bucket)).items())
         self._rollmatch_staged = staged
