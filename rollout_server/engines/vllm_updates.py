@@ -67,7 +67,7 @@ class WeightUpdater:
             LoraDisabledError: adapter update without LoRA (409).
             SyncValidationError: a layer sent in part, an adapter rank above the limit or an adapter vLLM
                 rejects (400).
-            StaleVersionError: version not above the current one (409).
+            StaleVersionError: version below the current one (409).
             EngineError: another update is staged, or the workers failed to decode the buckets.
         """
         if self.failure:
@@ -76,10 +76,11 @@ class WeightUpdater:
             raise EngineError(
                 f"an update to version {self._pending[0].version} is staged; commit or abort it"
             )
-        if update.version <= self.version:
+        if update.version < self.version:
+            # Equal is allowed: re-applying the current version reloads weights (colocate wake-up after sleep).
             raise StaleVersionError(
-                f"update version {update.version} <= current weight_version {self.version};"
-                f" send a version > {self.version}"
+                f"update version {update.version} < current weight_version {self.version};"
+                f" send a version >= {self.version}"
             )
         if isinstance(update, AdapterUpdate):
             self._pending = (update, await self._load_adapter(update))
