@@ -47,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     trainer = parts.trainer
     try:
-        first = trainer.evaluate() if cfg.stage2.eval.at_start and trainer.eval_samples else {}
-        trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
-        last = trainer.evaluate() if trainer.eval_samples else {}
+        # Log lines go through tqdm.write so they never break the live progress bar.
+        with logging_redirect_tqdm():
+            first = trainer.evaluate() if cfg.stage2.eval.at_start and trainer.eval_samples else {}
+            trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
+            last = trainer.evaluate() if trainer.eval_samples else {}
     finally:
         parts.source.close()
     if trainer.is_world_process_zero():
