@@ -175,8 +175,8 @@ class RepeatTerminateConfig(_TolerantModel):
     """Rule (a): fire when the last r tokens are one id (0 = off)."""
     ngram_size: int = Field(default=64, ge=0)
     """Rule (b): block length s (0 = off)."""
-    ngram_repeats: int = Field(default=2, ge=2)
-    """Rule (b): fire when the last s*m tokens are m identical blocks."""
+    ngram_repeats: int = Field(default=2, ge=0)
+    """Rule (b): fire when the last s*m tokens are m identical blocks (m < 2 = off)."""
     max_object_keys: int | None = Field(default=None, ge=1)
     """Rule (c): fire when the text holds more than K occurrences of `"object_` (None = off)."""
 

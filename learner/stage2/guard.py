@@ -11,9 +11,13 @@ Pure: no torch, no transformers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from shared_schemas.infer import RepeatTerminateConfig as WireRepeatTerminateConfig
+from shared_schemas.repeat_guard import should_terminate as shared_should_terminate
 
 __all__ = [
     "OBJECT_KEY_MARK",
@@ -51,20 +55,16 @@ def count_object_keys(text: str) -> int:
     return text.count(OBJECT_KEY_MARK)
 
 
+@functools.lru_cache(maxsize=64)
+def _token_rule_cfg(cfg: RepeatTerminateConfig) -> WireRepeatTerminateConfig:
+    # Rules (a) and (b) only; (c) is counted by the caller.
+    return WireRepeatTerminateConfig(**{**cfg.model_dump(), "enabled": True, "min_new_tokens": 0,
+                                        "max_object_keys": None})
+
+
 def _token_rules(g: Sequence[int], cfg: RepeatTerminateConfig) -> bool:
-    n = len(g)
-    r = cfg.max_consecutive_token_repeats
-    if r > 0 and n >= r:
-        last = g[-1]
-        if all(t == last for t in g[n - r :]):
-            return True
-    s, m = cfg.ngram_size, cfg.ngram_repeats
-    if s > 0 and m >= 2 and n >= s * m:
-        tail = list(g[n - s * m :])
-        block = tail[:s]
-        if all(tail[k * s : (k + 1) * s] == block for k in range(1, m)):
-            return True
-    return False
+    """Rules (a) and (b), evaluated by the one implementation every backend shares (shared_schemas)."""
+    return shared_should_terminate(g, None, _token_rule_cfg(cfg))
 
 
 def should_terminate_counted(g: Sequence[int], n_object_keys: int, cfg: RepeatTerminateConfig) -> bool:
