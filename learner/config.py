@@ -269,6 +269,10 @@ class Stage2Config(_Section):
     rollout_buffer: RolloutBufferConfig = Field(default_factory=RolloutBufferConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft_warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps trained on the plain GT (an empty rollout: Y_train = the whole answer) before rollouts
+    start — stage-1 SFT for a model that has never seen the output format. 0 (default) = rollouts from step 0,
+    the spec's behaviour for a stage-1 SFT checkpoint."""
 
 
 class RunConfig(_Section):

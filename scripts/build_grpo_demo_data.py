@@ -4,8 +4,9 @@ Writes (idempotent, deterministic; nothing is downloaded):
 
 - ``<data>/train.jsonl``, ``<data>/eval.jsonl``: synthetic "summary" rows (``learner/grpo/synthetic.py``);
 - ``<models>/tiny-qwen2``: the tiny Qwen2 LM (``scripts/build_tiny_models.py``; the server loads it);
-- ``<models>/tiny-qwen2-grpo-warm``: ``tiny-qwen2`` after a short SFT warm start on the train answers
-  (``learner/grpo/warm_start.py``; the learner starts from it and its step-0 sync puts it on the server).
+- ``<models>/tiny-qwen2-grpo-warm``: ``tiny-qwen2`` after a short SFT warm start on the train answers, half of
+  them with the wrong task tag (``learner/grpo/warm_start.py``, ``with_task_noise``; the learner starts from it
+  and its step-0 sync puts it on the server).
 
 CLI: ``python scripts/build_grpo_demo_data.py [--data .cache/data/grpo_demo] [--models .cache/models]``
 """
@@ -23,12 +24,13 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from build_tiny_models import build_tiny_lm  # noqa: E402
 
-from learner.grpo.synthetic import generate_rows, write_rows  # noqa: E402
+from learner.grpo.synthetic import generate_rows, with_task_noise, write_rows  # noqa: E402
 from learner.grpo.warm_start import warm_start  # noqa: E402
 
 DEFAULT_WARM_STEPS = 100
-"""Enough for the answer skeleton (format ≈ 0.95 at temperature 0.7) but not for reading the scene: the
-content rewards (category, attribute paths, facts) stay low and vary inside a group — what GRPO then raises."""
+"""Enough for the answer skeleton (format reward ≈ 0.9 at temperature 1)."""
+TASK_NOISE = 0.5
+"""Fraction of warm-start answers with the wrong task tag (see ``learner/grpo/synthetic.py``)."""
 
 
 def build(
@@ -45,7 +47,8 @@ def build(
     write_rows(data_dir / "train.jsonl", train)
     write_rows(data_dir / "eval.jsonl", generate_rows(n_eval, seed=seed, split="eval"))
     base = build_tiny_lm(models_dir / "tiny-qwen2", seed=0)
-    warm = warm_start(base, models_dir / "tiny-qwen2-grpo-warm", train, steps=warm_steps, seed=seed)
+    noisy = with_task_noise(train, TASK_NOISE, seed=seed)
+    warm = warm_start(base, models_dir / "tiny-qwen2-grpo-warm", noisy, steps=warm_steps, seed=seed)
     return {
         "train": data_dir / "train.jsonl",
         "eval": data_dir / "eval.jsonl",

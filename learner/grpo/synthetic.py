@@ -13,6 +13,10 @@ Design choices (why the tiny model can raise the rewards within ~30 GRPO steps a
   vary inside a group — the signal GRPO needs — and improve quickly.
 - A small closed vocabulary (3 categories per domain, attributes from the §5 path list) keeps every fact
   frequent.
+- The warm start is trained on NOISY answers (:func:`with_task_noise`): half of them carry the header of the
+  other task, ``<TASK=DENSE>``. The warm-started policy is then unsure about that one header token — a
+  mode choice with maximal spread inside every group — and the header/strict rewards (−4 points for the
+  wrong tag) tell GRPO which mode is right, so they rise within a few dozen steps.
 
 Everything is pure and seeded: the same ``(seed, split, n)`` always gives the same rows; the train and eval
 splits use independent RNG streams.
@@ -37,6 +41,7 @@ __all__ = [
     "make_row",
     "sample_reference",
     "scene_text",
+    "with_task_noise",
     "write_rows",
 ]
 
@@ -132,3 +137,22 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> bool:
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return True
+
+
+def with_task_noise(rows: list[dict[str, Any]], fraction: float, *, seed: int = 0) -> list[dict[str, Any]]:
+    """Copies of ``rows`` whose ``answer`` header says ``<TASK=DENSE>`` for a seeded ``fraction`` of the
+    relevant rows (the rewards expect ``<TASK=SUMMARY>``); the reference metadata is unchanged.
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1].
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction={fraction} must be in [0, 1]")
+    rng = random.Random(f"task-noise:{seed}")
+    out = []
+    for row in rows:
+        row = dict(row)
+        if row["summary_ref"] != IRRELEVANT and rng.random() < fraction:
+            row["answer"] = row["answer"].replace("<TASK=SUMMARY>", "<TASK=DENSE>", 1)
+        out.append(row)
+    return out

@@ -21,7 +21,14 @@ from learner.stage2.packed_batch import pack_segments, pad_segments
 from learner.stage2.packing import CarryBuffer
 from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
 from learner.stage2.seeds import request_seed
-from shared_schemas.infer import InferBatch, InferRequest, InferResult, RepeatTerminateConfig, RequestConfig
+from shared_schemas.infer import (
+    Choice,
+    InferBatch,
+    InferRequest,
+    InferResult,
+    RepeatTerminateConfig,
+    RequestConfig,
+)
 
 __all__ = ["PlannedStep", "StepPlanner", "build_request_config"]
 
@@ -122,10 +129,16 @@ class StepPlanner:
                 weight sync of §5.6; returns the seconds it took.
         """
         flat = [s for raw in raws for s in raw]
-        sync_s = before_rollout() if (flat and before_rollout is not None) else 0.0
-        request_config = build_request_config(self.decoding, adapter=self.adapter_name())
-        first_index = self.rank * self.per_device_batch_size * max(len(raws), 1)
-        results, gen_s = self.rollout(flat, self.step_seeds(raws, global_step), request_config, first_index)
+        warmup = global_step < self.stage2.sft_warmup_steps
+        if warmup:
+            # Stage-1 warm-up: an empty rollout makes Y_train the whole GT (§6.4 fallback) — plain SFT with the
+            # stage-2 loss; no request, so no weight sync either.
+            results, gen_s, sync_s = [self._empty_result(s, i) for i, s in enumerate(flat)], 0.0, 0.0
+        else:
+            sync_s = before_rollout() if (flat and before_rollout is not None) else 0.0
+            request_config = build_request_config(self.decoding, adapter=self.adapter_name())
+            first_index = self.rank * self.per_device_batch_size * max(len(raws), 1)
+            results, gen_s = self.rollout(flat, self.step_seeds(raws, global_step), request_config, first_index)
         metrics.add_time("time/weight_sync_s", sync_s)
         metrics.add_time("time/rollout_generate_s", gen_s)
         metrics.add({"rollout/decode_greedy": float(self.decoding.decode_mode == "greedy"),
@@ -142,7 +155,8 @@ class StepPlanner:
             for sample in raw:
                 seg, outcome = prepare_segment(sample, results[cursor], self.ctx, rollout_step=global_step)
                 cursor += 1
-                metrics.add_rollout_counters(outcome.counters)
+                if not warmup:  # an empty warm-up rollout says nothing about the policy
+                    metrics.add_rollout_counters(outcome.counters)
                 for name, value in outcome.lengths.items():
                     metrics.observe(name, [value])
                 if seg is not None:
@@ -157,6 +171,11 @@ class StepPlanner:
         metrics.add_time("time/rollout_parse_match_s", t_prep)
         metrics.add_time("time/post_rollout_pack_s", t_pack)
         return PlannedStep(prepared, n_ce, n_coord)
+
+    def _empty_result(self, sample: dict[str, Any], index: int) -> InferResult:
+        """What an engine would return for a rollout of zero tokens (warm-up steps)."""
+        return InferResult(index=index, request_id=None, prompt_token_ids=self.ctx.prompt_ids(sample),
+                           choices=[Choice(token_ids=[], text="", finish_reason="length")], weight_version=0)
 
     def _pack(self, segments: list, global_step: int, metrics: StepMetrics) -> dict[str, Any]:
         if self.carry is not None:
