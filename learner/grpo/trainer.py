@@ -120,7 +120,10 @@ class GrpoTrainer(Trainer):
         )
         sync_s = self.weight_sync.maybe_sync(self.model, step, self.source)
         rollout = self._generate([self.prompts[i] for i in window], step)
+        started = time.perf_counter()
         prepared = [self._micro_batch(tags, rollout) for tags in local]
+        if self.reference is not None:
+            self.metric_window.add_max("time/reference_s", time.perf_counter() - started)
         kl = self._sequence_kl(prepared, local) if self._kl_in_reward else None
         advantages = self._advantages(rollout, kl)
         for batch, tags in zip(prepared, local, strict=True):
@@ -160,10 +163,8 @@ class GrpoTrainer(Trainer):
             rows.append(CompletionRow(group.row.prompt_ids, completion.token_ids, completion.logprobs, 0.0))
         batch: dict[str, Any] = collate_rows(rows, self._pad_id)
         if self.reference is not None:
-            started = time.perf_counter()
             on_device = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             batch["ref_logps"] = self.reference.logps(on_device).cpu()
-            self.metric_window.add_max("time/reference_s", time.perf_counter() - started)
         return batch
 
     @torch.no_grad()

