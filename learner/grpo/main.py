@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import RunConfig, check_runtime_guards
+from learner.data.errors import DataRecordError
 from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
 from learner.grpo.data import GenerationSlots, PromptSet, load_prompt_rows
 from learner.grpo.generation import GroupGenerator, ResamplePool
@@ -164,6 +165,23 @@ def _build_source(cfg: RunConfig) -> RolloutSource:
     return source
 
 
+def _generator(
+    resolved: ResolvedGrpoRun, source: RolloutSource, prompts: PromptSet, seed: int
+) -> GroupGenerator:
+    """The rank-0 generation step: requests, rewards (§5 weights, schema file when configured), resampling."""
+    grpo = resolved.grpo
+    return GroupGenerator(
+        source=source,
+        config=request_config(grpo),
+        reward_weights=resolved.reward_weights,
+        schemas=load_schemas(resolved.reward_schema_path) if resolved.reward_schema_path else None,
+        seed=seed,
+        resample_pool=ResamplePool(prompts.rows, seed),
+        dynamic_sample=grpo.dynamic_sample,
+        max_resample_times=grpo.max_resample_times,
+    )
+
+
 def build_grpo_trainer(
     resolved: ResolvedGrpoRun, cfg: RunConfig, *, source: RolloutSource | None = None
 ) -> GrpoRun:
@@ -175,7 +193,8 @@ def build_grpo_trainer(
         source: an already-built rollout source (default: the configured servers, waited for).
 
     Raises:
-        ConfigError: the world size does not match ``train_gpus``, or a runtime guard failed.
+        ConfigError: the world size does not match ``train_gpus``, unusable prompt data (names file and line),
+            or a runtime guard failed.
     """
     grpo = resolved.grpo
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -188,9 +207,12 @@ def build_grpo_trainer(
     model, tokenizer = _load_policy(cfg, resolved.model_path)
     reference = build_reference(model, grpo.beta)
     budget = grpo.global_max_length - grpo.max_completion_length
-    prompts: PromptSet = load_prompt_rows(
-        [_resolve(f) for f in cfg.data.train], _prompt_encoder(tokenizer), budget=budget
-    )
+    try:
+        prompts: PromptSet = load_prompt_rows(
+            [_resolve(f) for f in cfg.data.train], _prompt_encoder(tokenizer), budget=budget
+        )
+    except (DataRecordError, OSError) as exc:
+        raise ConfigError(f"data.train: {exc}") from exc
     prompts_per_step = resolved.prompts_per_step
     num_steps = _num_steps(cfg, len(prompts.rows), prompts_per_step)
     args = _training_args(cfg, resolved.output_dir, num_steps)
@@ -209,19 +231,7 @@ def build_grpo_trainer(
         dtype=_sync_dtype(resolved),
         seed=args.seed,
     )
-    generator = None
-    if args.process_index == 0:
-        schemas = load_schemas(resolved.reward_schema_path) if resolved.reward_schema_path else None
-        generator = GroupGenerator(
-            source=source,
-            config=request_config(grpo),
-            reward_weights=resolved.reward_weights,
-            schemas=schemas,
-            seed=args.seed,
-            resample_pool=ResamplePool(prompts.rows, args.seed),
-            dynamic_sample=grpo.dynamic_sample,
-            max_resample_times=grpo.max_resample_times,
-        )
+    generator = _generator(resolved, source, prompts, args.seed) if args.process_index == 0 else None
     dataset = GenerationSlots(
         num_rows=len(prompts.rows),
         prompts_per_step=prompts_per_step,
