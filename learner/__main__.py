@@ -24,6 +24,14 @@ def _configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _last_eval(trainer) -> dict:
+    """The eval record HF already logged at the final step (no second evaluation of the same weights)."""
+    for record in reversed(trainer.state.log_history):
+        if "eval_rollout_f1" in record:
+            return record
+    return trainer.evaluate()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m learner", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path, help="run YAML (hyperparameters live there)")
@@ -55,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         with logging_redirect_tqdm():
             first = trainer.evaluate() if cfg.stage2.eval.at_start and trainer.eval_samples else {}
             trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
-            last = trainer.evaluate() if trainer.eval_samples else {}
+            evaluated_last = trainer.args.eval_strategy == "steps" and trainer.state.global_step % max(
+                int(trainer.args.eval_steps or 1), 1) == 0
+            last = _last_eval(trainer) if evaluated_last else (trainer.evaluate() if trainer.eval_samples else {})
     finally:
         parts.source.close()
     if trainer.is_world_process_zero():

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import ConfigError, RunConfig, check_runtime_guards
-from learner.data.dataset import RepeatedWindowDataset
+from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
 from learner.data.records import build_sample, load_records
 from learner.data.synthetic import scene_user_text
 from learner.rollout.base import RolloutSource
@@ -166,6 +166,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         planner=planner, weight_sync=sync, rollout_buffer=RolloutBuffer(m_steps=m_steps, gas=gas,
                                                                         enabled=buffer_cfg.enabled),
         run_cfg=cfg, eval_samples=evals, model=model, args=args, train_dataset=dataset,
+        eval_dataset=SampleListDataset(evals) if evals else None,
         data_collator=_identity_collator, processing_class=tokenizer,
         callbacks=[MetricsJsonlCallback(out / "metrics.jsonl"), LiveProgressCallback()],
     )
