@@ -276,12 +276,18 @@ def canonicalize_poly(
 # Coordinate values in data records (spec §1.3)
 
 
+_COORD_STRING_BINS = {f"<|coord_{k}|>": k for k in range(1000)}
+
+
 def parse_coord_string(s: str) -> int:
     """Bin of a coordinate-token string ``"<|coord_k|>"`` (k in 0..999).
 
     Raises:
         CoordValueError: ``s`` is not such a string.
     """
+    k = _COORD_STRING_BINS.get(s)
+    if k is not None:  # the common case, without a regex
+        return k
     m = COORD_TOKEN_RE.fullmatch(s)
     if m is None:
         raise CoordValueError(f"coordinate string {s!r} is not of the form '<|coord_k|>'")
