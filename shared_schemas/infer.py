@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MAX_TOKENS_CAP",
     "SEED_MASK",
+    "COMPLETION_SEED_STRIDE",
     "Choice",
     "FinishReason",
     "InferBatch",
@@ -29,6 +30,7 @@ __all__ = [
     "Timing",
     "image_ref_kind",
     "iter_image_refs",
+    "completion_seed",
     "request_seed",
     "resolve_seeds",
 ]
@@ -333,6 +335,15 @@ def request_seed(base_seed: int, global_index: int) -> int:
     if base_seed < 0 or global_index < 0:
         raise ValueError(f"base_seed {base_seed} and global_index {global_index} must be >= 0")
     return (base_seed + global_index) & SEED_MASK
+
+
+COMPLETION_SEED_STRIDE = 0x9E3779B1
+"""Seed offset between the `n` completions of one request (golden-ratio stride: no collisions nearby)."""
+
+
+def completion_seed(request_seed: int, j: int) -> int:
+    """Seed of completion `j` (0-based) of a request whose seed is `request_seed`; every backend uses it."""
+    return (request_seed + j * COMPLETION_SEED_STRIDE) & SEED_MASK
 
 
 def resolve_seeds(batch: InferBatch, default_seed: int = 0) -> list[int]:

@@ -2,7 +2,7 @@
 
 No copy of the model exists, so the weights that generate are always the weights being trained: a sync
 only records the version it names (and still yields a `SyncReport`). Generation reuses the rollout server's
-decode loop (`rollout_server.engines.hf_decode.decode_rows`, a pure function over a model): left-padded
+decode loop (`rollout_server.engines.hf_decode.decode_requests`, a pure function over a model): left-padded
 batches of `rollout.decoding.rollout_generate_batch_size` rows, one `torch.Generator` per row seeded from the
 request's seed, so a row's tokens do not depend on which rows share its batch; the loop also applies the
 repeat-terminate guard (§5.4, the shared `should_terminate` rule), stop strings, `min_tokens` and `ignore_eos`.
@@ -29,16 +29,15 @@ from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
 from learner.yaml_loader import ConfigError
-from shared_schemas.infer import SEED_MASK, Choice, InferBatch, InferRequest, InferResult, resolve_seeds
+from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds
 
 if TYPE_CHECKING:
     from learner.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPLETION_SEED_STRIDE", "HfColocateBackend", "chat_prompt_ids"]
+__all__ = ["HfColocateBackend", "chat_prompt_ids"]
 
-COMPLETION_SEED_STRIDE = 0x9E3779B1
 """Seed offset between the `n` completions of one request (as in the server's engines)."""
 
 
@@ -131,42 +130,36 @@ class HfColocateBackend:
         Raises:
             ValueError: a request with images (text-only here), or a prompt that cannot fit `max_model_len`.
         """
-        from rollout_server.engines.hf_decode import decode_rows
+        from rollout_server.engines.hf_decode import decode_requests
 
         cfg = batch.request_config
         prompts = [self._prompt_ids(r, batch.first_index + i) for i, r in enumerate(batch.infer_requests)]
         self._check_lengths(prompts, cfg.max_tokens, batch.first_index)
         seeds = resolve_seeds(batch, self._default_seed)
-        rows = [
-            (i, (seed + j * COMPLETION_SEED_STRIDE) & SEED_MASK)
-            for i, seed in enumerate(seeds)
-            for j in range(cfg.n)
-        ]
         version = self._version
-        outputs = []
         was_training = self._model.training
         self._model.eval()
         try:
             with torch.no_grad():
-                for start in range(0, len(rows), self._batch_size):
-                    chunk = rows[start : start + self._batch_size]
-                    outputs += decode_rows(
-                        self._model,
-                        [prompts[i] for i, _ in chunk],
-                        [seed for _, seed in chunk],
-                        cfg,
-                        pad_id=self._pad_id,
-                        eos_ids=self._eos_ids,
-                        end_of_turn_id=self._end_of_turn_id,
-                        decode_text=self._decode,
-                    )
-                    self.decode_calls += 1
-                    self.rows_decoded += len(chunk)
+                per_request = decode_requests(
+                    self._model,
+                    prompts,
+                    seeds,
+                    cfg,
+                    batch_size=self._batch_size,
+                    pad_id=self._pad_id,
+                    eos_ids=self._eos_ids,
+                    end_of_turn_id=self._end_of_turn_id,
+                    decode_text=self._decode,
+                )
         finally:
             self._model.train(was_training)
+        rows = len(prompts) * cfg.n
+        self.decode_calls += -(-rows // self._batch_size)
+        self.rows_decoded += rows
         results = []
         for i, request in enumerate(batch.infer_requests):
-            own = outputs[i * cfg.n : (i + 1) * cfg.n]
+            own = per_request[i]
             choices = [self._choice(o) for o in own]
             results.append(
                 InferResult(

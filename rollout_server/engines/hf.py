@@ -27,9 +27,9 @@ from rollout_server.engines.base import (
     check_prompt_lengths,
     request_prompt_ids,
 )
-from rollout_server.engines.hf_decode import RowOutput, decode_rows
+from rollout_server.engines.hf_decode import RowOutput, decode_requests
 from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
-from shared_schemas.infer import SEED_MASK, Choice, InferBatch, InferResult, resolve_seeds
+from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ _DTYPE_CODES = {
     torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CHOICE_SEED_STRIDE = 0x9E3779B1
 """Seed offset between the `n` completions of one request (odd, so completions never share a stream)."""
 
 
@@ -158,27 +157,20 @@ class HfEngine:
             [len(p) for p in prompts], cfg.max_tokens, self._max_model_len, batch.first_index
         )
         seeds = resolve_seeds(batch, self._default_seed)
-        rows = [
-            (i, (seed + j * _CHOICE_SEED_STRIDE) & SEED_MASK)
-            for i, seed in enumerate(seeds)
-            for j in range(cfg.n)
-        ]
-        outputs: list[RowOutput] = []
-        for start in range(0, len(rows), self._batch_size):
-            chunk = rows[start : start + self._batch_size]
-            outputs += decode_rows(
-                self._model,
-                [prompts[i] for i, _ in chunk],
-                [seed for _, seed in chunk],
-                cfg,
-                pad_id=self._pad_id,
-                eos_ids=self._eos_ids,
-                end_of_turn_id=self._end_of_turn_id,
-                decode_text=self._decode,
-            )
+        per_request = decode_requests(
+            self._model,
+            prompts,
+            seeds,
+            cfg,
+            batch_size=self._batch_size,
+            pad_id=self._pad_id,
+            eos_ids=self._eos_ids,
+            end_of_turn_id=self._end_of_turn_id,
+            decode_text=self._decode,
+        )
         results = []
         for i, request in enumerate(batch.infer_requests):
-            choices = [self._choice(o) for o in outputs[i * cfg.n : (i + 1) * cfg.n]]
+            choices = [self._choice(o) for o in per_request[i]]
             results.append(
                 InferResult(
                     index=batch.first_index + i,

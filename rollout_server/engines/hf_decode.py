@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared_schemas.infer import FinishReason, RequestConfig
+from shared_schemas.infer import FinishReason, RequestConfig, completion_seed
 from shared_schemas.repeat_guard import needs_text, should_terminate
 
-__all__ = ["RowOutput", "choose_tokens", "decode_rows", "filter_top_k_top_p"]
+__all__ = ["RowOutput", "choose_tokens", "decode_requests", "decode_rows", "filter_top_k_top_p"]
 
 
 @dataclass
@@ -178,3 +178,37 @@ def decode_rows(
         )
         step_pos = step_pos[:, -1:] + 1
     return [o for o in outputs if o is not None]
+
+
+def decode_requests(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    cfg: RequestConfig,
+    *,
+    batch_size: int,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    end_of_turn_id: int,
+    decode_text: Callable[[list[int]], str],
+) -> list[list[RowOutput]]:
+    """`cfg.n` completions per prompt, decoded in left-padded chunks of at most `batch_size` rows.
+
+    Completion `j` of request `i` is seeded with `completion_seed(seeds[i], j)`, so results do not depend on
+    `batch_size` (every row owns its generator). Returns, per prompt, its `n` outputs in order.
+    """
+    rows = [(i, completion_seed(seed, j)) for i, seed in enumerate(seeds) for j in range(cfg.n)]
+    outputs: list[RowOutput] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        outputs += decode_rows(
+            model,
+            [prompts[i] for i, _ in chunk],
+            [seed for _, seed in chunk],
+            cfg,
+            pad_id=pad_id,
+            eos_ids=eos_ids,
+            end_of_turn_id=end_of_turn_id,
+            decode_text=decode_text,
+        )
+    return [outputs[i * cfg.n : (i + 1) * cfg.n] for i in range(len(prompts))]

@@ -44,14 +44,20 @@ from rollout_server.engines.base import (
 from rollout_server.engines.vllm_completion import Completion, run_completion
 from rollout_server.engines.vllm_inputs import IMAGE_PLACEHOLDER, PreparedPrompt, prepare_prompt
 from rollout_server.engines.vllm_params import (
-    COMPLETION_SEED_STRIDE,
     checkpoint_specs,
     engine_args_from_config,
     sampling_params,
 )
 from rollout_server.engines.vllm_updates import WeightUpdater
 from rollout_server.errors import EngineError
-from shared_schemas.infer import SEED_MASK, Choice, InferBatch, InferResult, RequestConfig, resolve_seeds
+from shared_schemas.infer import (
+    Choice,
+    InferBatch,
+    InferResult,
+    RequestConfig,
+    completion_seed,
+    resolve_seeds,
+)
 from shared_schemas.repeat_guard import needs_text
 
 logger = logging.getLogger(__name__)
@@ -224,7 +230,7 @@ class VllmEngine:
             lora = self._updates.adapters.resolve(cfg.adapter)
             jobs = [
                 self._complete(
-                    prompts[i], cfg, (seeds[i] + j * COMPLETION_SEED_STRIDE) & SEED_MASK, i, batch, lora
+                    prompts[i], cfg, completion_seed(seeds[i], j), i, batch, lora
                 )
                 for i in range(len(prompts))
                 for j in range(cfg.n)

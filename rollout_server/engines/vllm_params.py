@@ -18,7 +18,6 @@ from rollout_server.engines.vllm_worker import WORKER_EXTENSION
 from shared_schemas.infer import RequestConfig
 
 __all__ = [
-    "COMPLETION_SEED_STRIDE",
     "checkpoint_specs",
     "dtype_code",
     "engine_args_from_config",
@@ -29,7 +28,6 @@ __all__ = [
     "sampling_params",
 ]
 
-COMPLETION_SEED_STRIDE = 0x9E3779B1
 """Seed offset between the `n` completions of one request, as in the HF engine (odd: streams never coincide)."""
 
 _FUSED_LEAVES = {
