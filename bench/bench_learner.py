@@ -72,8 +72,10 @@ def write_configs(out: Path, port: int, max_steps: int, m_values: list[int]) -> 
             f"extends: {base}\n"
             f"output_dir: {out / f'm{m}'}\n"
             "data: {eval: []}\n"
-            f"training: {{max_steps: {max_steps}, save_strategy: 'no', report_to: []}}\n"
-            f"stage2: {{rollout_buffer: {{enabled: {str(m > 1).lower()}, m_steps: {m}}}, eval: {{at_start: false}}}}\n"
+            f"training: {{max_steps: {max_steps}, save_strategy: 'no', eval_strategy: 'no', report_to: []}}\n"
+            # Every step rolls out (no stage-1 warm-up), so E-steps and M-steps are what is compared.
+            f"stage2: {{rollout_buffer: {{enabled: {str(m > 1).lower()}, m_steps: {m}}}, eval: {{at_start: false}}, "
+            "sft_warmup_steps: 0}\n"
         )
         runs[m] = path
     return base, runs
