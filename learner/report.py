@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["load_metrics", "write_report"]
 
 TIME_KEYS = ("time/rollout_generate_s", "time/weight_sync_s", "time/rollout_parse_match_s",
-             "time/post_rollout_pack_s", "time/forward_s")
+             "time/post_rollout_pack_s", "time/forward_s", "time/backward_s")
 
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
