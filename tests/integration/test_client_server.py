@@ -15,10 +15,6 @@ Every test leaves the shared server serving the seed-0 weights it started with.
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,67 +29,17 @@ from learner.rollout.client import InferFailed, ServerRolloutSource
 from learner.weights.export import adapter_state
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
-from tests.integration.conftest import ServerProcess, free_port
+from tests.integration.conftest import ServerProcess
+from tests.integration.learner_fixtures import start_server
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [
     [{"role": "user", "content": "List every object in the image."}],
     [{"role": "user", "content": 'Reply with one JSON object: {"object_1": <|coord_12|>'}],
     [{"role": "user", "content": "hello"}],
 ]
 MAX_TOKENS = 12
-
-
-@dataclass(frozen=True)
-class Server:
-    """A throw-away HF-backend server this module starts (and kills)."""
-
-    base_url: str
-    shm_dir: Path
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-def _start_hf_server(model_dir: Path, tmp: Path) -> Server:
-    """A real `python -m rollout_server` with the HF backend (no vLLM engine: starts in seconds)."""
-    port = free_port()
-    shm = tmp / "shm"
-    cfg = tmp / "server.yaml"
-    cfg.write_text(
-        f"server:\n  model: {model_dir}\n  backend: hf\n  dtype: float32\n  port: {port}\n"
-        f"  shm_dir: {shm}\n  vllm: {{max_model_len: 512}}\n"
-    )
-    log = tmp / "server.log"
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_server", "--config", str(cfg)],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    server = Server(f"http://127.0.0.1:{port}", shm, proc, log)
-    with ServerRolloutSource([server.base_url], timeout_s=5) as source:
-        try:
-            source.wait_healthy(deadline_s=120)
-        except Exception:
-            _stop(server)
-            raise AssertionError(f"server did not come up:\n{log.read_text()[-3000:]}") from None
-    return server
-
-
-def _stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
 
 
 def load_lm(model_dir: Path) -> torch.nn.Module:
@@ -219,21 +165,20 @@ def test_adapter_sync_rejected_then_policy_falls_back_to_full(
 def test_killed_server_fails_fast_naming_it(
     vllm_server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    doomed = _start_hf_server(tiny_model_dir, tmp_path)
+    doomed = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
     infer_timeout_s = 30.0
     try:
         with ServerRolloutSource(
             [vllm_server.base_url, doomed.base_url], timeout_s=5, infer_timeout_s=infer_timeout_s
         ) as source:
             assert len(rollout(source)) == 3
-            doomed.proc.send_signal(signal.SIGKILL)
-            doomed.proc.wait(30)
+            doomed.kill()
             started = time.monotonic()
             with pytest.raises(InferFailed) as info:
                 rollout(source)
             elapsed = time.monotonic() - started
     finally:
-        _stop(doomed)
+        doomed.stop()
     assert elapsed < infer_timeout_s
     assert info.value.url == doomed.base_url and doomed.base_url in str(info.value)
     assert info.value.indices == [2]  # 3 requests over 2 servers: the second server held index 2
