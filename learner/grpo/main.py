@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import RunConfig, check_runtime_guards
@@ -34,6 +34,7 @@ from learner.grpo.rollouts import request_config
 from learner.grpo.trainer import GrpoTrainer
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
+from learner.trainers.build import load_policy
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
@@ -116,28 +117,6 @@ def _num_steps(cfg: RunConfig, num_rows: int, prompts_per_step: int) -> int:
     return max(1, math.ceil(epochs * num_rows / prompts_per_step))
 
 
-def _load_policy(cfg: RunConfig, model_path: Path) -> tuple[PreTrainedModel, Any]:
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
-    )
-    if cfg.model.adapter != "none":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.model.lora_r,
-                lora_alpha=cfg.model.lora_alpha,
-                lora_dropout=cfg.model.lora_dropout,
-                target_modules=cfg.model.lora_target_modules,
-                use_dora=cfg.model.adapter == "dora",
-                task_type="CAUSAL_LM",
-            ),
-        )
-    return model, tokenizer
-
-
 def _prompt_encoder(tokenizer: Any):
     def encode(messages: list[dict[str, Any]]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -204,7 +183,7 @@ def build_grpo_trainer(
             "were started (GRPO_SUMMARY §2.3 rule 7: world size = len(train_gpus)); launch with "
             "scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
         )
-    model, tokenizer = _load_policy(cfg, resolved.model_path)
+    model, tokenizer = load_policy(cfg, resolved.model_path)
     reference = build_reference(model, grpo.beta)
     budget = grpo.global_max_length - grpo.max_completion_length
     try:

@@ -27,7 +27,7 @@ from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
 from learner.weights.sync import WeightSyncPolicy
 
-__all__ = ["REPO_ROOT", "RunParts", "build_rollout_source", "build_run", "load_samples", "resolve_path"]
+__all__ = ["REPO_ROOT", "RunParts", "build_rollout_source", "build_run", "load_policy", "load_samples", "resolve_path"]
 
 logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,8 +94,17 @@ def _training_args(cfg: RunConfig, output_dir: Path) -> TrainingArguments:
     return TrainingArguments(**kwargs)
 
 
-def _load_model(cfg: RunConfig) -> tuple[PreTrainedModel, Any]:
-    path = resolve_path(cfg.model.path)
+def load_policy(cfg: RunConfig, path: str | Path | None = None) -> tuple[PreTrainedModel, Any]:
+    """The model to train (with a fresh LoRA/DoRA adapter when `model.adapter` asks for one) and its tokenizer.
+
+    Args:
+        cfg: the run config (`model:` section).
+        path: checkpoint directory; default `model.path` resolved against the repository.
+
+    Raises:
+        ConfigError: the directory does not exist (nothing is ever downloaded).
+    """
+    path = str(path) if path is not None else resolve_path(cfg.model.path)
     if not Path(path).is_dir():
         raise ConfigError(f"model.path {path} is not a local directory; build it with scripts/setup.sh "
                           "(tiny models) or point it at a downloaded checkpoint")
@@ -137,7 +146,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     """
     out = Path(resolve_path(str(output_dir or cfg.output_dir)))
     args = _training_args(cfg, out)
-    model, tokenizer = _load_model(cfg)
+    model, tokenizer = load_policy(cfg)
     ctx = _sample_context(cfg, tokenizer)
     train = load_samples(cfg.data.train, cfg)
     evals = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]
