@@ -9,10 +9,12 @@ reports them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared_schemas.infer import FinishReason, RequestConfig, completion_seed
 from shared_schemas.repeat_guard import needs_text, should_terminate
@@ -86,6 +88,25 @@ def choose_tokens(
     return torch.cat(picks).to(logits.device)
 
 
+_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA kernels allowed while decoding on CUDA: every backend but cuDNN.
+
+The cuDNN attention backend builds (and caches) one execution graph per input shape. A decode loop changes
+the key length at every step, so each step of the first rollout at a new batch size paid a graph build:
+on an H200 a 32-row, 128-token rollout of a 0.4B model took 6.9 s instead of 2.0 s (16 ms per step).
+"""
+
+
+@contextlib.contextmanager
+def _decode_attention(device: torch.device) -> Iterator[None]:
+    """Restricts SDPA to `_DECODE_SDPA_BACKENDS` on CUDA; leaves CPU dispatch untouched."""
+    if device.type != "cuda":
+        yield
+        return
+    with sdpa_kernel(_DECODE_SDPA_BACKENDS):
+        yield
+
+
 @torch.inference_mode()
 def decode_rows(
     model: torch.nn.Module,
@@ -114,6 +135,32 @@ def decode_rows(
         One `RowOutput` per prompt, in order.
     """
     device = next(model.parameters()).device
+    with _decode_attention(device):
+        return _decode_rows(
+            model,
+            prompts,
+            seeds,
+            cfg,
+            device=device,
+            pad_id=pad_id,
+            eos_ids=eos_ids,
+            end_of_turn_id=end_of_turn_id,
+            decode_text=decode_text,
+        )
+
+
+def _decode_rows(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    cfg: RequestConfig,
+    *,
+    device: torch.device,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    end_of_turn_id: int,
+    decode_text: Callable[[list[int]], str],
+) -> list[RowOutput]:
     batch, width = len(prompts), max(len(p) for p in prompts)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, width), dtype=torch.long)
@@ -124,27 +171,33 @@ def decode_rows(
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
     vocab = model.get_output_embeddings().weight.shape[0]
-    seen = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
-    seen.scatter_(1, input_ids.clamp(max=vocab - 1), attention.bool())
+    penalize = cfg.repetition_penalty != 1.0
+    seen = torch.zeros((batch if penalize else 0, vocab), dtype=torch.bool, device=device)
+    if penalize:
+        seen.scatter_(1, input_ids.clamp(max=vocab - 1), attention.bool())
+    step_mask = _StepMask(model, attention, cfg.max_tokens)
     guard, eos_set = cfg.repeat_terminate, set(eos_ids)
     outputs: list[RowOutput | None] = [None] * batch
     generated: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
     cache = None
-    step_ids, step_pos = input_ids, positions
-    for _ in range(cfg.max_tokens):
+    step_ids, step_pos, mask = input_ids, positions, attention
+    for step in range(cfg.max_tokens):
         out = model(
             input_ids=step_ids,
-            attention_mask=attention,
+            attention_mask=mask,
             position_ids=step_pos,
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,
         )
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
-        block_eos = torch.tensor([len(g) < cfg.min_tokens for g in generated], device=device)
+        # Active rows have all generated `step` tokens, so the min_tokens rule is one flag (a CPU tensor:
+        # no device sync).
+        block_eos = torch.full((batch,), step < cfg.min_tokens)
         chosen = choose_tokens(logits, cfg, generators, seen, block_eos, eos_ids).tolist()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if cfg.logprobs else None
+        reasons: list[tuple[int, FinishReason, str | None]] = []
         for i in range(batch):
             if outputs[i] is not None:
                 chosen[i] = pad_id
@@ -157,8 +210,6 @@ def decode_rows(
                 token, reason = end_of_turn_id, "repeat_terminate"
             g.append(token)
             chosen[i] = token
-            if raw_logprobs is not None:
-                logprobs[i].append(float(raw_logprobs[i, token]))
             if reason is None and token in eos_set and not cfg.ignore_eos:
                 reason = "stop"
             if reason is None and cfg.stop:
@@ -168,16 +219,61 @@ def decode_rows(
             if reason is None and len(g) >= cfg.max_tokens:
                 reason = "length"
             if reason is not None:
-                outputs[i] = RowOutput(g, reason, logprobs[i] if cfg.logprobs else None, stop)
+                reasons.append((i, reason, stop))
+        step_ids = torch.tensor(chosen, dtype=torch.long).unsqueeze(1).to(device)
+        if cfg.logprobs:
+            # One gather and one transfer per step (not one per row).
+            picked = torch.log_softmax(logits, dim=-1).gather(1, step_ids).squeeze(1).tolist()
+            for i in range(batch):
+                if outputs[i] is None:
+                    logprobs[i].append(picked[i])
+        for i, reason, stop in reasons:
+            outputs[i] = RowOutput(generated[i], reason, logprobs[i] if cfg.logprobs else None, stop)
         if all(o is not None for o in outputs):
             break
-        step_ids = torch.tensor(chosen, dtype=torch.long, device=device).unsqueeze(1)
-        seen.scatter_(1, step_ids.clamp(max=vocab - 1), True)
-        attention = torch.cat(
-            [attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=1
-        )
+        if penalize:
+            seen.scatter_(1, step_ids.clamp(max=vocab - 1), True)
+        mask = step_mask.next()
         step_pos = step_pos[:, -1:] + 1
     return [o for o in outputs if o is not None]
+
+
+class _StepMask:
+    """The attention mask of each decode step (one new query per row), built without per-step allocations.
+
+    With no left padding in the batch the mask is None: one query at the end of the cache attends to every
+    key, so nothing needs masking (and SDPA takes its unmasked kernels). With padding, and an `sdpa` or
+    `eager` attention implementation, the mask is a `(B, 1, 1, kv_len)` view into one preallocated additive
+    float buffer (0 = attend, dtype minimum = masked). Transformers returns 4D masks as-is, so its per-step
+    mask construction (a measurable share of a launch-bound decode step at batch 32) is skipped; an additive
+    mask also spares SDPA its per-layer bool-to-float conversion, and the buffer's row length is a multiple
+    of 16 so the memory-efficient kernel takes the view without padding a copy. Any other implementation
+    gets the growing 2D mask, as transformers expects.
+    """
+
+    _ALIGN = 16
+
+    def __init__(self, model: torch.nn.Module, prompt_mask: torch.Tensor, max_new_tokens: int) -> None:
+        batch, self._kv_len = prompt_mask.shape
+        padded = bool((prompt_mask == 0).any())
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        self._mode = "none" if not padded else "4d" if implementation in ("sdpa", "eager") else "2d"
+        width = -(-(self._kv_len + max_new_tokens) // self._ALIGN) * self._ALIGN
+        keep = torch.ones((batch, width), dtype=torch.bool, device=prompt_mask.device)
+        keep[:, : self._kv_len] = prompt_mask.bool()
+        if self._mode == "4d":
+            dtype = next(model.parameters()).dtype
+            additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+            self._buffer = additive.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
+        else:
+            self._buffer = keep.long()
+
+    def next(self) -> torch.Tensor | None:
+        """The mask for the next step (one more key than the previous one)."""
+        self._kv_len += 1
+        if self._mode == "none":
+            return None
+        return self._buffer[..., : self._kv_len]
 
 
 def decode_requests(

@@ -69,3 +69,38 @@ def test_top_k_one_is_greedy_when_sampling(top_k: int) -> None:
     logits = torch.tensor([[0.0, 9.0, 8.9, 0.0]])
     picks = {choose(logits, [s], temperature=5.0, top_k=top_k)[0] for s in range(20)}
     assert picks <= {1, 2} and (top_k == 2 or picks == {1})
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padded_batch_tokens_and_logprobs_equal_teacher_forcing(tiny_model_dir, tiny_tokenizer, attn) -> None:
+    """Left padding plus the preallocated step mask must not change a row: greedy tokens are the argmax of
+    an unpadded teacher-forced forward over prompt + completion, and logprobs are its log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engines.hf_decode import decode_rows
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    texts = ["a", "the lamp and the dog", "{\"object_1\": ", "chair chair chair chair chair chair chair"]
+    prompts = [tiny_tokenizer.encode(t) for t in texts]
+    assert len({len(p) for p in prompts}) > 1
+    eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cfg = RequestConfig(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
+    rows = decode_rows(
+        model,
+        prompts,
+        list(range(len(prompts))),
+        cfg,
+        pad_id=0,
+        eos_ids=[eos],
+        end_of_turn_id=eos,
+        decode_text=tiny_tokenizer.decode,
+    )
+    for prompt, row in zip(prompts, rows, strict=True):
+        assert len(row.token_ids) == 6 and row.finish_reason == "length"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + row.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+        assert row.token_ids == logits.argmax(-1).tolist()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(row.token_ids)[:, None]).squeeze(1)
+        assert row.logprobs == pytest.approx(want.tolist(), abs=1e-4)
