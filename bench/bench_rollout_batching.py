@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=int, default=None, help="batched rollout_generate_batch_size (= prompts)"
     )
     parser.add_argument("--device", default=None, help="default: cuda when available (cpu with --smoke)")
+    parser.add_argument(
+        "--reference-generate",
+        action="store_true",
+        help="also time plain `model.generate` (batched vs per-sample, same prompts and protocol) as a reference",
+    )
     args = parser.parse_args(argv)
     n = args.prompts or (8 if args.smoke else 32)
     new_tokens = args.new_tokens or (16 if args.smoke else 128)
@@ -173,7 +178,55 @@ def main(argv: list[str] | None = None) -> int:
         target=30.0,
         greedy_rows_identical=f"{same}/{n}",
     )
+    if args.reference_generate:
+        prompt_ids = [r.prompt_token_ids for r in r_batched]
+        t_ref_batched, t_ref_single = time_generate(model, tokenizer, prompt_ids, new_tokens, args.device)
+        emit(
+            **common,
+            measure="reference_transformers_generate",
+            batched_seconds=round(t_ref_batched, 4),
+            per_sample_seconds=round(t_ref_single, 4),
+            ratio=round(t_ref_single / t_ref_batched, 2),
+            ours_over_generate_batched_speed=round(t_ref_batched / t_batched, 2),
+        )
     return 0
+
+
+def time_generate(
+    model: torch.nn.Module, tokenizer: object, prompt_ids: list[list[int]], new_tokens: int, device: str
+) -> tuple[float, float]:
+    """Plain greedy `model.generate` on the same prompt ids: batched (left-padded; median of 3 after one
+    untimed pass) and per sample (once over all prompts), each row forced to `new_tokens` tokens."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def generate(rows: list[list[int]]) -> float:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    generate(prompt_ids)
+    generate(prompt_ids[:1])
+    batched = sorted(generate(prompt_ids) for _ in range(3))[1]
+    single = sum(generate([row]) for row in prompt_ids)
+    return batched, single
 
 
 if __name__ == "__main__":

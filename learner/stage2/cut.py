@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from learner.stage2.detok import TokenPieces, _detokenizer, decode_text, encode_text, token_pieces
+from learner.stage2.detok import TokenPieces, _detokenizer, decode_text, token_pieces
+from learner.stage2.encode_cache import encode_cached
 
 __all__ = ["CutRoundTripError", "cut_with_pieces", "slice_pieces", "token_cut"]
 
@@ -46,7 +47,7 @@ def cut_with_pieces(
     if start >= c:
         return list(ids[:i]), slice_pieces(tp, i)
     sub = tp.text[start:c]
-    new = encode_text(tokenizer, sub)
+    new = encode_cached(tokenizer, sub)  # a few chars, the same few strings sample after sample
     got = decode_text(tokenizer, new)
     if got != sub:
         raise CutRoundTripError(

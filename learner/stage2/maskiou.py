@@ -30,6 +30,8 @@ from typing import NamedTuple
 import numpy as np
 import shapely
 
+from learner.stage2.polyarea import Edges, pair_intersection_areas, ring_areas, ring_edges, star_simple
+
 __all__ = ["Geom", "GeomTable", "aabb", "geom_table", "mask_iou", "mask_iou_pairs", "pair_ious"]
 
 logger = logging.getLogger(__name__)
@@ -135,18 +137,22 @@ def geom_table(geoms: Sequence[Geom]) -> GeomTable:
     return GeomTable(boxes, is_box_a, xy, start, count_a)
 
 
-def poly_shapes(table: GeomTable, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def poly_shapes(table: GeomTable, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Shapely polygons of the polygons ``sel`` (clamped to [0, 999], repaired when invalid) and their areas.
 
     One vectorized construction for all rings; a ring with fewer than 3 points, or one GEOS rejects, is None
     with area 0.
+
+    Returns:
+        ``(shapes, areas, valid)``; ``valid`` marks the polygons that were valid as built (not repaired).
     """
     out = np.full(len(sel), None, dtype=object)
     areas = np.zeros(len(sel))
+    valid = np.zeros(len(sel), dtype=bool)
     cnt = table.count[sel]
     keep = np.flatnonzero(cnt >= 3)
     if len(keep) == 0:
-        return out, areas
+        return out, areas, valid
     kc, ks = cnt[keep], table.start[sel][keep]
     rows = np.repeat(ks - (np.cumsum(kc) - kc), kc) + np.arange(int(kc.sum()))
     coords = np.clip(table.xy[rows], 0.0, _MAX)
@@ -154,7 +160,9 @@ def poly_shapes(table: GeomTable, sel: np.ndarray) -> tuple[np.ndarray, np.ndarr
         out[keep] = shapely.polygons(shapely.linearrings(coords, indices=np.repeat(np.arange(len(keep)), kc)))
     except (shapely.errors.GEOSException, ValueError):
         offsets = np.cumsum(kc) - kc
-        for r, (o, c) in enumerate(zip(offsets.tolist(), kc.tolist(), strict=True)):  # isolate the bad ring(s)
+        for r, (o, c) in enumerate(
+            zip(offsets.tolist(), kc.tolist(), strict=True)
+        ):  # isolate the bad ring(s)
             try:
                 out[keep[r]] = shapely.Polygon(coords[o : o + c])
             except (shapely.errors.GEOSException, ValueError):
@@ -162,19 +170,18 @@ def poly_shapes(table: GeomTable, sel: np.ndarray) -> tuple[np.ndarray, np.ndarr
     present = np.array([o is not None for o in out], dtype=bool)
     if present.any():
         sub = out[present]
-        bad = ~shapely.is_valid(sub)
-        if bad.any():
+        good = shapely.is_valid(sub)
+        valid[present] = good
+        if not good.all():
             # Self-intersecting rings: even-odd repair (linework), as COCO's rasterizer fills them.
-            sub[bad] = shapely.make_valid(sub[bad])
+            sub[~good] = shapely.make_valid(sub[~good])
             out[present] = sub
         areas[present] = shapely.area(sub)
-    return out, areas
+    return out, areas, valid
 
 
 def _one_intersection(op: str, a: object, b: object) -> float:
     """Intersection area of one pair (``op`` ``"clip"``: ``b`` is a rectangle tuple); GEOS error → NaN."""
-    if a is None:
-        return 0.0
     try:
         if op == "clip":
             return float(shapely.area(_clip_by_rect(a, *b)))
@@ -190,7 +197,9 @@ def _clip_areas(shapes: np.ndarray, rects: np.ndarray) -> np.ndarray:
         return shapely.area(_clip_by_rect(shapes, rects[:, 0], rects[:, 1], rects[:, 2], rects[:, 3]))
     except shapely.errors.GEOSException:
         # One bad pair must not zero the others: redo pair by pair.
-        return np.array([_one_intersection("clip", s, tuple(r)) for s, r in zip(shapes, rects.tolist(), strict=True)])
+        return np.array(
+            [_one_intersection("clip", s, tuple(r)) for s, r in zip(shapes, rects.tolist(), strict=True)]
+        )
 
 
 def _overlay_areas(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -201,9 +210,82 @@ def _overlay_areas(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.array([_one_intersection("overlay", x, y) for x, y in zip(a, b, strict=True)])
 
 
-def pair_ious(
-    preds: GeomTable, gts: GeomTable, pi: np.ndarray, gj: np.ndarray, gate: float
-) -> np.ndarray:
+class _Side(NamedTuple):
+    """The geometries of one side of the pairs that need an exact maskIoU.
+
+    Attributes:
+        table: the side's :class:`GeomTable`.
+        loc: per pair, the position of its geometry in ``used``.
+        used: table rows in use, ascending.
+        rects: ``[U, 4]`` clamped AABBs (a bbox's ring).
+        fast: ``[U]`` a bbox or a simple polygon: its intersections come from :mod:`polyarea`.
+        area: ``[U]`` area of the clamped (and, if needed, repaired) geometry.
+        ring: ``[U]`` ring of each geometry in ``edges``.
+        edges: edge table of all used geometries (a bbox as its clamped corners).
+        shapes: ``[U]`` shapely shape where one was built (non-fast polygons), else None.
+    """
+
+    table: GeomTable
+    loc: np.ndarray
+    used: np.ndarray
+    rects: np.ndarray
+    fast: np.ndarray
+    area: np.ndarray
+    ring: np.ndarray
+    edges: Edges
+    shapes: np.ndarray
+
+
+def _side(table: GeomTable, rows: np.ndarray, rects: np.ndarray, box_area: np.ndarray) -> _Side:
+    """Rings, simplicity and areas of the geometries ``rows`` of one side (each computed once)."""
+    used, loc = np.unique(rows, return_inverse=True)
+    is_box = table.is_box[used]
+    polys, boxes = np.flatnonzero(~is_box), np.flatnonzero(is_box)
+    cnt = table.count[used[polys]]
+    # Rings: the polygons first (clamped vertices), then the bboxes (clamped corners).
+    local = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    poly_xy = np.clip(table.xy[np.repeat(table.start[used[polys]], cnt) + local], 0.0, _MAX)
+    corners = rects[used[boxes]][:, [0, 1, 2, 1, 2, 3, 0, 3]].reshape(-1, 2)
+    edges = ring_edges(np.concatenate([poly_xy, corners]), np.concatenate([cnt, np.full(len(boxes), 4)]))
+    ring = np.empty(len(used), dtype=np.int64)
+    ring[polys] = np.arange(len(polys))
+    ring[boxes] = len(polys) + np.arange(len(boxes))
+    star = star_simple(poly_xy, cnt)
+    fast = is_box.copy()
+    fast[polys] = star
+    area = box_area[used]
+    area[polys[star]] = ring_areas(edges)[: len(polys)][star]
+    shapes = np.full(len(used), None, dtype=object)
+    ask = polys[~star]
+    if len(ask):
+        # GEOS decides the rest: a polygon valid as built is a simple ring too; repaired ones stay with GEOS.
+        shapes[ask], area[ask], fast[ask] = poly_shapes(table, used[ask])
+    return _Side(table, loc, used, rects[used], fast, area, ring, edges, shapes)
+
+
+def _shapes_of(side: _Side, u: np.ndarray) -> np.ndarray:
+    """Shapely shapes of the used polygons ``u``, building the missing ones (simple polygons: no repair)."""
+    missing = np.unique(u[np.array([s is None for s in side.shapes[u]], dtype=bool)])
+    if len(missing):
+        side.shapes[missing] = poly_shapes(side.table, side.used[missing])[0]
+    return side.shapes[u]
+
+
+def _geos_areas(ps: _Side, gs: _Side, ua: np.ndarray, ub: np.ndarray) -> np.ndarray:
+    """Intersection areas by GEOS for pairs with a polygon that may need repair (rare)."""
+    inter = np.empty(len(ua))
+    a_box, b_box = ps.table.is_box[ps.used[ua]], gs.table.is_box[gs.used[ub]]
+    if a_box.any():  # bbox prediction: clip the GT polygon to it
+        inter[a_box] = _clip_areas(_shapes_of(gs, ub[a_box]), ps.rects[ua[a_box]])
+    if b_box.any():  # bbox GT: clip the predicted polygon to it
+        inter[b_box] = _clip_areas(_shapes_of(ps, ua[b_box]), gs.rects[ub[b_box]])
+    both = ~(a_box | b_box)
+    if both.any():
+        inter[both] = _overlay_areas(_shapes_of(ps, ua[both]), _shapes_of(gs, ub[both]))
+    return inter
+
+
+def pair_ious(preds: GeomTable, gts: GeomTable, pi: np.ndarray, gj: np.ndarray, gate: float) -> np.ndarray:
     """maskIoU of the pairs ``(preds[pi[k]], gts[gj[k]])`` (see the module docstring).
 
     Values at or above ``gate`` are exact. A value below ``gate`` may be reported as 0 when an upper bound
@@ -218,11 +300,10 @@ def pair_ious(
     p_area = (pb[:, 2] - pb[:, 0]) * (pb[:, 3] - pb[:, 1])  # a clamped bbox ring is its clamped AABB
     g_area = (gb[:, 2] - gb[:, 0]) * (gb[:, 3] - gb[:, 1])
     pbp, gbp = pb[pi], gb[gj]
-    ix = np.clip(np.minimum(pbp[:, 2], gbp[:, 2]) - np.maximum(pbp[:, 0], gbp[:, 0]), 0.0, None)
-    iy = np.clip(np.minimum(pbp[:, 3], gbp[:, 3]) - np.maximum(pbp[:, 1], gbp[:, 1]), 0.0, None)
-    box_inter = ix * iy
-    p_box, g_box = preds.is_box[pi], gts.is_box[gj]
-    both_bbox = p_box & g_box
+    lo = np.maximum(pbp[:, :2], gbp[:, :2])
+    hi = np.minimum(pbp[:, 2:], gbp[:, 2:])
+    box_inter = np.clip(hi[:, 0] - lo[:, 0], 0.0, None) * np.clip(hi[:, 1] - lo[:, 1], 0.0, None)
+    both_bbox = preds.is_box[pi] & gts.is_box[gj]
     if both_bbox.any():
         union = p_area[pi] + g_area[gj] - box_inter
         ok = both_bbox & (union > 0)
@@ -230,9 +311,8 @@ def pair_ious(
     idx = np.flatnonzero(~both_bbox & (box_inter > 0.0))
     if len(idx) == 0:
         return out
-    pi, gj, p_box, g_box = pi[idx], gj[idx], p_box[idx], g_box[idx]
-    p_shape, area_a = _side_shapes(preds, pi, p_box, p_area)
-    g_shape, area_b = _side_shapes(gts, gj, g_box, g_area)
+    ps, gs = _side(preds, pi[idx], pb, p_area), _side(gts, gj[idx], gb, g_area)
+    area_a, area_b = ps.area[ps.loc], gs.area[gs.loc]
     bound_inter = np.minimum(np.minimum(box_inter[idx], area_a), area_b)
     denom = area_a + area_b - bound_inter
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -241,39 +321,20 @@ def pair_ious(
     todo = np.flatnonzero((bound >= gate - 1e-9) & (area_a > 0) & (area_b > 0))
     if len(todo) == 0:
         return out
+    ua, ub = ps.loc[todo], gs.loc[todo]
     inter = np.empty(len(todo))
-    tp_box, tg_box = p_box[todo], g_box[todo]
-    for sel, shapes, rects in (
-        (tp_box, g_shape, pbp[idx]),  # bbox prediction: clip the GT polygon to it
-        (tg_box, p_shape, gbp[idx]),  # bbox GT: clip the predicted polygon to it
-    ):
-        if sel.any():
-            k = todo[sel]
-            inter[sel] = _clip_areas(shapes[k], rects[k])
-    both_poly = ~(tp_box | tg_box)
-    if both_poly.any():
-        k = todo[both_poly]
-        inter[both_poly] = _overlay_areas(p_shape[k], g_shape[k])
+    fast = ps.fast[ua] & gs.fast[ub]
+    if fast.any():
+        k = idx[todo[fast]]
+        y_mid = (lo[k, 1] + hi[k, 1]) / 2.0  # the middle of the AABB overlap: small trapezoid terms
+        inter[fast] = pair_intersection_areas(ps.edges, ps.ring[ua[fast]], gs.edges, gs.ring[ub[fast]], y_mid)
+    if not fast.all():
+        inter[~fast] = _geos_areas(ps, gs, ua[~fast], ub[~fast])
     area_a, area_b = area_a[todo], area_b[todo]
     union = area_a + area_b - inter
     good = (union > 0) & np.isfinite(inter)
     out[idx[todo[good]]] = inter[good] / union[good]
     return out
-
-
-def _side_shapes(
-    table: GeomTable, rows: np.ndarray, is_box: np.ndarray, box_area: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per pair: the shape of one side (None for a bbox, which is clipped against instead) and its area."""
-    shapes = np.full(len(rows), None, dtype=object)
-    areas = box_area[rows].copy()
-    polys = ~is_box
-    if polys.any():
-        used, loc = np.unique(rows[polys], return_inverse=True)
-        s, a = poly_shapes(table, used)
-        shapes[polys] = s[loc]
-        areas[polys] = a[loc]
-    return shapes, areas
 
 
 def mask_iou_pairs(

@@ -10,6 +10,7 @@ occupies ``[start, start + 1)`` for overlap tests.
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -65,16 +66,28 @@ def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> np.ndarray:
     return m
 
 
-def _tokens_overlapping(tok_spans: Sequence[tuple[int, int]], mask: np.ndarray) -> list[int]:
-    cs = np.concatenate([[0], np.cumsum(mask)]).tolist()
-    hi = len(mask)
-    return [k for k, (s, e) in enumerate(tok_spans) if cs[min(e, hi)] - cs[min(s, hi)] > 0]
-
-
 def desc_overlapping_tokens(pieces: Sequence[str]) -> list[int]:
-    """Indices of tokens whose char range overlaps a desc value of ``"".join(pieces)`` (§12.2)."""
-    text = "".join(pieces)
-    return _tokens_overlapping(char_spans(pieces), _mask_of(find_desc_value_spans(text), len(text)))
+    """Indices of tokens whose char range overlaps a desc value of ``"".join(pieces)`` (§12.2).
+
+    Token ``i`` overlaps a non-empty span ``[a, b)`` iff ``start_i < b`` and ``end_i > a`` (``end_i`` being the
+    §6.1 overlap end, ``start_i + 1`` for an empty piece). Both ends are non-decreasing in ``i``, so each span's
+    tokens are one index range found by bisection; spans are sorted and disjoint, so the ranges come in order
+    (consecutive ranges may share a token that straddles two spans: it is listed once).
+    """
+    spans = [(a, b) for a, b in find_desc_value_spans("".join(pieces)) if b > a]
+    if not spans:
+        return []
+    ends = list(itertools.accumulate(map(len, pieces)))
+    starts = [0, *ends[:-1]]
+    if "" in pieces:
+        ends = [e if e > s else s + 1 for s, e in zip(starts, ends, strict=True)]
+    out: list[int] = []
+    done = 0
+    for a, b in spans:
+        lo = max(bisect.bisect_right(ends, a), done)
+        done = max(bisect.bisect_left(starts, b), lo)
+        out.extend(range(lo, done))
+    return out
 
 
 def prefix_ce_positions(parse: ParseResult, tp_preds: Sequence[int], coord_vocab: CoordVocab) -> list[int]:

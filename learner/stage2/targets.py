@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.detok import token_pieces
+from learner.stage2.encode_cache import encode_segmented
 from learner.stage2.format import serialize_entry
 from learner.stage2.gt import GTObject
 from learner.stage2.match import Geom, MatchResult
@@ -333,8 +334,9 @@ def _encode_tail(
     append_text: str, want_bins: list[int], tokenizer: Any, coord_vocab: CoordVocab
 ) -> list[int]:
     """Fresh encoding of the appended fragment, checked coordinate by coordinate (§10)."""
-    append_ids = list(tokenizer.encode(append_text, add_special_tokens=False))
-    got = [coord_vocab.bin_of(t) for t in append_ids if coord_vocab.is_coord(t)]
+    append_ids = encode_segmented(tokenizer, append_text)
+    id_to_bin = coord_vocab.id_to_bin
+    got = [id_to_bin[t] for t in append_ids if t in id_to_bin]
     if got != want_bins:
         raise ValueError(
             f"appended ids hold {len(got)} coord tokens (first bins {got[:8]}) but {len(want_bins)} "

@@ -1,0 +1,162 @@
+"""Memoized encoding of the short, repetitive texts the learner encodes per sample (spec/STAGE2.md §6.6, §10).
+
+Both functions return exactly ``detok.encode_text(tokenizer, text)``:
+
+- :func:`encode_cached`: the text of the token straddling a cut (§6.6) is a few characters, and the same few
+  strings (``"]}``, ``}``, ...) come back sample after sample: short texts are memoized per tokenizer.
+- :func:`encode_segmented`: the appended fragment of §10 is JSON around coordinate tokens. A fast (HF
+  ``tokenizers``) tokenizer first splits the text at its added tokens; every piece between them is then
+  normalized, pre-tokenized and BPE-encoded on its own, and an added token is its one id. So when every
+  coordinate token is such an added token (no strip / single-word / normalized flags) and no other added token
+  can match across one's edge, ``encode(text)`` is the concatenation of the encodings of the pieces between
+  coordinate tokens and the coordinate ids, and those pieces (``", "``, ``"], ["``, ``"]}}`` ...) repeat.
+  The conditions are checked once per tokenizer (plus a probe text encoded both ways); any other tokenizer,
+  and any text holding a coordinate-like string that is not an added token, is encoded whole.
+
+The caches are bounded, and dropped when the tokenizer's length changes (tokens were added).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from learner.stage2.detok import encode_text
+
+__all__ = ["encode_cached", "encode_segmented"]
+
+_COORD_STRING = re.compile(r"<\|coord_\d+\|>", re.ASCII)
+_SPLIT = re.compile(r"(<\|coord_\d+\|>)", re.ASCII)
+_MAX_ENTRIES = 1 << 15
+_MAX_CACHED_CHARS = 256
+_PROBE = (
+    '{"object_1": {"desc": "cat <x>", "bbox_2d": ["<|coord_0|>", "<|coord_12|>", "<|coord_999|>", '
+    '"<|coord_5|>"]}, "object_2": {"desc": "猫", "poly": [["<|coord_1|>", "<|coord_2|>"], ["<|coord_3|>"'
+    ', "<|coord_4|>"]]}}<|coord_7|><|coord_8|>x <|coord_9|> "<|coord_10|>'
+)
+
+
+def _crosses_coord_edge(content: str) -> bool:
+    """True when an added token with this text could match across the start of a coordinate token.
+
+    That needs a proper suffix of ``content`` to be a prefix of some ``<|coord_k|>`` (or ``content`` to hold
+    one). A match starting inside a coordinate token is harmless: the coordinate token starts earlier and wins.
+    """
+    if "<|coord_" in content:
+        return True
+    for i in range(1, len(content)):
+        tail = content[i:]
+        if "<|coord_".startswith(tail) or re.fullmatch(r"<\|coord_\d+\|?", tail, re.ASCII):
+            return True
+    return False
+
+
+def _coord_added_ids(tokenizer: Any) -> dict[str, int] | None:
+    """``{"<|coord_k|>": id}`` when encoding may be split at coordinate tokens (see module docstring), else None."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(
+        tokenizer, "split_special_tokens", False
+    ):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(added, dict):
+        return None
+    coords: dict[str, int] = {}
+    for token_id, tok in added.items():
+        content = getattr(tok, "content", None)
+        if not isinstance(content, str):
+            return None
+        if _COORD_STRING.fullmatch(content):
+            if tok.lstrip or tok.rstrip or tok.single_word or tok.normalized:
+                return None
+            coords[content] = int(token_id)
+        elif _crosses_coord_edge(content):
+            return None
+    return coords or None
+
+
+class _Encoder:
+    """Per-tokenizer caches (thread-safe enough: dict reads and writes are atomic, a lost write is recomputed)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.size = self._size()
+        self.cache: dict[str, tuple[int, ...]] = {}
+        self.coord_ids = _coord_added_ids(tokenizer)
+        if self.coord_ids is not None and self.segmented(_PROBE) != encode_text(tokenizer, _PROBE):
+            self.coord_ids = None
+
+    def _size(self) -> int | None:
+        try:
+            return len(self.tokenizer)
+        except TypeError:
+            return None
+
+    def fresh(self) -> bool:
+        """False when the tokenizer changed length since the caches were filled (or has no length)."""
+        return self.size is not None and self._size() == self.size
+
+    def cached(self, text: str) -> list[int]:
+        ids = self.cache.get(text)
+        if ids is None:
+            ids = tuple(encode_text(self.tokenizer, text))
+            if len(text) <= _MAX_CACHED_CHARS:
+                if len(self.cache) >= _MAX_ENTRIES:
+                    self.cache.clear()
+                self.cache[text] = ids
+        return list(ids)
+
+    def segmented(self, text: str) -> list[int]:
+        assert self.coord_ids is not None
+        parts = _SPLIT.split(text)
+        coord_ids = self.coord_ids
+        out: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                if part:
+                    out += self.cached(part)
+                continue
+            token_id = coord_ids.get(part)
+            if token_id is None:  # a coordinate-like string that is not an added token: no safe split
+                return encode_text(self.tokenizer, text)
+            out.append(token_id)
+        return out
+
+
+_ENCODERS: dict[int, tuple[Callable[[], Any], _Encoder]] = {}
+_LOCK = threading.Lock()
+
+
+def _encoder(tokenizer: Any) -> _Encoder:
+    hit = _ENCODERS.get(id(tokenizer))
+    if hit is not None and hit[0]() is tokenizer and hit[1].fresh():
+        return hit[1]
+    with _LOCK:
+        enc = _Encoder(tokenizer)
+        try:
+            ref: Callable[[], Any] = weakref.ref(tokenizer)
+        except TypeError:
+
+            def ref(_tok: Any = tokenizer) -> Any:
+                return _tok
+
+        _ENCODERS[id(tokenizer)] = (ref, enc)
+        return enc
+
+
+def encode_cached(tokenizer: Any, text: str) -> list[int]:
+    """``encode_text(tokenizer, text)``, memoized per tokenizer for texts up to 256 characters."""
+    enc = _encoder(tokenizer)
+    if enc.size is None:
+        return encode_text(tokenizer, text)
+    return enc.cached(text)
+
+
+def encode_segmented(tokenizer: Any, text: str) -> list[int]:
+    """``encode_text(tokenizer, text)``, built from memoized pieces between coordinate tokens when that is exact."""
+    enc = _encoder(tokenizer)
+    if enc.coord_ids is None or enc.size is None:
+        return encode_text(tokenizer, text)
+    return enc.segmented(text)
