@@ -34,7 +34,7 @@ from learner.grpo.rollouts import request_config
 from learner.grpo.trainer import GrpoTrainer
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.trainers.build import load_policy
+from learner.trainers.build import all_ranks_ok, load_policy
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
@@ -206,7 +206,7 @@ def build_grpo_trainer(
     sync = WeightSyncPolicy(
         cfg.rollout.sync,
         is_rank0=lambda: args.process_index == 0,
-        barrier=torch.distributed.barrier if args.world_size > 1 else (lambda: None),
+        all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
         dtype=_sync_dtype(resolved),
         seed=args.seed,
     )

@@ -165,7 +165,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     block = args.per_device_train_batch_size * gas * args.world_size
     dataset = RepeatedWindowDataset(train, block=block, m_steps=m_steps, seed=args.seed)
     sync = WeightSyncPolicy(cfg.rollout.sync, is_rank0=lambda: bool(sends),
-                            barrier=_barrier if args.world_size > 1 else (lambda: None),
+                            all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
                             dtype=_engine_dtype(health), seed=args.seed)
     planner = StepPlanner(source=source, ctx=ctx, stage2=cfg.stage2, decoding=cfg.rollout.decoding,
                           seed=args.seed, rank=args.process_index, world_size=args.world_size,
@@ -195,5 +195,16 @@ def _identity_collator(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return batch
 
 
-def _barrier() -> None:
-    torch.distributed.barrier()
+def all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank passed `ok=True` (an all-reduce MIN of one flag; also a barrier).
+
+    The flag lives on the current CUDA device under NCCL (which cannot reduce CPU tensors), else on the CPU.
+    """
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.distributed.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())

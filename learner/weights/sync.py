@@ -10,8 +10,10 @@ Modes (`rollout.sync.mode`): `full` merges the adapters, exports base-model name
 adapter when the engine reports LoRA and the model is a PEFT model, else full. With `fallback_to_full`,
 any adapter failure warns once and switches to full for the rest of the run, syncing full at once.
 
-Multi-rank runs: only rank 0 sends; every rank meets at the barrier before the next rollout. The policy
-never imports `torch.distributed`: the trainer injects `is_rank0` and `barrier`. Under ZeRO-3 the export
+Multi-rank runs: only rank 0 sends; then every rank meets in `all_ok`, a collective that ANDs each rank's
+success flag (and so is also the barrier before the next rollout). A failed sync on rank 0 therefore stops
+every rank with an error instead of leaving the others waiting forever in a barrier. The policy never imports
+`torch.distributed`: the trainer injects `is_rank0` and `all_ok` (`learner.trainers.build.all_ranks_ok`). Under ZeRO-3 the export
 gathers are collectives, so ranks other than 0 run (and discard) the same export.
 """
 
@@ -70,7 +72,8 @@ class WeightSyncPolicy:
     Args:
         config: `rollout.sync`.
         is_rank0: whether this process sends (default: single process).
-        barrier: blocks until every rank arrives (default: no-op).
+        all_ok: blocks until every rank arrives and returns whether every rank passed True (default: single
+            process, returns its argument).
         dtype: cast floating-point weights of a full sync to the engine's dtype (the server rejects a
             dtype mismatch); None sends the training dtype.
         seed: `training.seed`, logged with each sync's seed plan.
@@ -82,14 +85,14 @@ class WeightSyncPolicy:
         config: SyncConfig,
         *,
         is_rank0: Callable[[], bool] = lambda: True,
-        barrier: Callable[[], None] = lambda: None,
+        all_ok: Callable[[bool], bool] = lambda ok: ok,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
         adapter_name: str = DEFAULT_ADAPTER_NAME,
     ) -> None:
         self.config = config
         self._is_rank0 = is_rank0
-        self._barrier = barrier
+        self._all_ok = all_ok
         self._dtype = dtype
         self._seed = seed
         self._adapter_name = adapter_name
@@ -124,11 +127,22 @@ class WeightSyncPolicy:
         if global_step == self.last_synced_step:
             return 0.0
         started = time.perf_counter()
+        failure: Exception | None = None
         if self._is_rank0():
-            self._sync(model, global_step, source)
+            try:
+                self._sync(model, global_step, source)
+            except Exception as exc:  # re-raised below, after the other ranks learnt of it
+                failure = exc
         elif is_zero3(model):
             _drain(self._full_items(model))  # take part in the ZeRO-3 gathers rank 0 runs
-        self._barrier()
+        everyone_ok = self._all_ok(failure is None)
+        if failure is not None:
+            raise failure
+        if not everyone_ok:
+            raise SyncError(
+                f"weight sync of step {global_step} failed on rank 0 (its log names the server and the cause);"
+                " this rank stops with it"
+            )
         self.last_synced_step = global_step
         return time.perf_counter() - started
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -163,17 +164,62 @@ def test_versions_continue_above_the_servers() -> None:
 
 
 def test_only_rank0_sends_and_every_rank_meets_the_barrier() -> None:
-    barriers: list[str] = []
+    flags: list[tuple[str, bool]] = []
     source = FakeSource()
     for rank in (0, 1):
-        policy = WeightSyncPolicy(
-            SyncConfig(),
-            is_rank0=lambda rank=rank: rank == 0,
-            barrier=lambda rank=rank: barriers.append(f"r{rank}"),
-        )
+
+        def all_ok(ok: bool, rank: int = rank) -> bool:
+            flags.append((f"r{rank}", ok))
+            return ok
+
+        policy = WeightSyncPolicy(SyncConfig(), is_rank0=lambda rank=rank: rank == 0, all_ok=all_ok)
         policy.maybe_sync(Tiny(), 0, source)
         assert policy.last_synced_step == 0
-    assert len(source.updates) == 1 and barriers == ["r0", "r1"]
+    assert len(source.updates) == 1 and flags == [("r0", True), ("r1", True)]
+
+
+def test_a_failed_sync_on_rank0_stops_every_rank_instead_of_hanging() -> None:
+    """Two ranks as threads with a real AND-collective: rank 0's server is gone, so rank 0 raises its
+    own error and rank 1 (which sent nothing) raises a SyncError naming rank 0, and neither waits forever."""
+
+    class Broken(FakeSource):
+        def sync_weights(self, update: WeightUpdate) -> SyncReport:
+            raise SyncError("server http://127.0.0.1:9 gone")
+
+    barrier = threading.Barrier(2, timeout=30)
+    flags: dict[int, bool] = {}
+
+    def all_ok(ok: bool, rank: int) -> bool:
+        flags[rank] = ok
+        barrier.wait()
+        return all(flags.values())
+
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        policy = WeightSyncPolicy(
+            SyncConfig(), is_rank0=lambda: rank == 0, all_ok=lambda ok: all_ok(ok, rank)
+        )
+        try:
+            policy.maybe_sync(Tiny(), 3, Broken())
+        except Exception as exc:
+            errors[rank] = exc
+        else:
+            raise AssertionError(f"rank {rank} went on after a failed sync")
+        assert policy.last_synced_step == -1
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert "gone" in str(errors[0])
+    assert (
+        isinstance(errors[1], SyncError)
+        and "failed on rank 0" in str(errors[1])
+        and "step 3" in str(errors[1])
+    )
 
 
 def test_sync_error_propagates() -> None:
