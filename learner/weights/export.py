@@ -2,7 +2,8 @@
 
 Full sync: inside `merged_adapters(model)` the LoRA/DoRA deltas are merged into the base weights, and
 `full_state_items` yields every tensor under the BASE model's parameter names — the names
-`base_model.state_dict()` has, tied duplicates included. The names come from walking the module tree
+`base_model.state_dict()` has, each tensor once (a tied `lm_head.weight` travels as `model.embed_tokens.weight`
+only: the engines tie it back, and the vocabulary matrix is often the largest tensor). The names come from walking the module tree
 (as PEFT's own `get_base_model_state_dict` does), not from string surgery on keys:
 
 - the PEFT wrapper (`base_model.model.`) is not part of any name: the walk starts at the wrapped model;
@@ -167,8 +168,17 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _base_entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """State-dict entries under base names, each tensor once: a tied duplicate (`lm_head.weight` sharing
+    `model.embed_tokens.weight`) is left out, as engines load tied weights from the first name (vLLM skips
+    `lm_head.weight` of a tied model), and sending it would double the bytes of the vocabulary matrix."""
     root = model.base_model.model if is_peft_model(model) else model
-    return list(_walk(root, ""))
+    seen: set[int] = set()
+    entries = []
+    for name, tensor in _walk(root, ""):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            entries.append((name, tensor))
+    return entries
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -209,7 +219,7 @@ def full_state_items(
             gather, yielded tensors are copies, valid after the group is released.
 
     Yields:
-        One pair per base-model state-dict entry, tied duplicates included.
+        One pair per base-model state-dict entry; a tied duplicate only under its first name.
     """
     entries = _base_entries(model)
     gather = _default_gather(model, gather)

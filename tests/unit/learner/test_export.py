@@ -45,6 +45,17 @@ def lora_model(model_dir: Path, *, use_dora: bool = False, modules_to_save: list
     return model
 
 
+def untied_names(model: torch.nn.Module) -> list[str]:
+    """State-dict names with each tensor once (a tied duplicate only under its first name)."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            names.append(name)
+    return names
+
+
 def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -54,14 +65,23 @@ def test_plain_model_exports_its_state_dict(tiny_model_dir: Path) -> None:
     with merged_adapters(model):
         items = list(full_state_items(model))
     reference = model.state_dict()
-    assert [n for n, _ in items] == list(reference)
+    assert [n for n, _ in items] == untied_names(model)
     assert all(torch.equal(t, reference[n]) for n, t in items)
+
+
+def test_a_tied_head_is_sent_once_under_the_embedding_name(tiny_model_dir: Path) -> None:
+    model = load_base(tiny_model_dir)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tiny model ties them
+    names = [n for n, _ in full_state_items(model)]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == len(model.state_dict()) - 1
+    assert [s.name for s in full_state_specs(model)] == names
 
 
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
 def test_lora_export_names_and_merged_values(tiny_model_dir: Path, use_dora: bool) -> None:
     model = lora_model(tiny_model_dir, use_dora=use_dora)
-    base_names = list(load_base(tiny_model_dir).state_dict())
+    base_names = untied_names(load_base(tiny_model_dir))
     reference = copy.deepcopy(model).merge_and_unload().state_dict()
     before = weights_snapshot(model)
 
@@ -103,7 +123,7 @@ def test_modules_to_save_exports_the_trained_copy(tiny_model_dir: Path) -> None:
         model.base_model.model.model.norm.modules_to_save["default"].weight.fill_(3.0)
     with merged_adapters(model):
         items = dict(full_state_items(model))
-    assert list(items) == list(load_base(tiny_model_dir).state_dict())
+    assert list(items) == untied_names(load_base(tiny_model_dir))
     assert torch.equal(items["model.norm.weight"], torch.full_like(items["model.norm.weight"], 3.0))
     assert not any("modules_to_save" in n or "original_module" in n for n in items)
 
@@ -134,7 +154,7 @@ def test_zero3_style_gather_groups_by_bucket(tiny_model_dir: Path) -> None:
 
     bucket = 200_000
     items = list(full_state_items(model, gather=gather, bucket_bytes=bucket))
-    assert [n for n, _ in items] == list(model.state_dict())
+    assert [n for n, _ in items] == untied_names(model)
     gathered = [pid for group in groups for pid in group]
     assert set(gathered) == live and len(groups) > 1
     params = {id(p): p for p in model.parameters()}
