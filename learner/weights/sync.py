@@ -13,8 +13,9 @@ any adapter failure warns once and switches to full for the rest of the run, syn
 Multi-rank runs: only rank 0 sends; then every rank meets in `all_ok`, a collective that ANDs each rank's
 success flag (and so is also the barrier before the next rollout). A failed sync on rank 0 therefore stops
 every rank with an error instead of leaving the others waiting forever in a barrier. The policy never imports
-`torch.distributed`: the trainer injects `is_rank0` and `all_ok` (`learner.trainers.build.all_ranks_ok`). Under ZeRO-3 the export
-gathers are collectives, so ranks other than 0 run (and discard) the same export.
+`torch.distributed`: the trainer injects `is_rank0` and `all_ok` (`learner.trainers.build.all_ranks_ok`).
+Under ZeRO-3 the export gathers are collectives, so ranks other than 0 run (and discard) the same export,
+and enter it only after a first `all_ok` round in which rank 0 says it got that far.
 """
 
 from __future__ import annotations
@@ -128,14 +129,31 @@ class WeightSyncPolicy:
             return 0.0
         started = time.perf_counter()
         failure: Exception | None = None
+        zero3 = is_zero3(model)
         if self._is_rank0():
             try:
-                self._sync(model, global_step, source)
+                self._prepare(model, source)
             except Exception as exc:  # re-raised below, after the other ranks learnt of it
                 failure = exc
-        elif is_zero3(model):
+            # Under ZeRO-3 the other ranks are about to enter the export's gathers: they go in only if rank 0
+            # does too (a server that is down at this point would otherwise leave them in a gather forever).
+            if zero3:
+                self._agree(failure is None, failure, global_step)
+            if failure is None:
+                try:
+                    self._sync(model, global_step, source)
+                except Exception as exc:
+                    failure = exc
+        elif zero3:
+            self._agree(True, None, global_step)
             _drain(self._full_items(model))  # take part in the ZeRO-3 gathers rank 0 runs
-        everyone_ok = self._all_ok(failure is None)
+        self._agree(failure is None, failure, global_step)
+        self.last_synced_step = global_step
+        return time.perf_counter() - started
+
+    def _agree(self, ok: bool, failure: Exception | None, global_step: int) -> None:
+        """Meets every rank in `all_ok`; raises this rank's own failure, or a SyncError when another failed."""
+        everyone_ok = self._all_ok(ok)
         if failure is not None:
             raise failure
         if not everyone_ok:
@@ -143,15 +161,16 @@ class WeightSyncPolicy:
                 f"weight sync of step {global_step} failed on rank 0 (its log names the server and the cause);"
                 " this rank stops with it"
             )
-        self.last_synced_step = global_step
-        return time.perf_counter() - started
 
-    def _sync(self, model: nn.Module, global_step: int, source: RolloutSource) -> None:
+    def _prepare(self, model: nn.Module, source: RolloutSource) -> None:
+        """Resolves the mode (first sync) and the starting version (first sync of a resumed run)."""
         if self.mode is None:
             self.mode = self._resolve_mode(model, source)
         if self.version == 0:
             # A resumed run meets servers that already serve a higher version.
             self.version = source.health().weight_version
+
+    def _sync(self, model: nn.Module, global_step: int, source: RolloutSource) -> None:
         if self.mode == "adapter":
             try:
                 self.last_report = self._send_adapter(model, source)

@@ -243,3 +243,50 @@ def test_sync_config_is_strict() -> None:
         SyncConfig(bukcet_mb=1)
     with pytest.raises(ValidationError):
         SyncConfig(mode="lora")
+
+
+def test_zero3_ranks_skip_the_gathers_when_rank0_fails_before_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO-3: the export's gathers are collectives. When rank 0 cannot even start (the server is down at its
+    health read), rank 1 must not enter the gathers alone (it would wait there forever) but stop with a
+    SyncError; rank 0 raises its own error."""
+    import learner.weights.sync as sync_module
+
+    monkeypatch.setattr(sync_module, "is_zero3", lambda model: True)
+    entered_gathers: list[int] = []
+    monkeypatch.setattr(
+        WeightSyncPolicy, "_full_items", lambda self, model: iter(entered_gathers.append(1) or ())
+    )
+
+    class Down(FakeSource):
+        def health(self) -> Health:
+            raise SyncError("server http://127.0.0.1:9 not healthy")
+
+    barrier = threading.Barrier(2, timeout=30)
+    flags: dict[int, bool] = {}
+    errors: dict[int, BaseException] = {}
+
+    def all_ok(ok: bool, rank: int) -> bool:
+        flags[rank] = ok
+        barrier.wait()
+        result = all(flags.values())
+        barrier.wait()  # everyone has read this round's flags before the next round writes
+        return result
+
+    def run(rank: int) -> None:
+        policy = WeightSyncPolicy(
+            SyncConfig(), is_rank0=lambda: rank == 0, all_ok=lambda ok: all_ok(ok, rank)
+        )
+        try:
+            policy.maybe_sync(Tiny(), 0, Down())
+        except Exception as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert "not healthy" in str(errors[0])
+    assert isinstance(errors[1], SyncError) and "failed on rank 0" in str(errors[1])
+    assert entered_gathers == []
