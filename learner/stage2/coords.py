@@ -320,6 +320,15 @@ def parse_coord_values(values: Iterable[Any]) -> list[int]:
     Raises:
         CoordValueError: naming the first bad value.
     """
+    if not isinstance(values, (list, tuple)):
+        values = list(values)  # read an iterator once
+    try:
+        # The common case, all coordinate-token strings: join accepts only strings (as the loop's isinstance
+        # does), the lookup only the 1000 exact ones; anything else takes the loop (same result or error).
+        "".join(values)
+        return list(map(_COORD_STRING_BINS.__getitem__, values))
+    except (KeyError, TypeError):
+        pass
     out: list[int] = []
     form: str | None = None
     for v in values:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from learner.stage2.detok import TokenPieces, _detokenizer, decode_text, token_pieces
-from learner.stage2.encode_cache import encode_cached
+from learner.stage2.detok import TokenPieces, _detokenizer, token_pieces
+from learner.stage2.encode_cache import encode_roundtrip
 
 __all__ = ["CutRoundTripError", "cut_with_pieces", "slice_pieces", "token_cut"]
 
@@ -47,8 +47,7 @@ def cut_with_pieces(
     if start >= c:
         return list(ids[:i]), slice_pieces(tp, i)
     sub = tp.text[start:c]
-    new = encode_cached(tokenizer, sub)  # a few chars, the same few strings sample after sample
-    got = decode_text(tokenizer, new)
+    new, got = encode_roundtrip(tokenizer, sub)  # a few chars, the same few strings sample after sample
     if got != sub:
         raise CutRoundTripError(
             f"cut at char {c}: re-encoding {sub!r} (tokens {i}.. of the rollout) decodes to {got!r}; "
@@ -61,17 +60,15 @@ def cut_with_pieces(
         if tp_out.text != tp.text[:c]:
             raise CutRoundTripError(f"cut at char {c}: the kept ids do not decode to the text before the cut")
         return out, tp_out
-    # Byte-table tokenizers: ids[:i] ends on a character boundary, so the new ids decode independently.
-    head = slice_pieces(tp, i)
+    # Byte-table tokenizers: ids[:i] ends on a character boundary (at ``start``), so the new ids decode
+    # independently; the result is built in one copy of the kept head.
     tail = token_pieces(new, tokenizer)
-    pieces = head.pieces + tail.pieces
-    off = len(head.text)
     return out, TokenPieces(
-        pieces,
-        head.starts + [s + off for s in tail.starts],
-        head.ends + [e + off for e in tail.ends],
-        head.text + tail.text,
-        head.unclean | frozenset(j + i for j in tail.unclean),
+        tp.pieces[:i] + tail.pieces,
+        tp.starts[:i] + [s + start for s in tail.starts],
+        tp.ends[:i] + [e + start for e in tail.ends],
+        tp.text[:start] + tail.text,
+        frozenset(j for j in tp.unclean if j < i) | frozenset(j + i for j in tail.unclean),
     )
 
 

@@ -17,6 +17,7 @@ import bisect
 import codecs
 import itertools
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -140,6 +141,7 @@ class _Detokenizer:
         self.byte_fn = _byte_source(tokenizer)
         self._bytes: dict[int, bytes] = {}
         self._text: dict[int, str] = {}  # tokens whose bytes are valid UTF-8 on their own
+        self._spells: dict[int, tuple[tuple[int, ...], bool]] = {}
         if self.byte_fn is not None and not self._self_check():
             logger.warning(
                 "tokenizer %s: byte table disagrees with decode(); using the slow prefix-decoding detokenizer",
@@ -177,11 +179,28 @@ class _Detokenizer:
                 pass
         return b
 
+    def spells(self, ids: tuple[int, ...], strings: Callable[[int], str]) -> bool:
+        """True when there is a byte table and every ``ids[k]`` decodes, on its own, to ``strings(k)``.
+
+        With a byte table such a token's piece is that string wherever no multi-byte character is pending
+        before it. Memoized per ``ids`` tuple (the cache holds the tuple, so its ``id`` is not reused meanwhile).
+        """
+        hit = self._spells.get(id(ids))
+        if hit is not None and hit[0] is ids:
+            return hit[1]
+        ok = self.byte_fn is not None and all(
+            self.token_bytes(t) == strings(k).encode("utf-8") for k, t in enumerate(ids)
+        )
+        self._spells[id(ids)] = (ids, ok)
+        return ok
+
     def pieces(self, ids: Sequence[int]) -> tuple[list[str], frozenset[int]]:
         if self.byte_fn is None:
             return self._prefix_pieces(ids)
         text = self._text
         try:
+            if len(ids) > 1:  # one C-level lookup pass (itemgetter of one key returns the bare value)
+                return list(operator.itemgetter(*ids)(text)), frozenset()
             return [text[t] for t in ids], frozenset()
         except KeyError:
             return self._byte_pieces(ids)

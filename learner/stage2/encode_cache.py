@@ -1,9 +1,10 @@
 """Memoized encoding of the short, repetitive texts the learner encodes per sample (spec/STAGE2.md §6.6, §10).
 
-Both functions return exactly ``detok.encode_text(tokenizer, text)``:
+All of them return exactly ``detok.encode_text(tokenizer, text)`` (and ``decode_text`` of it):
 
-- :func:`encode_cached`: the text of the token straddling a cut (§6.6) is a few characters, and the same few
-  strings (``"]}``, ``}``, ...) come back sample after sample: short texts are memoized per tokenizer.
+- :func:`encode_cached` / :func:`encode_roundtrip`: the text of the token straddling a cut (§6.6) is a few
+  characters, and the same few strings (``"]}``, ``}``, ...) come back sample after sample: short texts are
+  memoized per tokenizer (with their decoded round trip).
 - :func:`encode_segmented`: the appended fragment of §10 is JSON around coordinate tokens. A fast (HF
   ``tokenizers``) tokenizer first splits the text at its added tokens; every piece between them is then
   normalized, pre-tokenized and BPE-encoded on its own, and an added token is its one id. So when every
@@ -13,7 +14,11 @@ Both functions return exactly ``detok.encode_text(tokenizer, text)``:
   The conditions are checked once per tokenizer (plus a probe text encoded both ways); any other tokenizer,
   and any text holding a coordinate-like string that is not an added token, is encoded whole.
 
-The caches are bounded, and dropped when the tokenizer's length changes (tokens were added).
+A transformers fast tokenizer is called through its ``tokenizers`` backend directly where that is exactly what
+its ``encode`` does (see :func:`_backend_encode`): the wrapper costs more than encoding these short texts.
+
+The caches are bounded. Like the detokenizer tables (``detok.py``), they assume the tokenizer object is not
+changed after its first use (no tokens added later); a new tokenizer object gets new caches.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from learner.stage2.detok import encode_text
+from learner.stage2.detok import decode_text, encode_text
 
-__all__ = ["encode_cached", "encode_segmented"]
+__all__ = ["encode_cached", "encode_roundtrip", "encode_segmented"]
 
 _COORD_STRING = re.compile(r"<\|coord_\d+\|>", re.ASCII)
 _SPLIT = re.compile(r"(<\|coord_\d+\|>)", re.ASCII)
@@ -77,31 +82,63 @@ def _coord_added_ids(tokenizer: Any) -> dict[str, int] | None:
     return coords or None
 
 
+def _backend_encode(tokenizer: Any) -> Callable[[str], list[int]] | None:
+    """The ``tokenizers`` backend's encode where it is exactly ``encode_text`` (HF fast tokenizers), else None.
+
+    ``tokenizer.encode(text, add_special_tokens=False)`` of a transformers fast tokenizer is the backend's
+    ``encode_batch([text])`` after switching off truncation and padding and setting ``encode_special_tokens`` to
+    ``split_special_tokens``; calling the backend directly skips ~10 µs of wrapper per call. Only for the stock
+    wrapper methods, and only while the backend has no truncation, padding or special-token splitting set
+    (else the call goes through the wrapper, which resets them).
+    """
+    cls = type(tokenizer)
+    stock = (
+        getattr(cls.encode, "__qualname__", "") == "PreTrainedTokenizerBase.encode"
+        and getattr(getattr(cls, "_encode_plus", None), "__qualname__", "")
+        == "TokenizersBackend._encode_plus"
+    )
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not stock or backend is None or getattr(tokenizer, "split_special_tokens", True):
+        return None
+
+    def encode(text: str) -> list[int]:
+        if backend.truncation is None and backend.padding is None and not backend.encode_special_tokens:
+            return backend.encode(text, add_special_tokens=False).ids
+        return encode_text(tokenizer, text)
+
+    return encode
+
+
 class _Encoder:
     """Per-tokenizer caches (thread-safe enough: dict reads and writes are atomic, a lost write is recomputed)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.size = self._size()
         self.cache: dict[str, tuple[int, ...]] = {}
+        self.decoded: dict[str, tuple[tuple[int, ...], str]] = {}
+        backend = _backend_encode(tokenizer)
+        if backend is not None and backend(_PROBE) != encode_text(tokenizer, _PROBE):
+            backend = None
+        self.encode: Callable[[str], list[int]] = backend or (lambda text: encode_text(tokenizer, text))
         self.coord_ids = _coord_added_ids(tokenizer)
         if self.coord_ids is not None and self.segmented(_PROBE) != encode_text(tokenizer, _PROBE):
             self.coord_ids = None
 
-    def _size(self) -> int | None:
-        try:
-            return len(self.tokenizer)
-        except TypeError:
-            return None
-
-    def fresh(self) -> bool:
-        """False when the tokenizer changed length since the caches were filled (or has no length)."""
-        return self.size is not None and self._size() == self.size
+    def roundtrip(self, text: str) -> tuple[list[int], str]:
+        hit = self.decoded.get(text)
+        if hit is None:
+            ids = self.cached(text)
+            hit = (tuple(ids), decode_text(self.tokenizer, ids))
+            if len(text) <= _MAX_CACHED_CHARS:
+                if len(self.decoded) >= _MAX_ENTRIES:
+                    self.decoded.clear()
+                self.decoded[text] = hit
+        return list(hit[0]), hit[1]
 
     def cached(self, text: str) -> list[int]:
         ids = self.cache.get(text)
         if ids is None:
-            ids = tuple(encode_text(self.tokenizer, text))
+            ids = tuple(self.encode(text))
             if len(text) <= _MAX_CACHED_CHARS:
                 if len(self.cache) >= _MAX_ENTRIES:
                     self.cache.clear()
@@ -116,6 +153,8 @@ class _Encoder:
         for k, part in enumerate(parts):
             if k % 2 == 0:
                 if part:
+                    # One call per new piece: a batched call would be no faster (the backend parallelizes a
+                    # batch over threads, whose wake-up costs more than these few short texts).
                     out += self.cached(part)
                 continue
             token_id = coord_ids.get(part)
@@ -131,9 +170,12 @@ _LOCK = threading.Lock()
 
 def _encoder(tokenizer: Any) -> _Encoder:
     hit = _ENCODERS.get(id(tokenizer))
-    if hit is not None and hit[0]() is tokenizer and hit[1].fresh():
+    if hit is not None and hit[0]() is tokenizer:
         return hit[1]
     with _LOCK:
+        hit = _ENCODERS.get(id(tokenizer))
+        if hit is not None and hit[0]() is tokenizer:
+            return hit[1]
         enc = _Encoder(tokenizer)
         try:
             ref: Callable[[], Any] = weakref.ref(tokenizer)
@@ -148,15 +190,18 @@ def _encoder(tokenizer: Any) -> _Encoder:
 
 def encode_cached(tokenizer: Any, text: str) -> list[int]:
     """``encode_text(tokenizer, text)``, memoized per tokenizer for texts up to 256 characters."""
-    enc = _encoder(tokenizer)
-    if enc.size is None:
-        return encode_text(tokenizer, text)
-    return enc.cached(text)
+    return _encoder(tokenizer).cached(text)
+
+
+def encode_roundtrip(tokenizer: Any, text: str) -> tuple[list[int], str]:
+    """``(ids, decode_text(tokenizer, ids))`` with ``ids = encode_text(tokenizer, text)``, memoized like
+    :func:`encode_cached` (the §6.6 cut re-encodes a few characters and checks that they decode back)."""
+    return _encoder(tokenizer).roundtrip(text)
 
 
 def encode_segmented(tokenizer: Any, text: str) -> list[int]:
     """``encode_text(tokenizer, text)``, built from memoized pieces between coordinate tokens when that is exact."""
     enc = _encoder(tokenizer)
-    if enc.coord_ids is None or enc.size is None:
+    if enc.coord_ids is None:
         return encode_text(tokenizer, text)
     return enc.segmented(text)

@@ -11,11 +11,12 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from learner.stage2.coords import coord_token
+from learner.stage2.coords import COORD_BINS, coord_token
 
 __all__ = ["GEOM_TYPES", "SerializableObject", "geometry_value", "serialize_entry", "serialize_objects"]
 
 GEOM_TYPES = ("bbox_2d", "poly")
+_COORD_STRINGS = tuple(coord_token(k) for k in range(COORD_BINS))
 
 
 class SerializableObject(Protocol):
@@ -31,8 +32,19 @@ class SerializableObject(Protocol):
     def bins(self) -> Sequence[int]: ...
 
 
+def _coord_strings(bins: Sequence[int]) -> list[str]:
+    """``coord_token`` of every bin; plain ints in 0..999 by table lookup (anything else via coord_token)."""
+    if all(type(k) is int and 0 <= k < COORD_BINS for k in bins):
+        return [_COORD_STRINGS[k] for k in bins]
+    return [coord_token(k) for k in bins]
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "))
+"""What ``json.dumps(value, ensure_ascii=False, separators=(", ", ": "))`` builds on every call (stateless)."""
+
+
 def _dumps(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    return _ENCODER.encode(value)
 
 
 def geometry_value(geom_type: str, bins: Sequence[int]) -> list[str] | list[list[str]]:
@@ -45,11 +57,12 @@ def geometry_value(geom_type: str, bins: Sequence[int]) -> list[str] | list[list
     if geom_type == "bbox_2d":
         if len(bins) != 4:
             raise ValueError(f"bbox_2d needs exactly 4 bins, got {len(bins)}: {list(bins)!r}")
-        return [coord_token(k) for k in bins]
+        return _coord_strings(bins)
     if geom_type == "poly":
         if len(bins) < 6 or len(bins) % 2:
             raise ValueError(f"poly needs an even number >= 6 of bins, got {len(bins)}: {list(bins)!r}")
-        return [[coord_token(bins[j]), coord_token(bins[j + 1])] for j in range(0, len(bins), 2)]
+        flat = _coord_strings(bins)
+        return [[flat[j], flat[j + 1]] for j in range(0, len(flat), 2)]
     raise ValueError(f"geometry type {geom_type!r} is not one of {GEOM_TYPES}")
 
 
@@ -64,7 +77,16 @@ def serialize_entry(n: int, desc: str, geom_type: str, bins: Sequence[int]) -> s
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"object number {n!r} must be an int >= 1")
-    return f'"object_{n}": ' + _dumps({"desc": desc, geom_type: geometry_value(geom_type, bins)})
+    value = geometry_value(geom_type, bins)
+    # The text _dumps({"desc": desc, geom_type: value}) gives, written directly: the geometry key and coordinate
+    # strings need no escaping, so only the desc goes through json.
+    return f'"object_{n}": {{"desc": {_dumps(desc)}, "{geom_type}": {_geometry_json(value)}}}'
+
+
+def _geometry_json(value: list[str] | list[list[str]]) -> str:
+    if value and isinstance(value[0], list):
+        return "[" + ", ".join(f'["{x}", "{y}"]' for x, y in value) + "]"
+    return '["' + '", "'.join(value) + '"]' if value else "[]"  # type: ignore[arg-type]
 
 
 def serialize_objects(objects: Iterable[SerializableObject], start: int = 1) -> str:

@@ -93,17 +93,17 @@ def parse_gt_object(obj: Any) -> tuple[str, GeomType, tuple[int, ...]]:
         MalformedObjectError: with the reason (empty desc, zero or two geometries, wrong arity, bad value, mixed
             forms, ``poly_points`` mismatch, ...).
     """
-    if not isinstance(obj, Mapping):
+    if type(obj) is not dict and not isinstance(obj, Mapping):  # a dict skips the slower ABC check
         raise MalformedObjectError(f"object is a {type(obj).__name__}, not a mapping")
     desc = obj.get("desc")
     if not isinstance(desc, str) or not desc.strip():
         raise MalformedObjectError(f"desc {desc!r} is not a non-empty string")
-    present = [g for g in ("bbox_2d", "poly") if obj.get(g) is not None]
-    if len(present) != 1:
+    has_bbox, has_poly = obj.get("bbox_2d") is not None, obj.get("poly") is not None
+    if has_bbox == has_poly:
         raise MalformedObjectError(
-            "object has both bbox_2d and poly" if present else "object has neither bbox_2d nor poly"
+            "object has both bbox_2d and poly" if has_bbox else "object has neither bbox_2d nor poly"
         )
-    geom: GeomType = present[0]  # type: ignore[assignment]
+    geom: GeomType = "bbox_2d" if has_bbox else "poly"
     raw = obj[geom]
     if not isinstance(raw, list):
         raise MalformedObjectError(f"{geom} is a {type(raw).__name__}, not a list")
@@ -126,6 +126,8 @@ def parse_gt_object(obj: Any) -> tuple[str, GeomType, tuple[int, ...]]:
 
 
 def _flatten_poly(raw: list[Any]) -> list[Any]:
+    if not any(issubclass(t, (list, tuple)) for t in set(map(type, raw))):
+        return raw  # flat, the common case: one C-level pass over the value types
     nested = [isinstance(v, (list, tuple)) for v in raw]
     if not any(nested):
         return raw
@@ -220,7 +222,7 @@ def extract_gt(
             bad.append((pos, str(exc)))
             lim.record(sample_id, pos, str(exc))
             continue
-        good.append(GTObject(index=pos, desc=desc, geom_type=geom, bins=bins))
+        good.append(GTObject(pos, desc, geom, bins))
     return GtExtraction(objects=good, malformed=bad)
 
 

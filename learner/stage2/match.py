@@ -85,11 +85,10 @@ class MatchResult:
 
 def aabb_iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Pairwise IoU of sorted boxes ``a [P, 4]`` and ``b [G, 4]`` with continuous areas; zero union → 0."""
-    ix1 = np.maximum(a[:, None, 0], b[None, :, 0])
-    iy1 = np.maximum(a[:, None, 1], b[None, :, 1])
-    ix2 = np.minimum(a[:, None, 2], b[None, :, 2])
-    iy2 = np.minimum(a[:, None, 3], b[None, :, 3])
-    inter = np.clip(ix2 - ix1, 0.0, None) * np.clip(iy2 - iy1, 0.0, None)
+    lo = np.maximum(a[:, None, :2], b[None, :, :2])
+    hi = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    side = np.clip(hi - lo, 0.0, None)  # overlap width and height, x and y together
+    inter = side[:, :, 0] * side[:, :, 1]
     area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
     area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     union = area_a[:, None] + area_b[None, :] - inter
@@ -145,6 +144,13 @@ def gt_geoms(gts: Sequence[Any]) -> list[Geom]:
     return [(g.geom_type, tuple(g.bins)) for g in gts]
 
 
+def _compact(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for small non-negative ints, by a presence table (no sort)."""
+    present = np.zeros(int(values.max()) + 1, dtype=bool)
+    present[values] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[values]
+
+
 def _assign(feasible: np.ndarray, ious: np.ndarray, cfg: MatchingConfig) -> list[tuple[int, int, float]]:
     """Dummy-augmented linear assignment (§8.2 step 6) over the gate-passing pairs.
 
@@ -156,8 +162,8 @@ def _assign(feasible: np.ndarray, ious: np.ndarray, cfg: MatchingConfig) -> list
     """
     if feasible.shape[0] == 0:
         return []
-    rows_p, loc_p = np.unique(feasible[:, 0], return_inverse=True)
-    cols_g, loc_g = np.unique(feasible[:, 1], return_inverse=True)
+    rows_p, loc_p = _compact(feasible[:, 0])
+    cols_g, loc_g = _compact(feasible[:, 1])
     n_p, n_g = len(rows_p), len(cols_g)
     cost = np.full((n_p + n_g, n_p + n_g), INFEASIBLE)
     cost[loc_p, loc_g] = 1.0 - ious
@@ -167,11 +173,11 @@ def _assign(feasible: np.ndarray, ious: np.ndarray, cfg: MatchingConfig) -> list
     iou = np.zeros((n_p, n_g))
     iou[loc_p, loc_g] = ious
     rows, cols = linear_sum_assignment(cost)
-    matched = [
-        (int(rows_p[r]), int(cols_g[c]), float(iou[r, c]))
-        for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
-        if r < n_p and c < n_g and cost[r, c] < _MATCH_COST_LIMIT
-    ]
+    real = (rows < n_p) & (cols < n_g)
+    rows, cols = rows[real], cols[real]
+    take = cost[rows, cols] < _MATCH_COST_LIMIT
+    rows, cols = rows[take], cols[take]
+    matched = zip(rows_p[rows].tolist(), cols_g[cols].tolist(), iou[rows, cols].tolist(), strict=True)
     return sorted(matched)
 
 
@@ -189,10 +195,10 @@ def match(preds: Sequence[Geom], gts: Sequence[Geom], cfg: MatchingConfig) -> Ma
     n_p, n_g = len(preds), len(gts)
     if n_p == 0 or n_g == 0:
         return MatchResult((), tuple(range(n_p)), tuple(range(n_g)), 0, 0, 0.0, 0)
-    pt, gt = geom_table(preds), geom_table(gts)
-    cands = candidate_lists(pt.boxes, gt.boxes, cfg.candidate_top_k)
+    table = geom_table([*preds, *gts])  # one table: predictions first, then GTs
+    cands = candidate_lists(table.boxes[:n_p], table.boxes[n_p:], cfg.candidate_top_k)
     pairs = np.stack([np.repeat(np.arange(n_p), cands.shape[1]), cands.ravel()], axis=1).astype(np.int64)
-    ious = pair_ious(pt, gt, pairs[:, 0], pairs[:, 1], cfg.maskiou_gate)
+    ious = pair_ious(table, pairs[:, 0], n_p + pairs[:, 1], cfg.maskiou_gate)
     passed = ious >= cfg.maskiou_gate
     matched = _assign(pairs[passed], ious[passed], cfg)
     mp = {p for p, _, _ in matched}

@@ -8,8 +8,10 @@ Exactly the §9 formulas, float64 numpy, stop-gradient by construction (no torch
     T = diag(u) K diag(v);  g_hat_i = sum_j T[i, j] g_j / sum_j T[i, j]
 
 :func:`barycentric_batch` runs many pairs at once by zero-padding to ``[B, n_max, m_max]``: padded
-rows/columns carry zero mass (``a``, ``b`` and ``K`` are 0 there), so the real entries see the same sums
-as the unpadded problem (adding exact zeros), and the per-pair Python overhead is paid once per batch.
+rows/columns carry zero mass (``a`` and ``b`` are 0 there), so the real entries see the same sums as the
+unpadded problem (adding exact zeros), and the per-pair Python overhead is paid once per batch. The
+iterations run on preallocated buffers without the ``max`` (see :func:`_sinkhorn` for why the results are
+bit-identical to the formula above; ``tests/unit/learner/test_ot.py`` checks it).
 """
 
 from __future__ import annotations
@@ -24,22 +26,22 @@ from numpy.typing import ArrayLike
 __all__ = ["barycentric_batch", "barycentric_padded", "barycentric_projection"]
 
 _CLIP = 50.0
-_TINY = 1e-300
 
 
-def _padded(sets: Sequence[ArrayLike], sizes: np.ndarray, live: np.ndarray, n_max: int) -> np.ndarray:
-    """Zero-padded ``[B, n_max, 2]`` array of the point sets of the live pairs (one vectorized scatter)."""
-    out = np.zeros((len(sizes), n_max, 2))
+def _padded(sets: Sequence[ArrayLike], real: np.ndarray) -> np.ndarray:
+    """Zero-padded ``[B, n_max, 2]`` array of the point sets of the live pairs, ``sets`` in order.
+
+    ``real [B, n_max]`` marks the rows that hold points; in row-major order they are exactly the points of
+    ``sets`` one pair after the other, so one masked assignment scatters them.
+    """
+    out = np.zeros(real.shape + (2,))
     if sets:
-        n_live = sizes[live]
         if any(isinstance(s, np.ndarray) for s in sets):
             flat = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1, 2) for s in sets])
         else:  # nested sequences of (x, y): read in one pass without per-point arrays
             chain = itertools.chain.from_iterable
             flat = np.fromiter(chain(chain(sets)), np.float64).reshape(-1, 2)
-        batch = np.repeat(np.flatnonzero(live), n_live)
-        row = np.arange(len(flat)) - np.repeat(np.cumsum(n_live) - n_live, n_live)
-        out[batch, row] = flat
+        out[real] = flat
     return out
 
 
@@ -119,10 +121,11 @@ def barycentric_padded(
         return np.zeros((bsz, n_max, 2)), np.zeros(bsz, dtype=bool), ns
     n_arr, m_arr = np.array(ns), np.array(ms)
     live = (n_arr > 0) & (m_arr > 0)
-    pp = _padded([p for k, p in enumerate(preds) if live[k]], n_arr, live, n_max)
-    gg = _padded([g for k, g in enumerate(gts) if live[k]], m_arr, live, m_max)
     row_real = (np.arange(n_max)[None, :] < n_arr[:, None]) & live[:, None]
     col_real = (np.arange(m_max)[None, :] < m_arr[:, None]) & live[:, None]
+    all_live = bool(live.all())
+    pp = _padded(preds if all_live else [p for k, p in enumerate(preds) if live[k]], row_real)
+    gg = _padded(gts if all_live else [g for k, g in enumerate(gts) if live[k]], col_real)
     a = np.where(row_real, 1.0 / np.maximum(n_arr, 1)[:, None], 0.0)
     b = np.where(col_real, 1.0 / np.maximum(m_arr, 1)[:, None], 0.0)
     real = row_real[:, :, None] & col_real[:, None, :]

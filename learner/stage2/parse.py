@@ -15,22 +15,25 @@ The token cut lives in ``cut.py`` (with a documented refinement for multi-byte c
 the §6.7 checks in ``parse_validate.py``.
 
 Speed: the scan walks structural characters with one regex (strings are skipped whole), and an object value in
-the exact serializer format (§4) is recognised by one regex match; any other text takes the general path. Both
-paths give identical results (property-tested).
+the exact serializer format (§4) is recognised by one regex match (right at its ``"object_N": `` key, which
+then stands for the key, ``:``, value and ``,`` events at once); any other text takes the general path. Both
+paths give identical results (property-tested). For such a value the bins are the captured coord tokens' bins
+when those tokens spell the value's coordinate strings one for one (see ``_finish_object``).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from learner.stage2.coords import CoordVocab
+from learner.stage2.coords import CoordVocab, coord_token
 from learner.stage2.cut import CutRoundTripError, cut_with_pieces, token_cut
-from learner.stage2.detok import TokenPieces, encode_text, token_pieces
+from learner.stage2.detok import TokenPieces, _detokenizer, encode_text, token_pieces
 from learner.stage2.parse_validate import GEOM_KEYS, check_geometry, validate_value
 
 __all__ = [
@@ -178,6 +181,7 @@ class _Obj:
 class _Scan:
     objects: list[_Obj]
     keys: list[ObjectKey]
+    key_numbers: list[int]  # per key, N of object_N, else -1
     last_complete_object_end: int | None
     top_closed: bool
     truncated: bool
@@ -190,6 +194,7 @@ def _scan(text: str, first: int) -> _Scan:
     expecting = [False, True]  # expecting_key per brace depth
     objects: list[_Obj] = []
     keys: list[ObjectKey] = []
+    key_numbers: list[int] = []
     last_key: str | None = None
     pending: tuple[str, int, int] | None = None
     cur: _Obj | None = None
@@ -219,7 +224,27 @@ def _scan(text: str, first: int) -> _Scan:
                 if brace == 1:
                     keys.append(ObjectKey(s, p, pos))
                     km = _OBJECT_KEY_RE.fullmatch(s)
-                    pending = (s, int(km.group(1)), p) if km is not None else None
+                    n = int(km.group(1)) if km is not None else -1
+                    pending = (s, n, p) if km is not None else None
+                    key_numbers.append(n)
+                    cm = (
+                        _CANONICAL_VALUE_RE.match(text, pos + 2)
+                        if km and text.startswith(": {", pos)
+                        else None
+                    )
+                    if cm is not None:
+                        # A whole entry in serializer format: the ':', '{' (canonical value, as below) and ','
+                        # events at once, leaving the state they would leave.
+                        obj = _Obj(key=s, n=n, key_start=p, value_start=pos + 2, canonical=cm)
+                        obj.captures.append((cm.start(3), cm.end(3) - 1))
+                        obj.value_end = last_end = pos = cm.end()
+                        objects.append(obj)
+                        last_key, pending = cm.group(2), None
+                        if len(expecting) == 2:
+                            expecting.append(False)
+                        expecting[2] = False
+                        expecting[1] = text.startswith(",", pos)
+                        pos += expecting[1]
         elif ch == "{":
             brace += 1
             if brace == len(expecting):
@@ -279,41 +304,49 @@ def _scan(text: str, first: int) -> _Scan:
     if capture and cur is not None:
         cur.captures.append((cap_start, n_text))
     truncated = not top_closed and (brace != 0 or bracket != 0 or in_string)
-    return _Scan(objects, keys, last_end, top_closed, truncated)
+    return _Scan(objects, keys, key_numbers, last_end, top_closed, truncated)
 
 
 def _finish_object(
-    o: _Obj, text: str, ids: Sequence[int], starts: list[int], id_to_bin: dict[int, int], cut_char: int
+    o: _Obj,
+    text: str,
+    ids: Sequence[int],
+    starts: list[int],
+    id_to_bin: dict[int, int],
+    cut_char: int,
+    spelled: bool,
 ) -> ParsedObject:
+    """The :class:`ParsedObject` of a scanned object (§6.7); ``spelled``: every coord id decodes to its own string."""
+    is_coord = id_to_bin.__contains__
     coord_idx: list[int] = []
     for a, b in o.captures:
         # A coord token is captured iff it starts after the opening '[' and before the closing ']'.
-        for j in range(bisect.bisect_right(starts, a), bisect.bisect_left(starts, b)):
-            if ids[j] in id_to_bin:
-                coord_idx.append(j)
-    base = dict(
-        key=o.key,
-        index=o.n,
-        coord_token_indices=tuple(coord_idx),
-        key_start_char=o.key_start,
-        value_span=(o.value_start, o.value_end),
-    )
+        lo, hi = bisect.bisect_right(starts, a), bisect.bisect_left(starts, b)
+        coord_idx += itertools.compress(range(lo, hi), map(is_coord, ids[lo:hi]))
+    # Positional fields (key, index, desc, geom_type, bins, coord_token_indices, key_start_char, value_span,
+    # valid, reason): a little cheaper than keywords, once per object.
+    head = (o.key, o.n)
+    tail = (tuple(coord_idx), o.key_start, (o.value_start, o.value_end))
     if o.value_end is None or o.value_end > cut_char:
-        return ParsedObject(
-            desc=None, geom_type=None, bins=(), valid=False, reason="object not closed", **base
-        )
+        return ParsedObject(*head, None, None, (), *tail, False, "object not closed")
     captured = [id_to_bin[ids[j]] for j in coord_idx]
     reason: str | None
     cm = o.canonical
     if cm is not None and cm.group(1).strip():
-        desc, geom = cm.group(1), cm.group(2)
-        values = [int(k) for k in _COORD_NUM_RE.findall(cm.group(3))]  # \d{1,3}: always < 1000
+        desc, geom, coords = cm.group(1), cm.group(2), cm.group(3)
+        # When coord ids decode to their own strings (``spelled``), a captured coord token's piece is exactly one
+        # coordinate string of the value (the value is ASCII: no pending multi-byte character can sit before it),
+        # so as many tokens as strings means the same bins in the same order; no need to read the text.
+        if spelled and coords.count("<|coord_") == len(captured):
+            values = captured.copy()
+        else:
+            values = list(map(int, _COORD_NUM_RE.findall(coords)))  # \d{1,3}: always < 1000
         reason = check_geometry(geom, values, captured)
     else:
         desc, geom, values, reason = validate_value(text[o.value_start : o.value_end], captured)
     if reason is not None:
-        return ParsedObject(desc=desc, geom_type=geom, bins=(), valid=False, reason=reason, **base)
-    return ParsedObject(desc=desc, geom_type=geom, bins=tuple(values), valid=True, **base)
+        return ParsedObject(*head, desc, geom, (), *tail, False, reason)
+    return ParsedObject(*head, desc, geom, tuple(values), *tail, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,14 +408,12 @@ def _parse(
     cut_char = scan.last_complete_object_end if scan.last_complete_object_end is not None else first + 1
     prefix_ids, prefix_tp = cut_with_pieces(ids, cut_char, tokenizer, tp)
     id_to_bin = coord_vocab.id_to_bin
-    objs = [_finish_object(o, text, ids, tp.starts, id_to_bin, cut_char) for o in scan.objects]
+    spelled = _detokenizer(tokenizer).spells(coord_vocab.ids, coord_token)
+    objs = [_finish_object(o, text, ids, tp.starts, id_to_bin, cut_char, spelled) for o in scan.objects]
     valid = [o for o in objs if o.valid]
-    max_n = 0
-    for k in scan.keys:
-        if k.end <= cut_char:
-            km = _OBJECT_KEY_RE.fullmatch(k.key)
-            if km is not None:
-                max_n = max(max_n, int(km.group(1)))
+    # Keys come in text order, so those ending at or before the cut are a prefix of the list.
+    n_before_cut = bisect.bisect_right([k.end for k in scan.keys], cut_char)
+    max_n = max(max(scan.key_numbers[:n_before_cut], default=0), 0)
     return ParseResult(
         response_token_ids=ids,
         text=text,

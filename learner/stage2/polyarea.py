@@ -21,17 +21,32 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Edges", "pair_intersection_areas", "ring_areas", "ring_edges", "star_simple"]
+__all__ = ["Edges", "Rings", "pair_intersection_areas", "ring_areas", "ring_edges", "rings", "star_simple"]
 
 
-def _next_vertex(count: np.ndarray) -> np.ndarray:
-    """Row of the next vertex along each ring (the last vertex of a ring wraps to its first)."""
-    total = int(count.sum())
-    nxt = np.arange(1, total + 1)
+class Rings(NamedTuple):
+    """Rings as one vertex array: ring ``r`` is the next ``count[r]`` rows of ``xy`` (closing edge implied).
+
+    Attributes:
+        xy: ``[V, 2]`` vertices.
+        count: ``[R]`` vertices per ring.
+        ring_of: ``[V]`` ring of each vertex.
+        nxt: ``[V]`` row of the next vertex along its ring (the last one wraps to the first).
+    """
+
+    xy: np.ndarray
+    count: np.ndarray
+    ring_of: np.ndarray
+    nxt: np.ndarray
+
+
+def rings(xy: np.ndarray, count: np.ndarray) -> Rings:
+    """The :class:`Rings` of ``xy`` split by ``count``."""
     ends = np.cumsum(count)
+    nxt = np.arange(1, len(xy) + 1)
     filled = count > 0
     nxt[ends[filled] - 1] = (ends - count)[filled]
-    return nxt
+    return Rings(xy, count, np.repeat(np.arange(len(count)), count), nxt)
 
 
 def _cartesian(n_a: np.ndarray, n_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,7 +58,7 @@ def _cartesian(n_a: np.ndarray, n_b: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return group, local // nb, local % nb
 
 
-def star_simple(xy: np.ndarray, count: np.ndarray) -> np.ndarray:
+def star_simple(r: Rings) -> np.ndarray:
     """Per ring: True when its vertices go strictly around their mean exactly once, which makes it simple.
 
     Such a ring is star-shaped from the mean ``c``: edge ``i`` lies in the wedge between the rays through its two
@@ -51,31 +66,38 @@ def star_simple(xy: np.ndarray, count: np.ndarray) -> np.ndarray:
     vertices and GEOS calls the polygon valid. Rings written in the canonical order of §2.4 (by angle around the
     vertex mean) almost always pass. The test is exact: it needs integral coordinates and uses
     ``n * v - Σ v`` (= ``n (v - c)``), whose cross products stay below 2**53 for coordinates up to 1e4 and fewer
-    than 1000 vertices (other rings return False). False means "ask GEOS", not "invalid".
+    than 1000 vertices (other rings return False). False means "ask GEOS", not "invalid". Repeated consecutive
+    vertices (common after clamping to the canvas) are ignored, as GEOS ignores them.
     """
+    count, ring_of, nxt = r.count, r.ring_of, r.nxt
     n_rings = len(count)
-    ring_of = np.repeat(np.arange(n_rings), count)
-    x, y = xy[:, 0], xy[:, 1]
-    exact = (
-        np.isfinite(x) & np.isfinite(y) & (x == np.round(x)) & (y == np.round(y)) & (np.abs(xy) <= 1e4).all(1)
-    )
-    ok = (count >= 3) & (count < 1000) & (np.bincount(ring_of, weights=~exact, minlength=n_rings) == 0)
+    xy = r.xy
+    dup = (xy == xy[nxt]).all(axis=1)
+    if dup.any():
+        # A vertex equal to the next adds a zero-length edge and GEOS ignores repeated points: the ring without
+        # them decides (dropping every such vertex once leaves no two equal neighbours).
+        keep = ~dup
+        return star_simple(rings(xy[keep], np.bincount(ring_of[keep], minlength=n_rings)))
+    ok = (count >= 3) & (count < 1000)
+    if not (xy == np.round(xy)).all() or not (np.abs(xy) <= 1e4).all():  # NaN fails the first test
+        exact = ((xy == np.round(xy)) & (np.abs(xy) <= 1e4)).all(1)
+        ok &= np.bincount(ring_of, weights=~exact, minlength=n_rings) == 0
+        xy = np.where(exact[:, None], xy, 0.0)
     if not ok.any():
         return ok
     n = count[ring_of].astype(np.float64)
-    px = np.where(exact, n * x - np.bincount(ring_of, weights=np.where(exact, x, 0.0))[ring_of], 0.0)
-    py = np.where(exact, n * y - np.bincount(ring_of, weights=np.where(exact, y, 0.0))[ring_of], 0.0)
-    nxt = _next_vertex(count)
+    px = n * xy[:, 0] - np.bincount(ring_of, weights=xy[:, 0], minlength=n_rings)[ring_of]
+    py = n * xy[:, 1] - np.bincount(ring_of, weights=xy[:, 1], minlength=n_rings)[ring_of]
     cross = px * py[nxt] - py * px[nxt]
     ccw = np.bincount(ring_of, weights=cross > 0, minlength=n_rings) == count
     cw = np.bincount(ring_of, weights=cross < 0, minlength=n_rings) == count
     ok &= ccw | cw
-    # Every step turns by an angle in (0, pi) the same way; the turns must add up to exactly one full turn
-    # (the float sum is within ~1e-12 of a multiple of 2 pi, so rounding finds the multiple exactly).
-    angle = np.arctan2(py, px)
-    step = np.mod(np.where(ccw[ring_of], angle[nxt] - angle, angle - angle[nxt]), 2 * np.pi)
-    turns = np.round(np.bincount(ring_of, weights=step, minlength=n_rings) / (2 * np.pi))
-    return ok & (turns == 1)
+    # Every step turns by an angle in (0, pi) the same way, so the ring goes around c once iff exactly one step
+    # crosses the ray from c along +x: counterclockwise from y < 0 to y >= 0, or clockwise the other way
+    # (a vertex on the ray counts on arrival). Exact comparisons, no angles.
+    below, below_next = py < 0, py[nxt] < 0
+    crossing = np.where(ccw[ring_of], below & ~below_next, ~below & below_next)
+    return ok & (np.bincount(ring_of, weights=crossing, minlength=n_rings) == 1)
 
 
 class Edges(NamedTuple):
@@ -83,37 +105,39 @@ class Edges(NamedTuple):
 
     Attributes:
         lo: left x of each edge.
-        hi: right x (``hi > lo``).
+        width: ``hi - lo`` (> 0) for the right x ``hi``.
         ylo: y at ``lo``.
-        yhi: y at ``hi``.
+        rise: y at ``hi`` minus ``ylo``.
         sign: +1 for an edge running towards +x, -1 otherwise.
         off: first row of each ring.
         num: edges of each ring.
     """
 
     lo: np.ndarray
-    hi: np.ndarray
+    width: np.ndarray
     ylo: np.ndarray
-    yhi: np.ndarray
+    rise: np.ndarray
     sign: np.ndarray
     off: np.ndarray
     num: np.ndarray
 
 
-def ring_edges(xy: np.ndarray, count: np.ndarray) -> Edges:
-    """Edge table of the rings ``xy`` (ring ``r`` = the next ``count[r]`` rows); vertical edges add no area."""
-    nxt = _next_vertex(count)
-    x0, y0 = xy[:, 0], xy[:, 1]
-    x1, y1 = x0[nxt], y0[nxt]
-    keep = x0 != x1
+def ring_edges(r: Rings) -> Edges:
+    """Edge table of the rings; vertical edges add no area and are left out."""
+    x0, y0 = r.xy[:, 0], r.xy[:, 1]
+    x1, y1 = x0[r.nxt], y0[r.nxt]
+    keep = np.flatnonzero(x0 != x1)
+    x0, y0, x1, y1 = x0[keep], y0[keep], x1[keep], y1[keep]
     rightward = x0 < x1
-    num = np.bincount(np.repeat(np.arange(len(count)), count)[keep], minlength=len(count))
+    lo = np.minimum(x0, x1)
+    ylo = np.where(rightward, y0, y1)
+    num = np.bincount(r.ring_of[keep], minlength=len(r.count))
     return Edges(
-        lo=np.minimum(x0, x1)[keep],
-        hi=np.maximum(x0, x1)[keep],
-        ylo=np.where(rightward, y0, y1)[keep],
-        yhi=np.where(rightward, y1, y0)[keep],
-        sign=np.where(rightward, 1.0, -1.0)[keep],
+        lo=lo,
+        width=np.maximum(x0, x1) - lo,
+        ylo=ylo,
+        rise=np.where(rightward, y1, y0) - ylo,
+        sign=np.where(rightward, 1.0, -1.0),
         off=np.cumsum(num) - num,
         num=num,
     )
@@ -122,13 +146,8 @@ def ring_edges(xy: np.ndarray, count: np.ndarray) -> Edges:
 def ring_areas(edges: Edges) -> np.ndarray:
     """Area of each SIMPLE ring (exact for integer coordinates: every term is a multiple of 1/2 below 2**52)."""
     ring = np.repeat(np.arange(len(edges.num)), edges.num)
-    signed = edges.sign * (edges.hi - edges.lo) * (edges.ylo + edges.yhi) / 2.0
+    signed = edges.sign * edges.width * (2.0 * edges.ylo + edges.rise) / 2.0
     return np.abs(np.bincount(ring, weights=signed, minlength=len(edges.num)))
-
-
-def _y_at(lo: np.ndarray, hi: np.ndarray, ylo: np.ndarray, yhi: np.ndarray, x: np.ndarray) -> np.ndarray:
-    # The fraction form is exact at both ends (x = lo gives ylo, x = hi gives yhi).
-    return ylo + (yhi - ylo) * ((x - lo) / (hi - lo))
 
 
 def pair_intersection_areas(
@@ -145,15 +164,19 @@ def pair_intersection_areas(
     pair, i, j = _cartesian(ea.num[ring_a], eb.num[ring_b])
     ia = ea.off[ring_a][pair] + i
     ib = eb.off[ring_b][pair] + j
-    xl = np.maximum(ea.lo[ia], eb.lo[ib])
-    xr = np.minimum(ea.hi[ia], eb.hi[ib])
-    live = xr > xl  # edge pairs whose x ranges overlap
+    a_lo, a_w, b_lo, b_w = ea.lo[ia], ea.width[ia], eb.lo[ib], eb.width[ib]
+    xl = np.maximum(a_lo, b_lo)
+    xr = np.minimum(a_lo + a_w, b_lo + b_w)
+    live = np.flatnonzero(xr > xl)  # edge pairs whose x ranges overlap
     pair, ia, ib, xl, xr = pair[live], ia[live], ib[live], xl[live], xr[live]
+    a_lo, a_w, b_lo, b_w = a_lo[live], a_w[live], b_lo[live], b_w[live]
     ref = y_ref[pair]
-    a_lo, a_hi, a_ylo, a_yhi = ea.lo[ia], ea.hi[ia], ea.ylo[ia] - ref, ea.yhi[ia] - ref
-    b_lo, b_hi, b_ylo, b_yhi = eb.lo[ib], eb.hi[ib], eb.ylo[ib] - ref, eb.yhi[ib] - ref
-    ya_l, ya_r = _y_at(a_lo, a_hi, a_ylo, a_yhi, xl), _y_at(a_lo, a_hi, a_ylo, a_yhi, xr)
-    yb_l, yb_r = _y_at(b_lo, b_hi, b_ylo, b_yhi, xl), _y_at(b_lo, b_hi, b_ylo, b_yhi, xr)
+    a_y, a_rise, b_y, b_rise = ea.ylo[ia] - ref, ea.rise[ia], eb.ylo[ib] - ref, eb.rise[ib]
+    # y at the ends of the shared x range; the fraction form is exact at an edge's own ends.
+    ya_l = a_y + a_rise * ((xl - a_lo) / a_w)
+    ya_r = a_y + a_rise * ((xr - a_lo) / a_w)
+    yb_l = b_y + b_rise * ((xl - b_lo) / b_w)
+    yb_r = b_y + b_rise * ((xr - b_lo) / b_w)
     d_l, d_r = ya_l - yb_l, ya_r - yb_r
     # min(ya, yb) = (ya + yb) / 2 - |ya - yb| / 2; |d| is linear between the ends unless d changes sign, where
     # its mean over the interval is (d_l² + d_r²) / (2 (|d_l| + |d_r|)).

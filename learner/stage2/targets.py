@@ -75,9 +75,27 @@ def _pts(geom: Geom) -> list[tuple[float, float]]:
     raise ValueError(f"bad geometry {geom_type!r} with {len(bins)} bins")
 
 
+_BIN_OF = {k: k for k in range(1000)}
+"""``_clamped_bin`` of every value equal to an int in 0..999, by lookup (float 5.0 hashes and compares as 5)."""
+
+
 def _clamped_bin(v: float) -> int:
     # round() is half-to-even, as §9 requires; raises on NaN / inf (→ pair excluded).
     return min(999, max(0, int(round(v))))
+
+
+def _int_rows(values: np.ndarray, ok: np.ndarray) -> list[list[int]]:
+    """Rows of ``values`` as lists of Python ints; rows where ``ok`` is False, and non-finite entries, read 0."""
+    return np.where(ok[:, None] & np.isfinite(values), values, 0.0).astype(np.int64).tolist()
+
+
+def _box_targets(proj: np.ndarray, ns: list[int], ok: np.ndarray) -> list[list[int]]:
+    """Per pair, ``[min x, min y, max x, max y]`` of the projected points, rounded and clamped (§9, bbox pred)."""
+    with np.errstate(invalid="ignore"):
+        real = np.arange(proj.shape[1])[None, :, None] < np.array(ns)[:, None, None]
+        lo = np.rint(np.where(real, proj, np.inf).min(axis=1)).clip(0, 999)
+        hi = np.rint(np.where(real, proj, -np.inf).max(axis=1)).clip(0, 999)
+    return _int_rows(np.concatenate([lo, hi], 1), ok)
 
 
 def prefix_coord_targets_batch(
@@ -96,7 +114,10 @@ def prefix_coord_targets_batch(
     for k, (pred, gt) in enumerate(pairs):
         try:
             if pred[0] == "bbox_2d" and gt[0] == "bbox_2d" and len(gt[1]) == 4:
-                out[k] = [_clamped_bin(v) for v in gt[1]]
+                try:  # integral values in 0..999 (the common case) map to themselves as ints
+                    out[k] = list(map(_BIN_OF.__getitem__, gt[1]))
+                except (KeyError, TypeError):
+                    out[k] = [_clamped_bin(v) for v in gt[1]]
                 continue
             p, g = _pts(pred), _pts(gt)
         except (ValueError, TypeError, OverflowError):
@@ -111,17 +132,13 @@ def prefix_coord_targets_batch(
         )
         with np.errstate(invalid="ignore"):
             rounded = np.clip(np.rint(proj), 0, 999)  # np.rint is half-to-even
-            real = np.arange(proj.shape[1])[None, :, None] < np.array(ns)[:, None, None]
-            lo = np.rint(np.where(real, proj, np.inf).min(axis=1)).clip(0, 999)
-            hi = np.rint(np.where(real, proj, -np.inf).max(axis=1)).clip(0, 999)
-        rounded_l, lo_l, hi_l, ok_l = rounded.tolist(), lo.tolist(), hi.tolist(), ok.tolist()
+        # Only usable pairs are read (all their real values are finite), as Python ints, in one conversion.
+        rounded_l = _int_rows(rounded.reshape(len(ns), -1), ok)
+        box_l = _box_targets(proj, ns, ok) if any(pairs[k][0][0] == "bbox_2d" for k in ot_idx) else []
         for b, k in enumerate(ot_idx):
-            if not ok_l[b]:
+            if not ok[b]:
                 continue
-            if pairs[k][0][0] == "bbox_2d":
-                out[k] = [int(lo_l[b][0]), int(lo_l[b][1]), int(hi_l[b][0]), int(hi_l[b][1])]
-            else:
-                out[k] = [int(v) for pt in rounded_l[b][: ns[b]] for v in pt]
+            out[k] = box_l[b] if pairs[k][0][0] == "bbox_2d" else rounded_l[b][: 2 * ns[b]]
     for k, (pred, _) in enumerate(pairs):
         if out[k] is not None and len(out[k]) != len(pred[1]):
             out[k] = None
@@ -325,7 +342,7 @@ def _supervised_pairs(
             excluded.append((i, j, iou))
             continue
         tp.append((i, j, iou))
-        coord_pos.extend(int(s) for s in slots)
+        coord_pos.extend(map(int, slots))
         coord_bins.extend(tgt)
     return tp, excluded, coord_pos, coord_bins
 

@@ -156,3 +156,15 @@ def test_coord_vocab_not_single_id_raises():
 def test_coord_vocab_real_tokenizer(tiny_tokenizer):
     cv = CoordVocab.from_tokenizer(tiny_tokenizer)
     assert tiny_tokenizer.convert_ids_to_tokens(cv.ids[123]) == "<|coord_123|>"
+
+
+def test_parse_coord_values_reads_iterators_once_and_keeps_the_loop_rules():
+    from learner.stage2.coords import CoordValueError, parse_coord_values
+
+    strings = ["<|coord_0|>", "<|coord_999|>", "<|coord_5|>"]
+    assert parse_coord_values(iter(strings)) == parse_coord_values(strings) == [0, 999, 5]
+    assert parse_coord_values(s for s in strings) == [0, 999, 5]
+    assert parse_coord_values([3, 4.5, 5]) == [3, 4, 5]
+    for bad in (["<|coord_1|>", 2], ["<|coord_1000|>"], [True], ["<|coord_1|>", None], [["<|coord_1|>"]]):
+        with pytest.raises(CoordValueError):
+            parse_coord_values(bad)

@@ -54,3 +54,26 @@ def test_bad_geometry_raises(geom, bins):
 def test_bad_object_number_raises():
     with pytest.raises(ValueError):
         serialize_entry(0, "a", "bbox_2d", [1, 2, 3, 4])
+
+
+def test_entry_text_is_json_dumps_of_the_object():
+    import random
+
+    rng = random.Random(0)
+    descs = ["cat", 'say "hi"', "back\\slash", "tab\there", "猫", "é\u0301", "\u2028", "", " "]
+    for n in range(1, 300):
+        geom = rng.choice(["bbox_2d", "poly"])
+        bins = tuple(rng.randint(0, 999) for _ in range(4 if geom == "bbox_2d" else 2 * rng.randint(3, 7)))
+        desc = rng.choice(descs)
+        want = f'"object_{n}": ' + json.dumps(
+            {"desc": desc, geom: geometry_value(geom, bins)}, ensure_ascii=False, separators=(", ", ": ")
+        )
+        assert serialize_entry(n, desc, geom, bins) == want
+
+
+def test_bad_bins_still_raise_from_the_table_path():
+    from learner.stage2.coords import CoordValueError
+
+    for bins in [(1, 2, 3, 1000), (1, 2, 3, -1), (1, 2, 3, True), (1, 2, 3, 4.0)]:
+        with pytest.raises(CoordValueError):
+            serialize_entry(1, "x", "bbox_2d", bins)

@@ -422,3 +422,13 @@ def test_parse_never_raises_on_structural_junk(tok, cv):
     for k in range(len(junk) + 1):
         r = parse(tok, cv, junk[:k] + junk[::-1][: len(junk) - k])
         assert r.dropped_invalid == len(r.all_objects) - len(r.valid_objects)
+
+
+def test_coord_ids_that_do_not_spell_their_strings_are_checked_against_the_text(tok, cv):
+    # The fast canonical path may take the captured bins as the written ones only when every coordinate id
+    # decodes to its own "<|coord_k|>"; with a vocab whose ids are rotated by one bin it must read the text.
+    rotated = CoordVocab.from_ids(cv.ids[1:] + cv.ids[:1])
+    ids = tok.ids_of(bbox(1, "cat", [10, 20, 30, 40], first=True, close="}}"))
+    good, bad = parse_rollout(ids, tok, cv), parse_rollout(ids, tok, rotated)
+    assert [o.bins for o in good.valid_objects] == [(10, 20, 30, 40)]
+    assert bad.valid_objects == [] and "differ from the written values" in bad.all_objects[0].reason
