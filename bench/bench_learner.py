@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launcher_utils import free_port, stop, wait_ready  # noqa: E402
+from launcher_utils import exit_on_signals, free_port, repo_python, stop, wait_ready  # noqa: E402
 
 BASE_CONFIG = REPO / "configs" / "demo_tiny_cpu.yaml"
 TARGET_RATIO = 2.5
@@ -176,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    env_py = str(REPO / ".venv" / "bin" / "python")
-    py = env_py if Path(env_py).exists() else sys.executable
+    py = repo_python(REPO)
     for script, dest in (
         ("build_tiny_models.py", ".cache/models"),
         ("build_demo_data.py", ".cache/data/demo"),
@@ -191,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     launcher: subprocess.Popen[str] | None = None
 
-    def on_signal(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)  # unwinds through the finally below, which stops the server
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    exit_on_signals()  # unwinds through the finally below, which stops the server
     server_log = out / "server_launcher.log"
     results: dict[int, dict[str, Any]] = {}
     try:

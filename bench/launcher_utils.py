@@ -1,14 +1,32 @@
-"""Helpers the end-to-end benches share: a free loopback port, waiting for the server launcher, stopping it."""
+"""Helpers the end-to-end benches share: the Python to run, a free loopback port, waiting for the server launcher,
+stopping it, and signals that unwind through the caller's `finally`."""
 
 from __future__ import annotations
 
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-__all__ = ["free_port", "stop", "wait_ready"]
+__all__ = ["exit_on_signals", "free_port", "repo_python", "stop", "wait_ready"]
+
+
+def repo_python(repo: Path) -> str:
+    """The repository's `.venv` Python when there is one (a local checkout), else this interpreter (device)."""
+    env_py = repo / ".venv" / "bin" / "python"
+    return str(env_py) if env_py.exists() else sys.executable
+
+
+def exit_on_signals() -> None:
+    """SIGTERM / SIGINT raise SystemExit, so the caller's `finally` stops the server it started."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def free_port() -> int:

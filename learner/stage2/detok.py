@@ -22,7 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = ["TokenPieces", "StreamingDetokenizer", "decode_text", "encode_text", "token_pieces"]
 
@@ -250,28 +250,47 @@ class _Detokenizer:
         return pieces, frozenset(unclean)
 
 
-_CACHE: dict[int, tuple[Callable[[], Any], _Detokenizer]] = {}
-_CACHE_LOCK = threading.Lock()
+T = TypeVar("T")
+
+
+class PerTokenizer(Generic[T]):
+    """One `factory(tokenizer)` object per live tokenizer, built once (thread-safe).
+
+    Keyed by `id(tokenizer)` and checked against a weak reference, so a new tokenizer that reuses a freed
+    id gets a fresh object; tokenizers that refuse weak references are held strongly.
+    """
+
+    def __init__(self, factory: Callable[[Any], T]) -> None:
+        self._factory = factory
+        self._items: dict[int, tuple[Callable[[], Any], T]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer: Any) -> T:
+        """The object built for `tokenizer` (built now on first use)."""
+        hit = self._items.get(id(tokenizer))
+        if hit is not None and hit[0]() is tokenizer:
+            return hit[1]
+        with self._lock:
+            hit = self._items.get(id(tokenizer))
+            if hit is not None and hit[0]() is tokenizer:
+                return hit[1]
+            item = self._factory(tokenizer)
+            try:
+                ref: Callable[[], Any] = weakref.ref(tokenizer)
+            except TypeError:
+
+                def ref(_tok: Any = tokenizer) -> Any:
+                    return _tok
+
+            self._items[id(tokenizer)] = (ref, item)
+            return item
+
+
+_DETOKENIZERS: PerTokenizer[_Detokenizer] = PerTokenizer(_Detokenizer)
 
 
 def _detokenizer(tokenizer: Any) -> _Detokenizer:
-    hit = _CACHE.get(id(tokenizer))
-    if hit is not None and hit[0]() is tokenizer:
-        return hit[1]
-    with _CACHE_LOCK:
-        hit = _CACHE.get(id(tokenizer))
-        if hit is not None and hit[0]() is tokenizer:
-            return hit[1]
-        d = _Detokenizer(tokenizer)
-        try:
-            ref: Callable[[], Any] = weakref.ref(tokenizer)
-        except TypeError:
-
-            def ref(_tok: Any = tokenizer) -> Any:
-                return _tok
-
-        _CACHE[id(tokenizer)] = (ref, d)
-        return d
+    return _DETOKENIZERS.get(tokenizer)
 
 
 def token_pieces(ids: Sequence[int], tokenizer: Any) -> TokenPieces:

@@ -24,12 +24,10 @@ changed after its first use (no tokens added later); a new tokenizer object gets
 from __future__ import annotations
 
 import re
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from learner.stage2.detok import decode_text, encode_text
+from learner.stage2.detok import PerTokenizer, decode_text, encode_text
 
 __all__ = ["encode_cached", "encode_roundtrip", "encode_segmented"]
 
@@ -164,28 +162,11 @@ class _Encoder:
         return out
 
 
-_ENCODERS: dict[int, tuple[Callable[[], Any], _Encoder]] = {}
-_LOCK = threading.Lock()
+_ENCODERS: PerTokenizer[_Encoder] = PerTokenizer(_Encoder)
 
 
 def _encoder(tokenizer: Any) -> _Encoder:
-    hit = _ENCODERS.get(id(tokenizer))
-    if hit is not None and hit[0]() is tokenizer:
-        return hit[1]
-    with _LOCK:
-        hit = _ENCODERS.get(id(tokenizer))
-        if hit is not None and hit[0]() is tokenizer:
-            return hit[1]
-        enc = _Encoder(tokenizer)
-        try:
-            ref: Callable[[], Any] = weakref.ref(tokenizer)
-        except TypeError:
-
-            def ref(_tok: Any = tokenizer) -> Any:
-                return _tok
-
-        _ENCODERS[id(tokenizer)] = (ref, enc)
-        return enc
+    return _ENCODERS.get(tokenizer)
 
 
 def encode_cached(tokenizer: Any, text: str) -> list[int]:

@@ -10,7 +10,7 @@ reports them).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,16 +97,6 @@ on an H200 a 32-row, 128-token rollout of a 0.4B model took 6.9 s instead of 2.0
 """
 
 
-@contextlib.contextmanager
-def _decode_attention(device: torch.device) -> Iterator[None]:
-    """Restricts SDPA to `_DECODE_SDPA_BACKENDS` on CUDA; leaves CPU dispatch untouched."""
-    if device.type != "cuda":
-        yield
-        return
-    with sdpa_kernel(_DECODE_SDPA_BACKENDS):
-        yield
-
-
 @torch.inference_mode()
 def decode_rows(
     model: torch.nn.Module,
@@ -135,7 +125,9 @@ def decode_rows(
         One `RowOutput` per prompt, in order.
     """
     device = next(model.parameters()).device
-    with _decode_attention(device):
+    # CPU dispatch is left untouched.
+    attention = sdpa_kernel(_DECODE_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+    with attention:
         return _decode_rows(
             model,
             prompts,
@@ -258,6 +250,8 @@ class _StepMask:
         padded = bool((prompt_mask == 0).any())
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self._mode = "none" if not padded else "4d" if implementation in ("sdpa", "eager") else "2d"
+        if self._mode == "none":
+            return
         width = -(-(self._kv_len + max_new_tokens) // self._ALIGN) * self._ALIGN
         keep = torch.ones((batch, width), dtype=torch.bool, device=prompt_mask.device)
         keep[:, : self._kv_len] = prompt_mask.bool()
@@ -271,9 +265,7 @@ class _StepMask:
     def next(self) -> torch.Tensor | None:
         """The mask for the next step (one more key than the previous one)."""
         self._kv_len += 1
-        if self._mode == "none":
-            return None
-        return self._buffer[..., : self._kv_len]
+        return None if self._mode == "none" else self._buffer[..., : self._kv_len]
 
 
 def decode_requests(

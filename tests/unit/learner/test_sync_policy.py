@@ -178,6 +178,43 @@ def test_only_rank0_sends_and_every_rank_meets_the_barrier() -> None:
     assert len(source.updates) == 1 and flags == [("r0", True), ("r1", True)]
 
 
+def sync_on_two_ranks(
+    source: FakeSource, step: int
+) -> tuple[dict[int, BaseException], list[WeightSyncPolicy]]:
+    """Runs `maybe_sync` on two thread "ranks" joined by a real AND-collective; returns each rank's error."""
+    barrier = threading.Barrier(2, timeout=30)
+    flags: dict[int, bool] = {}
+    errors: dict[int, BaseException] = {}
+
+    def all_ok(ok: bool, rank: int) -> bool:
+        flags[rank] = ok
+        barrier.wait()
+        result = all(flags.values())
+        barrier.wait()  # everyone has read this round's flags before the next round writes
+        return result
+
+    policies = [
+        WeightSyncPolicy(
+            SyncConfig(), is_rank0=lambda r=rank: r == 0, all_ok=lambda ok, r=rank: all_ok(ok, r)
+        )
+        for rank in (0, 1)
+    ]
+
+    def run(rank: int) -> None:
+        try:
+            policies[rank].maybe_sync(Tiny(), step, source)
+        except Exception as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return errors, policies
+
+
 def test_a_failed_sync_on_rank0_stops_every_rank_instead_of_hanging() -> None:
     """Two ranks as threads with a real AND-collective: rank 0's server is gone, so rank 0 raises its
     own error and rank 1 (which sent nothing) raises a SyncError naming rank 0, and neither waits forever."""
@@ -186,34 +223,9 @@ def test_a_failed_sync_on_rank0_stops_every_rank_instead_of_hanging() -> None:
         def sync_weights(self, update: WeightUpdate) -> SyncReport:
             raise SyncError("server http://127.0.0.1:9 gone")
 
-    barrier = threading.Barrier(2, timeout=30)
-    flags: dict[int, bool] = {}
-
-    def all_ok(ok: bool, rank: int) -> bool:
-        flags[rank] = ok
-        barrier.wait()
-        return all(flags.values())
-
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int) -> None:
-        policy = WeightSyncPolicy(
-            SyncConfig(), is_rank0=lambda: rank == 0, all_ok=lambda ok: all_ok(ok, rank)
-        )
-        try:
-            policy.maybe_sync(Tiny(), 3, Broken())
-        except Exception as exc:
-            errors[rank] = exc
-        else:
-            raise AssertionError(f"rank {rank} went on after a failed sync")
-        assert policy.last_synced_step == -1
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
+    errors, policies = sync_on_two_ranks(Broken(), 3)
+    assert set(errors) == {0, 1}, "a rank went on after a failed sync"
+    assert all(policy.last_synced_step == -1 for policy in policies)
     assert "gone" in str(errors[0])
     assert (
         isinstance(errors[1], SyncError)
@@ -261,32 +273,7 @@ def test_zero3_ranks_skip_the_gathers_when_rank0_fails_before_them(monkeypatch: 
         def health(self) -> Health:
             raise SyncError("server http://127.0.0.1:9 not healthy")
 
-    barrier = threading.Barrier(2, timeout=30)
-    flags: dict[int, bool] = {}
-    errors: dict[int, BaseException] = {}
-
-    def all_ok(ok: bool, rank: int) -> bool:
-        flags[rank] = ok
-        barrier.wait()
-        result = all(flags.values())
-        barrier.wait()  # everyone has read this round's flags before the next round writes
-        return result
-
-    def run(rank: int) -> None:
-        policy = WeightSyncPolicy(
-            SyncConfig(), is_rank0=lambda: rank == 0, all_ok=lambda ok: all_ok(ok, rank)
-        )
-        try:
-            policy.maybe_sync(Tiny(), 0, Down())
-        except Exception as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
+    errors, _ = sync_on_two_ranks(Down(), 0)
     assert "not healthy" in str(errors[0])
     assert isinstance(errors[1], SyncError) and "failed on rank 0" in str(errors[1])
     assert entered_gathers == []
