@@ -106,7 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time plain `model.generate` (batched vs per-sample, same prompts and protocol) as a reference",
     )
+    parser.add_argument(
+        "--decode-attention",
+        choices=["grouped", "plain-sdpa"],
+        default="grouped",
+        help="plain-sdpa: turn the grouped GQA decode attention off (transformers' sdpa with repeat_kv), "
+        "for an A/B on one machine",
+    )
     args = parser.parse_args(argv)
+    if args.decode_attention == "plain-sdpa":
+        import contextlib
+
+        from rollout_server.engines import decode_attention
+
+        decode_attention._grouped_decode = lambda model: contextlib.nullcontext()
     n = args.prompts or (8 if args.smoke else 32)
     new_tokens = args.new_tokens or (16 if args.smoke else 128)
     batch_size = args.batch_size or n
@@ -153,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         "params": params,
         "prompts": n,
         "new_tokens": new_tokens,
+        "attn_implementation": model.config._attn_implementation,
+        "decode_attention": args.decode_attention,
     }
     tokens = n * new_tokens
     emit(

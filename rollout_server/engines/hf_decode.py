@@ -9,13 +9,12 @@ reports them).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rollout_server.engines.decode_attention import GROUPED_DECODE_SDPA, decode_attention
 from shared_schemas.infer import FinishReason, RequestConfig, completion_seed
 from shared_schemas.repeat_guard import needs_text, should_terminate
 
@@ -88,15 +87,6 @@ def choose_tokens(
     return torch.cat(picks).to(logits.device)
 
 
-_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""SDPA kernels allowed while decoding on CUDA: every backend but cuDNN.
-
-The cuDNN attention backend builds (and caches) one execution graph per input shape. A decode loop changes
-the key length at every step, so each step of the first rollout at a new batch size paid a graph build:
-on an H200 a 32-row, 128-token rollout of a 0.4B model took 6.9 s instead of 2.0 s (16 ms per step).
-"""
-
-
 @torch.inference_mode()
 def decode_rows(
     model: torch.nn.Module,
@@ -125,9 +115,7 @@ def decode_rows(
         One `RowOutput` per prompt, in order.
     """
     device = next(model.parameters()).device
-    # CPU dispatch is left untouched.
-    attention = sdpa_kernel(_DECODE_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
-    with attention:
+    with decode_attention(model, device):
         return _decode_rows(
             model,
             prompts,
@@ -249,7 +237,8 @@ class _StepMask:
         batch, self._kv_len = prompt_mask.shape
         padded = bool((prompt_mask == 0).any())
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        self._mode = "none" if not padded else "4d" if implementation in ("sdpa", "eager") else "2d"
+        four_d = implementation in ("sdpa", "eager", GROUPED_DECODE_SDPA)
+        self._mode = "none" if not padded else "4d" if four_d else "2d"
         if self._mode == "none":
             return
         width = -(-(self._kv_len + max_new_tokens) // self._ALIGN) * self._ALIGN
