@@ -18,8 +18,11 @@ from pathlib import Path
 def _configure_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     for noisy in ("httpx", "httpcore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -63,9 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         with logging_redirect_tqdm():
             first = trainer.evaluate() if cfg.stage2.eval.at_start and trainer.eval_samples else {}
             trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
-            evaluated_last = trainer.args.eval_strategy == "steps" and trainer.state.global_step % max(
-                int(trainer.args.eval_steps or 1), 1) == 0
-            last = _last_eval(trainer) if evaluated_last else (trainer.evaluate() if trainer.eval_samples else {})
+            evaluated_last = (
+                trainer.args.eval_strategy == "steps"
+                and trainer.state.global_step % max(int(trainer.args.eval_steps or 1), 1) == 0
+            )
+            last = (
+                _last_eval(trainer)
+                if evaluated_last
+                else (trainer.evaluate() if trainer.eval_samples else {})
+            )
     finally:
         parts.source.close()
     if trainer.is_world_process_zero():
@@ -82,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         (parts.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if first and last:
-            log.info("held-out eval_rollout_f1: %.3f at step 0 → %.3f at step %d",
-                     first["eval_rollout_f1"], last["eval_rollout_f1"], trainer.state.global_step)
+            log.info(
+                "held-out eval_rollout_f1: %.3f at step 0 → %.3f at step %d",
+                first["eval_rollout_f1"],
+                last["eval_rollout_f1"],
+                trainer.state.global_step,
+            )
         print(json.dumps(summary))
     return 0
 

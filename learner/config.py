@@ -131,7 +131,9 @@ class ServerEntry(_Section):
     @classmethod
     def _check_url(cls, value: str) -> str:
         value = value.rstrip("/")
-        if not re.fullmatch(r"https?://[^/:]+(:\d{1,5})(/.*)?|https?://\[[0-9a-fA-F:]+\](:\d{1,5})(/.*)?", value):
+        if not re.fullmatch(
+            r"https?://[^/:]+(:\d{1,5})(/.*)?|https?://\[[0-9a-fA-F:]+\](:\d{1,5})(/.*)?", value
+        ):
             raise ValueError(f"base_url {value!r} must look like http://host:port (the port is required)")
         return value
 
@@ -306,12 +308,18 @@ class RunConfig(_Section):
             raise ValueError(f"unknown TrainingArguments key(s) {unknown}")
         gas = int(value.get("gradient_accumulation_steps", 1))
         if gas > 99:
-            raise ValueError(f"gradient_accumulation_steps {gas} > 99 collides per-request seeds (STAGE2 §5.3)")
+            raise ValueError(
+                f"gradient_accumulation_steps {gas} > 99 collides per-request seeds (STAGE2 §5.3)"
+            )
         return value
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if self.rollout.mode == "colocate" and self.rollout.backend == "vllm" and self.rollout.vllm.max_model_len is None:
+        if (
+            self.rollout.mode == "colocate"
+            and self.rollout.backend == "vllm"
+            and self.rollout.vllm.max_model_len is None
+        ):
             raise ValueError("rollout.vllm.max_model_len is required for a colocated vLLM engine")
         if self.stage2.offload.enabled and self.rollout.mode != "colocate":
             raise ValueError("stage2.offload.enabled only applies to rollout.mode colocate")
@@ -362,8 +370,14 @@ def check_runtime_guards(
         )
     tp = cfg.rollout.vllm.tensor_parallel_size
     if cfg.rollout.mode == "colocate" and world_size % tp:
-        raise ConfigError(f"rollout.vllm.tensor_parallel_size {tp} must divide the learner world size {world_size}")
-    if cfg.rollout.sync.mode == "adapter" and server_lora_enabled is False and not cfg.rollout.sync.fallback_to_full:
+        raise ConfigError(
+            f"rollout.vllm.tensor_parallel_size {tp} must divide the learner world size {world_size}"
+        )
+    if (
+        cfg.rollout.sync.mode == "adapter"
+        and server_lora_enabled is False
+        and not cfg.rollout.sync.fallback_to_full
+    ):
         raise ConfigError(
             "rollout.sync.mode is 'adapter' but the rollout server runs without LoRA and "
             "rollout.sync.fallback_to_full is false; start the server with server.vllm.enable_lora: true or use "
@@ -373,7 +387,9 @@ def check_runtime_guards(
     if max_len is not None and longest_prompt_tokens is not None:
         need = longest_prompt_tokens + cfg.rollout.decoding.max_new_tokens
         if need > max_len:
-            key = "server.vllm.max_model_len" if cfg.rollout.mode == "server" else "rollout.vllm.max_model_len"
+            key = (
+                "server.vllm.max_model_len" if cfg.rollout.mode == "server" else "rollout.vllm.max_model_len"
+            )
             raise ConfigError(
                 f"{key} {max_len} < longest prompt {longest_prompt_tokens} + rollout.decoding.max_new_tokens "
                 f"{cfg.rollout.decoding.max_new_tokens} = {need}; raise {key} or lower max_new_tokens"

@@ -12,8 +12,14 @@ from typing import Any
 
 __all__ = ["load_metrics", "write_report"]
 
-TIME_KEYS = ("time/rollout_generate_s", "time/weight_sync_s", "time/rollout_parse_match_s",
-             "time/post_rollout_pack_s", "time/forward_s", "time/backward_s")
+TIME_KEYS = (
+    "time/rollout_generate_s",
+    "time/weight_sync_s",
+    "time/rollout_parse_match_s",
+    "time/post_rollout_pack_s",
+    "time/forward_s",
+    "time/backward_s",
+)
 
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -54,7 +60,9 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
     ax.plot(xs, ys, "o-", label="held-out eval_rollout_f1")
     ax.plot(*_series(records, "rollout/f1"), alpha=0.6, label="train rollout/f1")
     if ys:
-        ax.annotate(f"{ys[0]:.2f} → {ys[-1]:.2f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(-60, 8))
+        ax.annotate(
+            f"{ys[0]:.2f} → {ys[-1]:.2f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(-60, 8)
+        )
     ax.set_ylim(0, 1)
     ax.set_title("rollout F1")
     ax.set_xlabel("optimizer step")
@@ -62,7 +70,11 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
 
     ax = axes[2]
     ax.plot(*_series(records, "rollout/parse_obj_valid_frac"), label="train: valid objects / parsed")
-    ax.plot(*_series(records, "eval_rollout_sample_valid_pred_rate"), "o-", label="eval: samples with a valid pred")
+    ax.plot(
+        *_series(records, "eval_rollout_sample_valid_pred_rate"),
+        "o-",
+        label="eval: samples with a valid pred",
+    )
     ax.set_ylim(0, 1.05)
     ax.set_title("parse-valid rate")
     ax.legend()

@@ -58,9 +58,7 @@ SPECIAL_TOKENS = [
 ]
 COORD_TOKENS = [f"<|coord_{k}|>" for k in range(1000)]
 # Qwen2's pre-tokenizer split pattern (tokenizer.json of the Qwen2 family).
-QWEN2_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+QWEN2_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -77,16 +75,68 @@ CHAT_TEMPLATE = (
 
 # Size presets. head_dim 64: vLLM's CPU attention rejects 16; hidden 128 keeps the test model ~0.5 MB of weights.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=64, initializer_range=0.1),
-    "demo": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        initializer_range=0.1,
+    ),
+    "demo": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
 
 DEMO_WORDS = [
-    "person", "cat", "dog", "car", "tree", "rug", "sofa", "chair", "table", "lamp", "bird", "bike", "cup",
-    "book", "plant", "unknown", "red", "green", "blue", "yellow", "small", "large", "scene", "object", "objects",
-    "box", "polygon", "system", "user", "assistant", "at", "from", "to", "with", "corners", "and", "the", "a", "an", "of", "in", "image",
+    "person",
+    "cat",
+    "dog",
+    "car",
+    "tree",
+    "rug",
+    "sofa",
+    "chair",
+    "table",
+    "lamp",
+    "bird",
+    "bike",
+    "cup",
+    "book",
+    "plant",
+    "unknown",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "small",
+    "large",
+    "scene",
+    "object",
+    "objects",
+    "box",
+    "polygon",
+    "system",
+    "user",
+    "assistant",
+    "at",
+    "from",
+    "to",
+    "with",
+    "corners",
+    "and",
+    "the",
+    "a",
+    "an",
+    "of",
+    "in",
+    "image",
 ]
 
 
@@ -158,11 +208,18 @@ def build_tokenizer(out_dir: Path):
 
 
 def _recipe(preset: str, seed: int, tie: bool) -> dict:
-    return {"recipe": RECIPE_VERSION, "preset": preset, "seed": seed, "tie_word_embeddings": tie,
-            "arch": PRESETS[preset]}
+    return {
+        "recipe": RECIPE_VERSION,
+        "preset": preset,
+        "seed": seed,
+        "tie_word_embeddings": tie,
+        "arch": PRESETS[preset],
+    }
 
 
-def build_tiny_lm(out_dir: Path, seed: int = 0, preset: str = "tiny", tie_word_embeddings: bool = True) -> Path:
+def build_tiny_lm(
+    out_dir: Path, seed: int = 0, preset: str = "tiny", tie_word_embeddings: bool = True
+) -> Path:
     """Build (or keep, if already built with the same recipe) a tiny Qwen2 causal LM in ``out_dir``.
 
     Args:
@@ -227,8 +284,14 @@ def build_copy_pretrained(out_dir: Path, base_dir: Path, *, rebuild: bool = Fals
     """
     out_dir = Path(out_dir).resolve()
     base_tok = (Path(base_dir) / "tokenizer.json").read_text()
-    asset_ok = (COPY_ASSET / "model.safetensors").is_file() and (COPY_ASSET / "tokenizer.json").read_text() == base_tok
-    if (out_dir / "model.safetensors").is_file() and (out_dir / "tokenizer.json").read_text() == base_tok and not rebuild:
+    asset_ok = (COPY_ASSET / "model.safetensors").is_file() and (
+        COPY_ASSET / "tokenizer.json"
+    ).read_text() == base_tok
+    if (
+        (out_dir / "model.safetensors").is_file()
+        and (out_dir / "tokenizer.json").read_text() == base_tok
+        and not rebuild
+    ):
         return out_dir
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -243,7 +306,9 @@ def build_copy_pretrained(out_dir: Path, base_dir: Path, *, rebuild: bool = Fals
         torch.manual_seed(0)
         tok = AutoTokenizer.from_pretrained(base_dir)
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        report = copy_pretrain(model, tok, CopyPretrainConfig(seed=5), "cpu", on_log=lambda d: logger.info("%s", d))
+        report = copy_pretrain(
+            model, tok, CopyPretrainConfig(seed=5), "cpu", on_log=lambda d: logger.info("%s", d)
+        )
         if not report["converged"]:
             raise RuntimeError(f"copy pretraining did not converge: {report}")
         model.save_pretrained(tmp)
@@ -266,7 +331,9 @@ def build_all(out: Path, *, rebuild_copy: bool = False) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(".cache/models"))
-    parser.add_argument("--rebuild-copy", action="store_true", help="re-run copy pretraining instead of the asset")
+    parser.add_argument(
+        "--rebuild-copy", action="store_true", help="re-run copy pretraining instead of the asset"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.path.insert(0, str(Path(__file__).resolve().parent))

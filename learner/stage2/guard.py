@@ -58,8 +58,9 @@ def count_object_keys(text: str) -> int:
 @functools.lru_cache(maxsize=64)
 def _token_rule_cfg(cfg: RepeatTerminateConfig) -> WireRepeatTerminateConfig:
     # Rules (a) and (b) only; (c) is counted by the caller.
-    return WireRepeatTerminateConfig(**{**cfg.model_dump(), "enabled": True, "min_new_tokens": 0,
-                                        "max_object_keys": None})
+    return WireRepeatTerminateConfig(
+        **{**cfg.model_dump(), "enabled": True, "min_new_tokens": 0, "max_object_keys": None}
+    )
 
 
 def _token_rules(g: Sequence[int], cfg: RepeatTerminateConfig) -> bool:

@@ -28,8 +28,11 @@ __all__ = ["SampleContext", "SampleOutcome", "eval_metrics", "prepare_segment", 
 logger = logging.getLogger(__name__)
 
 # YTrain counters → learner.metrics names; the length counters become distributions instead.
-_RENAMED = {"sample_valid_pred": "samples_with_valid_pred", "sample_any_match": "samples_with_match",
-            "append_len": "append_tokens"}
+_RENAMED = {
+    "sample_valid_pred": "samples_with_valid_pred",
+    "sample_any_match": "samples_with_match",
+    "append_len": "append_tokens",
+}
 _LENGTHS = ("prefix_len", "train_len")
 
 
@@ -58,8 +61,9 @@ class SampleContext:
 
     def prompt_ids(self, sample: Mapping[str, Any]) -> list[int]:
         """Teacher-forced prompt ids: the same chat template in generation mode (§11.1, text prompts)."""
-        ids = self.tokenizer.apply_chat_template(self.rollout_messages(sample), tokenize=True,
-                                                 add_generation_prompt=True)
+        ids = self.tokenizer.apply_chat_template(
+            self.rollout_messages(sample), tokenize=True, add_generation_prompt=True
+        )
         if isinstance(ids, Mapping):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -74,8 +78,9 @@ class SampleOutcome:
     lengths: dict[str, float]
 
 
-def _parse_and_match(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext
-                     ) -> tuple[ParseResult, GtExtraction, Any, dict[str, float]]:
+def _parse_and_match(
+    sample: Mapping[str, Any], result: InferResult, ctx: SampleContext
+) -> tuple[ParseResult, GtExtraction, Any, dict[str, float]]:
     choice = result.choices[0]
     parse = parse_rollout(choice.token_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
     gts = extract_gt(sample["gt_objects"], int(sample["sample_id"]), ctx.malformed_policy)  # type: ignore[arg-type]
@@ -95,8 +100,9 @@ def _parse_and_match(sample: Mapping[str, Any], result: InferResult, ctx: Sample
     return parse, gts, result_match, counters
 
 
-def prepare_segment(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext, *,
-                    rollout_step: int) -> tuple[Segment | None, SampleOutcome]:
+def prepare_segment(
+    sample: Mapping[str, Any], result: InferResult, ctx: SampleContext, *, rollout_step: int
+) -> tuple[Segment | None, SampleOutcome]:
     """Builds one sample's teacher-forced segment from its rollout result.
 
     Returns:
@@ -107,11 +113,21 @@ def prepare_segment(sample: Mapping[str, Any], result: InferResult, ctx: SampleC
         SegmentTooLongError: oversize with `stage2.encode.oversize_policy: raise` (a configuration problem).
     """
     parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
-    y_train = build_y_train(parse, gts.objects, result_match, ctx.tokenizer, ctx.coord_vocab, ctx.targets,
-                            fn_desc_ce=ctx.fn_desc_ce, prefix_structure_ce=ctx.prefix_structure_ce)
-    lengths = {"rollout/prompt_len": float(len(result.prompt_token_ids)),
-               "rollout/rollout_len": float(len(result.choices[0].token_ids)),
-               "rollout/gen_new_tokens": float(len(result.choices[0].token_ids))}
+    y_train = build_y_train(
+        parse,
+        gts.objects,
+        result_match,
+        ctx.tokenizer,
+        ctx.coord_vocab,
+        ctx.targets,
+        fn_desc_ce=ctx.fn_desc_ce,
+        prefix_structure_ce=ctx.prefix_structure_ce,
+    )
+    lengths = {
+        "rollout/prompt_len": float(len(result.prompt_token_ids)),
+        "rollout/rollout_len": float(len(result.choices[0].token_ids)),
+        "rollout/gen_new_tokens": float(len(result.choices[0].token_ids)),
+    }
     for key, value in y_train.counters.items():
         if key in _LENGTHS:
             lengths[f"rollout/{key}"] = value
@@ -119,9 +135,17 @@ def prepare_segment(sample: Mapping[str, Any], result: InferResult, ctx: SampleC
             counters[_RENAMED.get(key, key)] = counters.get(_RENAMED.get(key, key), 0.0) + value
     lengths["rollout/append_len"] = y_train.counters.get("append_len", 0.0)
     segment, drop = encode_segment(
-        ctx.prompt_ids(sample), result.prompt_token_ids, y_train, ctx.eot_id, ctx.newline_id, ctx.coord_vocab,
-        sample_id=int(sample["sample_id"]), base_idx=int(sample["base_idx"]), rollout_step=rollout_step,
-        packing_length=ctx.packing_length, on_prompt_mismatch=ctx.on_prompt_mismatch,  # type: ignore[arg-type]
+        ctx.prompt_ids(sample),
+        result.prompt_token_ids,
+        y_train,
+        ctx.eot_id,
+        ctx.newline_id,
+        ctx.coord_vocab,
+        sample_id=int(sample["sample_id"]),
+        base_idx=int(sample["base_idx"]),
+        rollout_step=rollout_step,
+        packing_length=ctx.packing_length,
+        on_prompt_mismatch=ctx.on_prompt_mismatch,  # type: ignore[arg-type]
         oversize_policy=ctx.oversize_policy,  # type: ignore[arg-type]
     )
     for key, value in drop.items():
@@ -149,13 +173,19 @@ def score_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleCon
     return counters
 
 
-def eval_metrics(sums: Mapping[str, float], *, n_samples: int, runtime_s: float,
-                 prefix: str = "eval") -> dict[str, float]:
+def eval_metrics(
+    sums: Mapping[str, float], *, n_samples: int, runtime_s: float, prefix: str = "eval"
+) -> dict[str, float]:
     """`eval_rollout_*` keys of §18 from globally summed `score_rollout` counts."""
+
     def ratio(a: float, b: float) -> float:
         return a / max(b, 1.0)
 
-    matched, pred, gt = sums.get("matched", 0.0), sums.get("valid_pred_objects", 0.0), sums.get("gt_objects", 0.0)
+    matched, pred, gt = (
+        sums.get("matched", 0.0),
+        sums.get("valid_pred_objects", 0.0),
+        sums.get("gt_objects", 0.0),
+    )
     precision, recall = ratio(matched, pred), ratio(matched, gt)
     f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
     p = f"{prefix}_rollout_"
@@ -174,7 +204,9 @@ def eval_metrics(sums: Mapping[str, float], *, n_samples: int, runtime_s: float,
         f"{p}parse_truncated_rate": ratio(sums.get("parse_truncated", 0.0), n),
         f"{p}sample_valid_pred_rate": ratio(sums.get("samples_with_valid_pred", 0.0), n),
         f"{p}sample_any_match_rate": ratio(sums.get("samples_with_match", 0.0), n),
-        f"{p}matched_maskiou_mean": ratio(sums.get("matched_maskiou_sum", 0.0), sums.get("matched_maskiou_count", 0.0)),
+        f"{p}matched_maskiou_mean": ratio(
+            sums.get("matched_maskiou_sum", 0.0), sums.get("matched_maskiou_count", 0.0)
+        ),
         f"{p}gt_malformed": sums.get("gt_malformed", 0.0),
         f"{p}repeat_terminated": sums.get("repeat_terminated", 0.0),
         f"{prefix}_runtime": runtime_s,

@@ -27,7 +27,15 @@ from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
 from learner.weights.sync import WeightSyncPolicy
 
-__all__ = ["REPO_ROOT", "RunParts", "build_rollout_source", "build_run", "load_policy", "load_samples", "resolve_path"]
+__all__ = [
+    "REPO_ROOT",
+    "RunParts",
+    "build_rollout_source",
+    "build_run",
+    "load_policy",
+    "load_samples",
+    "resolve_path",
+]
 
 logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +43,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # TrainingArguments we must own (and why): identity collator needs the raw columns; the rollout-buffer
 # repetition order lives in the dataset, so sampling must be sequential.
 _FORCED_ARGS = {"remove_unused_columns": False, "train_sampling_strategy": "sequential"}
-_DEFAULT_ARGS = {"logging_steps": 1, "report_to": ["tensorboard"], "save_strategy": "no", "eval_strategy": "no",
-                 "per_device_train_batch_size": 8, "disable_tqdm": True, "dataloader_num_workers": 0,
-                 "use_cpu": not torch.cuda.is_available()}
+_DEFAULT_ARGS = {
+    "logging_steps": 1,
+    "report_to": ["tensorboard"],
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "per_device_train_batch_size": 8,
+    "disable_tqdm": True,
+    "dataloader_num_workers": 0,
+    "use_cpu": not torch.cuda.is_available(),
+}
 
 
 def resolve_path(path: str) -> str:
@@ -56,13 +71,25 @@ def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
     seed = int(cfg.training.get("seed", 42))
     for namespace, file in enumerate(files):
         path = resolve_path(file)
-        for base_idx, record in enumerate(load_records(path, image_root=cfg.data.image_root,
-                                                       max_images_per_sample=cfg.data.max_images_per_sample)):
+        for base_idx, record in enumerate(
+            load_records(
+                path, image_root=cfg.data.image_root, max_images_per_sample=cfg.data.max_images_per_sample
+            )
+        ):
             scene = (record.get("metadata") or {}).get("scene")
             user = scene_user_text(cfg.prompts.user, scene) if scene else cfg.prompts.user
-            samples.append(build_sample(record, base_idx=base_idx, dataset=Path(path).stem,
-                                        dataset_namespace=namespace, system_prompt=cfg.prompts.system,
-                                        user_prompt=user, ordering=cfg.data.object_ordering, seed=seed))
+            samples.append(
+                build_sample(
+                    record,
+                    base_idx=base_idx,
+                    dataset=Path(path).stem,
+                    dataset_namespace=namespace,
+                    system_prompt=cfg.prompts.system,
+                    user_prompt=user,
+                    ordering=cfg.data.object_ordering,
+                    seed=seed,
+                )
+            )
     return samples
 
 
@@ -106,18 +133,28 @@ def load_policy(cfg: RunConfig, path: str | Path | None = None) -> tuple[PreTrai
     """
     path = str(path) if path is not None else resolve_path(cfg.model.path)
     if not Path(path).is_dir():
-        raise ConfigError(f"model.path {path} is not a local directory; build it with scripts/setup.sh "
-                          "(tiny models) or point it at a downloaded checkpoint")
+        raise ConfigError(
+            f"model.path {path} is not a local directory; build it with scripts/setup.sh "
+            "(tiny models) or point it at a downloaded checkpoint"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype),
-                                                 attn_implementation=cfg.model.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
+    )
     if cfg.model.adapter != "none":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(
-            r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout,
-            target_modules=cfg.model.lora_target_modules, use_dora=cfg.model.adapter == "dora",
-            task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.model.lora_r,
+                lora_alpha=cfg.model.lora_alpha,
+                lora_dropout=cfg.model.lora_dropout,
+                target_modules=cfg.model.lora_target_modules,
+                use_dora=cfg.model.adapter == "dora",
+                task_type="CAUSAL_LM",
+            ),
+        )
     return model, tokenizer
 
 
@@ -128,13 +165,20 @@ def _sample_context(cfg: RunConfig, tokenizer: Any) -> SampleContext:
     if len(newline) != 1:
         raise ConfigError(f"the tokenizer encodes '\\n' as {newline}; the turn suffix needs a single id")
     return SampleContext(
-        tokenizer=tokenizer, coord_vocab=CoordVocab.from_tokenizer(tokenizer), system_prompt=cfg.prompts.system,
-        stop_markers=tuple(s2.parse.stop_markers), matching=s2.matching, targets=s2.targets,
-        malformed_policy=s2.gt.malformed_policy, fn_desc_ce=s2.loss.fn_desc_ce,
+        tokenizer=tokenizer,
+        coord_vocab=CoordVocab.from_tokenizer(tokenizer),
+        system_prompt=cfg.prompts.system,
+        stop_markers=tuple(s2.parse.stop_markers),
+        matching=s2.matching,
+        targets=s2.targets,
+        malformed_policy=s2.gt.malformed_policy,
+        fn_desc_ce=s2.loss.fn_desc_ce,
         prefix_structure_ce=s2.loss.prefix_structure_ce,
         packing_length=s2.packing.packing_length or s2.encode.global_max_length,
-        on_prompt_mismatch=s2.encode.on_prompt_mismatch, oversize_policy=s2.encode.oversize_policy,
-        eot_id=int(eot_id), newline_id=int(newline[0]),
+        on_prompt_mismatch=s2.encode.on_prompt_mismatch,
+        oversize_policy=s2.encode.oversize_policy,
+        eot_id=int(eot_id),
+        newline_id=int(newline[0]),
     )
 
 
@@ -155,8 +199,13 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     check_runtime_guards(cfg, world_size=args.world_size, longest_prompt_tokens=longest)
     source = build_rollout_source(cfg, model, tokenizer)
     health = source.health()
-    check_runtime_guards(cfg, world_size=args.world_size, server_lora_enabled=health.lora_enabled,
-                         server_max_model_len=health.max_model_len, longest_prompt_tokens=longest)
+    check_runtime_guards(
+        cfg,
+        world_size=args.world_size,
+        server_lora_enabled=health.lora_enabled,
+        server_max_model_len=health.max_model_len,
+        longest_prompt_tokens=longest,
+    )
     # Colocated engines: every TP-group host rank feeds its own engine; servers: only global rank 0 sends.
     sends = getattr(source, "sends_weights", args.process_index == 0)
     gas = args.gradient_accumulation_steps
@@ -164,19 +213,37 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     m_steps = buffer_cfg.m_steps if buffer_cfg.enabled else 1
     block = args.per_device_train_batch_size * gas * args.world_size
     dataset = RepeatedWindowDataset(train, block=block, m_steps=m_steps, seed=args.seed)
-    sync = WeightSyncPolicy(cfg.rollout.sync, is_rank0=lambda: bool(sends),
-                            all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
-                            dtype=_engine_dtype(health), seed=args.seed)
-    planner = StepPlanner(source=source, ctx=ctx, stage2=cfg.stage2, decoding=cfg.rollout.decoding,
-                          seed=args.seed, rank=args.process_index, world_size=args.world_size,
-                          per_device_batch_size=args.per_device_train_batch_size,
-                          pad_id=int(tokenizer.pad_token_id), adapter_name=lambda: sync.request_adapter)
+    sync = WeightSyncPolicy(
+        cfg.rollout.sync,
+        is_rank0=lambda: bool(sends),
+        all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
+        dtype=_engine_dtype(health),
+        seed=args.seed,
+    )
+    planner = StepPlanner(
+        source=source,
+        ctx=ctx,
+        stage2=cfg.stage2,
+        decoding=cfg.rollout.decoding,
+        seed=args.seed,
+        rank=args.process_index,
+        world_size=args.world_size,
+        per_device_batch_size=args.per_device_train_batch_size,
+        pad_id=int(tokenizer.pad_token_id),
+        adapter_name=lambda: sync.request_adapter,
+    )
     trainer = RolloutMatchingTrainer(
-        planner=planner, weight_sync=sync, rollout_buffer=RolloutBuffer(m_steps=m_steps, gas=gas,
-                                                                        enabled=buffer_cfg.enabled),
-        run_cfg=cfg, eval_samples=evals, model=model, args=args, train_dataset=dataset,
+        planner=planner,
+        weight_sync=sync,
+        rollout_buffer=RolloutBuffer(m_steps=m_steps, gas=gas, enabled=buffer_cfg.enabled),
+        run_cfg=cfg,
+        eval_samples=evals,
+        model=model,
+        args=args,
+        train_dataset=dataset,
         eval_dataset=SampleListDataset(evals) if evals else None,
-        data_collator=_identity_collator, processing_class=tokenizer,
+        data_collator=_identity_collator,
+        processing_class=tokenizer,
         callbacks=[MetricsJsonlCallback(out / "metrics.jsonl"), LiveProgressCallback()],
     )
     trainer.remove_callback(ProgressCallback)

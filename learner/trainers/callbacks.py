@@ -29,8 +29,11 @@ class MetricsJsonlCallback(TrainerCallback):
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
         if not state.is_world_process_zero or not logs:
             return
-        record: dict[str, Any] = {"step": state.global_step, "epoch": state.epoch,
-                                  "wall_s": round(time.perf_counter() - self._t0, 3)}
+        record: dict[str, Any] = {
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "wall_s": round(time.perf_counter() - self._t0, 3),
+        }
         for key, value in logs.items():
             if isinstance(value, float) and not math.isfinite(value):
                 value = None
@@ -51,7 +54,9 @@ class LiveProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         if state.is_world_process_zero:
-            self.bar = tqdm(total=state.max_steps, desc="train", dynamic_ncols=True, initial=state.global_step)
+            self.bar = tqdm(
+                total=state.max_steps, desc="train", dynamic_ncols=True, initial=state.global_step
+            )
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self.bar is not None:

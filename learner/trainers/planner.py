@@ -35,8 +35,13 @@ __all__ = ["PlannedStep", "StepPlanner", "build_request_config"]
 logger = logging.getLogger(__name__)
 
 
-def build_request_config(decoding: DecodingConfig, *, max_new_tokens: int | None = None,
-                         temperature: float | None = None, adapter: str | None = None) -> RequestConfig:
+def build_request_config(
+    decoding: DecodingConfig,
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    adapter: str | None = None,
+) -> RequestConfig:
     """The wire `request_config` for the learner's decoding knobs (greedy = temperature 0)."""
     rt = decoding.repeat_terminate
     return RequestConfig(
@@ -93,8 +98,13 @@ class StepPlanner:
             self.carry = CarryBuffer.from_config(self.stage2.packing, self.stage2.encode.global_max_length)
 
     # -- rollouts -------------------------------------------------------------------------------
-    def rollout(self, samples: Sequence[dict[str, Any]], seeds: Sequence[int], request_config: RequestConfig,
-                first_index: int) -> tuple[list[InferResult], float]:
+    def rollout(
+        self,
+        samples: Sequence[dict[str, Any]],
+        seeds: Sequence[int],
+        request_config: RequestConfig,
+        first_index: int,
+    ) -> tuple[list[InferResult], float]:
         """One batched call for all `samples` (never packed); returns results and seconds spent."""
         if not samples:
             return [], 0.0
@@ -102,8 +112,9 @@ class StepPlanner:
             InferRequest(messages=self.ctx.rollout_messages(s), request_id=f"{s['sample_id']}:{i}")
             for i, s in enumerate(samples)
         ]
-        batch = InferBatch(infer_requests=requests, request_config=request_config, first_index=first_index,
-                           seeds=list(seeds))
+        batch = InferBatch(
+            infer_requests=requests, request_config=request_config, first_index=first_index, seeds=list(seeds)
+        )
         t0 = time.perf_counter()
         results = self.source.infer(batch)
         return results, time.perf_counter() - t0
@@ -117,8 +128,14 @@ class StepPlanner:
         ]
 
     # -- training step --------------------------------------------------------------------------
-    def plan(self, raws: Sequence[Sequence[dict[str, Any]]], *, global_step: int, metrics: StepMetrics,
-             before_rollout: Callable[[], float] | None = None) -> PlannedStep:
+    def plan(
+        self,
+        raws: Sequence[Sequence[dict[str, Any]]],
+        *,
+        global_step: int,
+        metrics: StepMetrics,
+        before_rollout: Callable[[], float] | None = None,
+    ) -> PlannedStep:
         """Rollout, parse, match, encode and pack every micro-batch of one optimizer step (§17).
 
         Args:
@@ -138,11 +155,17 @@ class StepPlanner:
             sync_s = before_rollout() if (flat and before_rollout is not None) else 0.0
             request_config = build_request_config(self.decoding, adapter=self.adapter_name())
             first_index = self.rank * self.per_device_batch_size * max(len(raws), 1)
-            results, gen_s = self.rollout(flat, self.step_seeds(raws, global_step), request_config, first_index)
+            results, gen_s = self.rollout(
+                flat, self.step_seeds(raws, global_step), request_config, first_index
+            )
         metrics.add_time("time/weight_sync_s", sync_s)
         metrics.add_time("time/rollout_generate_s", gen_s)
-        metrics.add({"rollout/decode_greedy": float(self.decoding.decode_mode == "greedy"),
-                     "rollout/decode_beam": float(self.decoding.decode_mode == "beam")})
+        metrics.add(
+            {
+                "rollout/decode_greedy": float(self.decoding.decode_mode == "greedy"),
+                "rollout/decode_beam": float(self.decoding.decode_mode == "beam"),
+            }
+        )
 
         prepared: list[dict[str, Any]] = []
         n_ce = n_coord = 0
@@ -174,8 +197,13 @@ class StepPlanner:
 
     def _empty_result(self, sample: dict[str, Any], index: int) -> InferResult:
         """What an engine would return for a rollout of zero tokens (warm-up steps)."""
-        return InferResult(index=index, request_id=None, prompt_token_ids=self.ctx.prompt_ids(sample),
-                           choices=[Choice(token_ids=[], text="", finish_reason="length")], weight_version=0)
+        return InferResult(
+            index=index,
+            request_id=None,
+            prompt_token_ids=self.ctx.prompt_ids(sample),
+            choices=[Choice(token_ids=[], text="", finish_reason="length")],
+            weight_version=0,
+        )
 
     def _pack(self, segments: list, global_step: int, metrics: StepMetrics) -> dict[str, Any]:
         if self.carry is not None:
@@ -189,18 +217,30 @@ class StepPlanner:
             packed = pad_segments(segments, self.pad_id) if segments else None
         if packed is None:
             return {"empty": True, "n_ce": 0, "n_coord": 0, "samples": 0}
-        return {"empty": False, "batch": packed, "n_ce": packed.n_ce, "n_coord": packed.n_coord,
-                "samples": len(segments)}
+        return {
+            "empty": False,
+            "batch": packed,
+            "n_ce": packed.n_ce,
+            "n_coord": packed.n_coord,
+            "samples": len(segments),
+        }
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, samples: Sequence[dict[str, Any]], *, batch_size: int, max_new_tokens: int | None = None,
-                 temperature: float | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        samples: Sequence[dict[str, Any]],
+        *,
+        batch_size: int,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> dict[str, float]:
         """Rollout → parse → match only (§18); returns summed counts (the caller reduces and rates them)."""
         sums: dict[str, float] = {}
-        request_config = build_request_config(self.decoding, max_new_tokens=max_new_tokens,
-                                              temperature=temperature, adapter=self.adapter_name())
+        request_config = build_request_config(
+            self.decoding, max_new_tokens=max_new_tokens, temperature=temperature, adapter=self.adapter_name()
+        )
         for start in range(0, len(samples), batch_size):
-            chunk = list(samples[start:start + batch_size])
+            chunk = list(samples[start : start + batch_size])
             seeds = [request_seed(self.seed, 0, 0, start + i) for i in range(len(chunk))]
             results, _ = self.rollout(chunk, seeds, request_config, first_index=start)
             for sample, result in zip(chunk, results, strict=True):
@@ -211,4 +251,3 @@ class StepPlanner:
 def _accumulate(into: dict[str, float], values: dict[str, float]) -> None:
     for key, value in values.items():
         into[key] = into.get(key, 0.0) + float(value)
-

@@ -51,8 +51,16 @@ class RolloutMatchingTrainer(Trainer):
 
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *, planner: StepPlanner, weight_sync: WeightSyncPolicy, rollout_buffer: RolloutBuffer,
-                 run_cfg: Any, eval_samples: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        planner: StepPlanner,
+        weight_sync: WeightSyncPolicy,
+        rollout_buffer: RolloutBuffer,
+        run_cfg: Any,
+        eval_samples: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.planner = planner
         self.weight_sync = weight_sync
@@ -79,10 +87,19 @@ class RolloutMatchingTrainer(Trainer):
             rollout = self.run_cfg.rollout
             # Offload only helps a colocated vLLM engine; hf generates with these very parameters (STAGE2 §16).
             offload_on = offload.enabled and rollout.mode == "colocate" and rollout.backend == "vllm"
-            with offload_context(self.model, self.optimizer, offload_model=offload.model,
-                                 offload_optimizer=offload.optimizer, enabled=offload_on) as report:
-                planned = self.planner.plan([t.batch for t in tagged], global_step=step,
-                                            metrics=self.step_metrics, before_rollout=self._sync_now)
+            with offload_context(
+                self.model,
+                self.optimizer,
+                offload_model=offload.model,
+                offload_optimizer=offload.optimizer,
+                enabled=offload_on,
+            ) as report:
+                planned = self.planner.plan(
+                    [t.batch for t in tagged],
+                    global_step=step,
+                    metrics=self.step_metrics,
+                    before_rollout=self._sync_now,
+                )
             self.step_metrics.add_time("time/offload_s", getattr(report, "seconds", 0.0))
             prepared = planned.prepared
             n_ce, n_coord = self._all_reduce_counts(planned.n_ce, planned.n_coord)
@@ -116,7 +133,9 @@ class RolloutMatchingTrainer(Trainer):
         t0 = time.perf_counter()
         self._last_forward_s = 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.step_metrics.add_time("time/backward_s", max(0.0, time.perf_counter() - t0 - self._last_forward_s))
+        self.step_metrics.add_time(
+            "time/backward_s", max(0.0, time.perf_counter() - t0 - self._last_forward_s)
+        )
         return loss
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -133,17 +152,30 @@ class RolloutMatchingTrainer(Trainer):
         t0 = time.perf_counter()
         batch = inputs["batch"].to(self.args.device)
         outputs = model(**batch.model_inputs())
-        sums = step_loss_sums(outputs.logits, batch, coord_ids=self.coord_ids.to(outputs.logits.device),
-                              coord_cfg=self.run_cfg.stage2.coord_loss, eos_id=self.planner.ctx.eot_id)
-        loss = micro_loss(sums, inputs["n_ce_total"], inputs["n_coord_total"], self.args.world_size,
-                          loss_cfg.normalization, gas)
+        sums = step_loss_sums(
+            outputs.logits,
+            batch,
+            coord_ids=self.coord_ids.to(outputs.logits.device),
+            coord_cfg=self.run_cfg.stage2.coord_loss,
+            eos_id=self.planner.ctx.eot_id,
+        )
+        loss = micro_loss(
+            sums,
+            inputs["n_ce_total"],
+            inputs["n_coord_total"],
+            self.args.world_size,
+            loss_cfg.normalization,
+            gas,
+        )
         self.step_metrics.add(sums.metric_sums())
         self._last_forward_s = time.perf_counter() - t0
         self.step_metrics.add_time("time/forward_s", self._last_forward_s)
         return (loss, outputs) if return_outputs else loss
 
     # -- evaluation ---------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Rollout-only evaluation on the held-out samples (§18): precision / recall / F1 and counts."""
         samples = list(eval_dataset) if eval_dataset is not None else self.eval_samples
         if not samples:

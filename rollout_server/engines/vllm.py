@@ -229,9 +229,7 @@ class VllmEngine:
             version = self._updates.version
             lora = self._updates.adapters.resolve(cfg.adapter)
             jobs = [
-                self._complete(
-                    prompts[i], cfg, completion_seed(seeds[i], j), i, batch, lora
-                )
+                self._complete(prompts[i], cfg, completion_seed(seeds[i], j), i, batch, lora)
                 for i in range(len(prompts))
                 for j in range(cfg.n)
             ]

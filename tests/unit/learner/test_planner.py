@@ -28,34 +28,60 @@ class RecordingSource:
         self.batches.append(batch)
         out = []
         for i, req in enumerate(batch.infer_requests):
-            prompt = self.tokenizer.apply_chat_template(req.messages, tokenize=True, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(
+                req.messages, tokenize=True, add_generation_prompt=True
+            )
             prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-            out.append(InferResult(index=batch.first_index + i, request_id=req.request_id,
-                                   prompt_token_ids=list(prompt),
-                                   choices=[Choice(token_ids=self.answer_ids, text="", finish_reason="stop")],
-                                   weight_version=1))
+            out.append(
+                InferResult(
+                    index=batch.first_index + i,
+                    request_id=req.request_id,
+                    prompt_token_ids=list(prompt),
+                    choices=[Choice(token_ids=self.answer_ids, text="", finish_reason="stop")],
+                    weight_version=1,
+                )
+            )
         return out
 
 
 def _sample(i: int) -> dict:
-    return {"messages": [{"role": "user", "content": [{"type": "text", "text": f"scene {i}"}]}],
-            "gt_objects": [OBJ], "images": [], "width": 1000, "height": 1000, "base_idx": i, "dataset": "t",
-            "sample_id": i}
+    return {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": f"scene {i}"}]}],
+        "gt_objects": [OBJ],
+        "images": [],
+        "width": 1000,
+        "height": 1000,
+        "base_idx": i,
+        "dataset": "t",
+        "sample_id": i,
+    }
 
 
 @pytest.fixture()
 def planner_parts(tiny_model_dir, tiny_tokenizer):
     def make(warmup: int) -> tuple[StepPlanner, RecordingSource]:
-        cfg = RunConfig.model_validate({
-            "model": {"path": str(tiny_model_dir)}, "data": {"train": ["x.jsonl"]},
-            "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
-            "stage2": {"sft_warmup_steps": warmup}, "training": {"seed": 17},
-        })
+        cfg = RunConfig.model_validate(
+            {
+                "model": {"path": str(tiny_model_dir)},
+                "data": {"train": ["x.jsonl"]},
+                "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
+                "stage2": {"sft_warmup_steps": warmup},
+                "training": {"seed": 17},
+            }
+        )
         answer = '{"object_1": {"desc": "cat", "bbox_2d": ["<|coord_10|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"]}}'
         source = RecordingSource(tiny_tokenizer, answer)
-        planner = StepPlanner(source=source, ctx=_sample_context(cfg, tiny_tokenizer), stage2=cfg.stage2,
-                              decoding=cfg.rollout.decoding, seed=17, rank=0, world_size=1,
-                              per_device_batch_size=2, pad_id=int(tiny_tokenizer.pad_token_id))
+        planner = StepPlanner(
+            source=source,
+            ctx=_sample_context(cfg, tiny_tokenizer),
+            stage2=cfg.stage2,
+            decoding=cfg.rollout.decoding,
+            seed=17,
+            rank=0,
+            world_size=1,
+            per_device_batch_size=2,
+            pad_id=int(tiny_tokenizer.pad_token_id),
+        )
         return planner, source
 
     return make
@@ -80,11 +106,19 @@ def test_warmup_steps_make_no_request_and_no_sync(planner_parts):
     planner, source = planner_parts(warmup=5)
     syncs = []
     metrics = StepMetrics()
-    step = planner.plan([[_sample(0), _sample(1)]], global_step=4, metrics=metrics,
-                        before_rollout=lambda: syncs.append(1) or 0.0)
+    step = planner.plan(
+        [[_sample(0), _sample(1)]],
+        global_step=4,
+        metrics=metrics,
+        before_rollout=lambda: syncs.append(1) or 0.0,
+    )
     assert source.batches == [] and syncs == []
     # The empty rollout falls back to "{" + the whole GT: every coordinate is supervised in the tail.
     assert step.n_coord == 8 and step.n_ce > 0
-    planner.plan([[_sample(2), _sample(3)]], global_step=5, metrics=metrics,
-                 before_rollout=lambda: syncs.append(1) or 0.0)
+    planner.plan(
+        [[_sample(2), _sample(3)]],
+        global_step=5,
+        metrics=metrics,
+        before_rollout=lambda: syncs.append(1) or 0.0,
+    )
     assert len(source.batches) == 1 and syncs == [1]

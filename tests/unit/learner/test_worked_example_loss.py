@@ -42,13 +42,19 @@ def test_worked_example_loss_exact():
     vocab = len(TOKENIZER)
     batch = pad_segments([seg], pad_id=0)
     logits = torch.zeros(1, seg.encoded_len, vocab, requires_grad=True)
-    sums = step_loss_sums(logits, batch, coord_ids=torch.tensor(COORDS.ids), coord_cfg=CoordLossConfig(),
-                          eos_id=TOKENIZER.id_of("<|im_end|>"))
+    sums = step_loss_sums(
+        logits,
+        batch,
+        coord_ids=torch.tensor(COORDS.ids),
+        coord_cfg=CoordLossConfig(),
+        eos_id=TOKENIZER.id_of("<|im_end|>"),
+    )
 
     assert sums.n_ce == 57 and sums.n_coord == 16
     assert float(sums.s_ce.detach()) == pytest.approx(57 * math.log(vocab), rel=1e-6)
-    expected_slots = [math.log(1000) + _w1_uniform(t) + (math.log(vocab) - math.log(1000))
-                      for t in PRE_BINS + TAIL_BINS]
+    expected_slots = [
+        math.log(1000) + _w1_uniform(t) + (math.log(vocab) - math.log(1000)) for t in PRE_BINS + TAIL_BINS
+    ]
     assert float(sums.s_coord.detach()) == pytest.approx(sum(expected_slots), rel=1e-5)
     assert float(sums.s_coord_prefix) == pytest.approx(sum(expected_slots[:4]), rel=1e-5)
     assert sums.n_ce_eos == 1  # the end-of-turn position 457

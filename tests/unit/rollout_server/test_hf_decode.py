@@ -82,7 +82,7 @@ def test_padded_batch_tokens_and_logprobs_equal_teacher_forcing(tiny_model_dir, 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, dtype=torch.float32, attn_implementation=attn
     ).eval()
-    texts = ["a", "the lamp and the dog", "{\"object_1\": ", "chair chair chair chair chair chair chair"]
+    texts = ["a", "the lamp and the dog", '{"object_1": ', "chair chair chair chair chair chair chair"]
     prompts = [tiny_tokenizer.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) > 1
     eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
