@@ -328,6 +328,12 @@ class RunConfig(_Section):
                 "stage2.offload.enabled cannot be combined with sharded parameters or optimizer states "
                 "(training.deepspeed / training.fsdp); use ZeRO's own offload instead (STAGE2 §16)"
             )
+        eval_strategy = str(self.training.get("eval_strategy", "no")).lower().removeprefix("intervalstrategy.")
+        if eval_strategy != "no" and not self.data.eval:
+            raise ValueError(
+                f"training.eval_strategy={eval_strategy!r} needs held-out samples but data.eval is empty; "
+                "list eval JSONL files under data.eval or set training.eval_strategy: 'no'"
+            )
         return self
 
 
