@@ -11,14 +11,12 @@ fallback when there is no ``{`` (§6.4) → prefix cut (§6.5) → per-object va
 synthetic: its prefix is ``encode("{")``), every coord index of a valid object points at that coord id inside
 the prefix, ``prefix_text.rstrip()`` ends with ``{`` or ``}``, valid objects are in appearance order.
 
-The token cut lives in ``cut.py`` (with a documented refinement for multi-byte characters split across tokens),
-the §6.7 checks in ``parse_validate.py``.
-
-Speed: the scan walks structural characters with one regex (strings are skipped whole), and an object value in
-the exact serializer format (§4) is recognised by one regex match (right at its ``"object_N": `` key, which
-then stands for the key, ``:``, value and ``,`` events at once); any other text takes the general path. Both
-paths give identical results (property-tested). For such a value the bins are the captured coord tokens' bins
-when those tokens spell the value's coordinate strings one for one (see ``_finish_object``).
+The §6.3 streaming scan lives in ``parse_scan.py`` (with its fast path for values in the exact serializer format,
+§4), the token cut in ``cut.py`` (with a documented refinement for multi-byte characters split across tokens),
+the §6.7 checks in ``parse_validate.py``; this module holds the result types, the per-object step that turns a
+scanned object into a ``ParsedObject`` and the entry point. For a value the scan matched in serializer format,
+the bins are the captured coord tokens' bins when those tokens spell the value's coordinate strings one for one
+(see ``_finish_object``).
 """
 
 from __future__ import annotations
@@ -29,12 +27,13 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from learner.stage2.coords import CoordVocab, coord_token
 from learner.stage2.cut import CutRoundTripError, cut_with_pieces, token_cut
 from learner.stage2.detok import TokenPieces, _detokenizer, encode_text, token_pieces
-from learner.stage2.parse_validate import GEOM_KEYS, check_geometry, validate_value
+from learner.stage2.parse_scan import CANONICAL_VALUE_RE, ObjectKey, ScannedObject, scan
+from learner.stage2.parse_validate import check_geometry, validate_value
 
 __all__ = [
     "DEFAULT_STOP_MARKERS",
@@ -52,26 +51,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STOP_MARKERS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
 
-# One event per structural character outside strings; a string (group 1 = raw content, group 2 = the closing
-# quote, absent when the text ends inside the string) is one event.
-_SCAN_RE = re.compile(r'"([^"\\]*(?:\\.[^"\\]*)*)(")?|[{}\[\],:]', re.DOTALL)
-_OBJECT_KEY_RE = re.compile(r"object_(\d+)", re.ASCII)
-# An object value exactly as format.serialize_entry writes it (desc without escapes or control characters).
-_C = r'"<\|coord_\d{1,3}\|>"'
-_CANONICAL_VALUE_RE = re.compile(
-    r'\{"desc": "([^"\\\x00-\x1f]*)", "(bbox_2d|poly)": '
-    rf"(\[{_C}(?:, {_C})*\]|\[\[{_C}, {_C}\](?:, \[{_C}, {_C}\])*\])\}}",
-    re.ASCII,
-)
+# The scan's fast-path matcher, read at each call: tests replace it with a never-matching pattern to force the
+# general path.
+_CANONICAL_VALUE_RE = CANONICAL_VALUE_RE
 _COORD_NUM_RE = re.compile(r"coord_(\d+)", re.ASCII)
-
-
-class ObjectKey(NamedTuple):
-    """A top-level key and its char span ``[start, end)`` in ``text`` (quotes included)."""
-
-    key: str
-    start: int
-    end: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,152 +146,11 @@ class ParseResult:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# §6.3 streaming scan
-
-
-@dataclass(slots=True)
-class _Obj:
-    key: str
-    n: int
-    key_start: int
-    value_start: int
-    value_end: int | None = None
-    captures: list[tuple[int, int]] = field(default_factory=list)  # (pos of opening '[', pos of closing ']')
-    canonical: re.Match[str] | None = None
-
-
-@dataclass(slots=True)
-class _Scan:
-    objects: list[_Obj]
-    keys: list[ObjectKey]
-    key_numbers: list[int]  # per key, N of object_N, else -1
-    last_complete_object_end: int | None
-    top_closed: bool
-    truncated: bool
-
-
-def _scan(text: str, first: int) -> _Scan:
-    """Run the §6.3 state machine from the first ``{`` (at ``first``) to the top-level close or the end."""
-    brace = 1
-    bracket = 0
-    expecting = [False, True]  # expecting_key per brace depth
-    objects: list[_Obj] = []
-    keys: list[ObjectKey] = []
-    key_numbers: list[int] = []
-    last_key: str | None = None
-    pending: tuple[str, int, int] | None = None
-    cur: _Obj | None = None
-    capture = False
-    capture_depth = 0
-    cap_start = 0
-    last_end: int | None = None
-    top_closed = False
-    in_string = False
-    search = _SCAN_RE.search
-    pos = first + 1
-    n_text = len(text)
-    while True:
-        m = search(text, pos)
-        if m is None:
-            break
-        p = m.start()
-        pos = m.end()
-        ch = text[p]
-        if ch == '"':
-            if m.group(2) is None:
-                in_string = True
-                break
-            if bracket == 0 and expecting[brace]:
-                s = m.group(1)
-                last_key = s
-                if brace == 1:
-                    keys.append(ObjectKey(s, p, pos))
-                    km = _OBJECT_KEY_RE.fullmatch(s)
-                    n = int(km.group(1)) if km is not None else -1
-                    pending = (s, n, p) if km is not None else None
-                    key_numbers.append(n)
-                    cm = (
-                        _CANONICAL_VALUE_RE.match(text, pos + 2)
-                        if km and text.startswith(": {", pos)
-                        else None
-                    )
-                    if cm is not None:
-                        # A whole entry in serializer format: the ':', '{' (canonical value, as below) and ','
-                        # events at once, leaving the state they would leave.
-                        obj = _Obj(key=s, n=n, key_start=p, value_start=pos + 2, canonical=cm)
-                        obj.captures.append((cm.start(3), cm.end(3) - 1))
-                        obj.value_end = last_end = pos = cm.end()
-                        objects.append(obj)
-                        last_key, pending = cm.group(2), None
-                        if len(expecting) == 2:
-                            expecting.append(False)
-                        expecting[2] = False
-                        expecting[1] = text.startswith(",", pos)
-                        pos += expecting[1]
-        elif ch == "{":
-            brace += 1
-            if brace == len(expecting):
-                expecting.append(True)
-            else:
-                expecting[brace] = True
-            if brace == 2:
-                if pending is None:
-                    cur = None
-                    continue
-                cur = _Obj(key=pending[0], n=pending[1], key_start=pending[2], value_start=p)
-                objects.append(cur)
-                pending = None
-                # Only at bracket depth 0: inside a list the scan would not see the inner keys as keys.
-                cm = _CANONICAL_VALUE_RE.match(text, p) if bracket == 0 else None
-                if cm is not None:
-                    # The whole value in serializer format: the character-level scan would only set last_key to
-                    # the geometry key, capture [geometry '[', its ']'), and close the object at cm.end().
-                    cur.canonical = cm
-                    cur.captures.append((cm.start(3), cm.end(3) - 1))
-                    cur.value_end = last_end = cm.end()
-                    last_key = cm.group(2)
-                    expecting[2] = False
-                    brace = 1
-                    cur = None
-                    pos = cm.end()
-        elif ch == "}":
-            if brace == 2 and cur is not None:
-                cur.value_end = last_end = p + 1
-                if capture:
-                    cur.captures.append((cap_start, p))
-                    capture = False
-                cur = None
-            brace -= 1
-            if brace == 0:
-                top_closed = True
-                break
-        elif ch == "[":
-            bracket += 1
-            if brace == 2 and cur is not None and not capture and last_key in GEOM_KEYS:
-                capture = True
-                capture_depth = bracket - 1
-                cap_start = p
-        elif ch == "]":
-            bracket -= 1
-            if capture and bracket <= capture_depth:
-                capture = False
-                assert cur is not None
-                cur.captures.append((cap_start, p))
-        elif ch == ",":
-            if bracket == 0:
-                expecting[brace] = True
-                if brace == 1:
-                    pending = None
-        elif bracket == 0:  # ':'
-            expecting[brace] = False
-    if capture and cur is not None:
-        cur.captures.append((cap_start, n_text))
-    truncated = not top_closed and (brace != 0 or bracket != 0 or in_string)
-    return _Scan(objects, keys, key_numbers, last_end, top_closed, truncated)
+# §6.7 per object
 
 
 def _finish_object(
-    o: _Obj,
+    o: ScannedObject,
     text: str,
     ids: Sequence[int],
     starts: list[int],
@@ -404,16 +246,16 @@ def _parse(
     first = text.find("{")
     if first < 0:
         return _fallback(ids, tp, tokenizer, cut_fallback=False, hard_stopped=hard_stopped)
-    scan = _scan(text, first)
-    cut_char = scan.last_complete_object_end if scan.last_complete_object_end is not None else first + 1
+    scanned = scan(text, first, value_re=_CANONICAL_VALUE_RE)
+    cut_char = scanned.last_complete_object_end if scanned.last_complete_object_end is not None else first + 1
     prefix_ids, prefix_tp = cut_with_pieces(ids, cut_char, tokenizer, tp)
     id_to_bin = coord_vocab.id_to_bin
     spelled = _detokenizer(tokenizer).spells(coord_vocab.ids, coord_token)
-    objs = [_finish_object(o, text, ids, tp.starts, id_to_bin, cut_char, spelled) for o in scan.objects]
+    objs = [_finish_object(o, text, ids, tp.starts, id_to_bin, cut_char, spelled) for o in scanned.objects]
     valid = [o for o in objs if o.valid]
     # Keys come in text order, so those ending at or before the cut are a prefix of the list.
-    n_before_cut = bisect.bisect_right([k.end for k in scan.keys], cut_char)
-    max_n = max(max(scan.key_numbers[:n_before_cut], default=0), 0)
+    n_before_cut = bisect.bisect_right([k.end for k in scanned.keys], cut_char)
+    max_n = max(max(scanned.key_numbers[:n_before_cut], default=0), 0)
     return ParseResult(
         response_token_ids=ids,
         text=text,
@@ -424,13 +266,13 @@ def _parse(
         cut_char=cut_char,
         valid_objects=valid,
         all_objects=objs,
-        object_keys=scan.keys,
+        object_keys=scanned.keys,
         max_object_index_in_prefix=max_n,
         dropped_invalid=len(objs) - len(valid),
-        truncated=scan.truncated,
+        truncated=scanned.truncated,
         fallback=False,
         hard_stopped=hard_stopped,
-        top_closed=scan.top_closed,
+        top_closed=scanned.top_closed,
         first_open_brace=first,
     )
 
