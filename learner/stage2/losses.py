@@ -28,6 +28,7 @@ __all__ = [
     "coord_loss_terms",
     "gaussian_targets",
     "micro_loss",
+    "read_columns",
     "sanitize_logits",
     "step_loss_sums",
     "zero_loss",
@@ -67,6 +68,11 @@ class LossConfig(BaseModel):
     """Give CE to the desc-value tokens of appended (FN) objects."""
     prefix_structure_ce: bool = False
     """Give CE to the structure tokens of matched (TP) entries in the rollout prefix."""
+    compact_logits: bool = True
+    """Ask the model for logits only at the positions the losses read (``logits_to_keep`` = the read
+    columns): the LM head, its logits and their gradient cost ``B·K·V`` instead of ``B·T·V`` (K = read
+    positions; the prompt, image tokens included, is never read). Same losses and gradients; false asks
+    for every position (models whose forward has no ``logits_to_keep``)."""
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -175,24 +181,50 @@ class CeSums(NamedTuple):
     eos_count: int
 
 
-def ce_sum(logits: torch.Tensor, labels: torch.Tensor, eos_id: int | None = None) -> CeSums:
-    """Sum of ``cross_entropy(logits[:, t-1], labels[:, t])`` over every ``labels[:, t] != -100``.
+def read_columns(labels: torch.Tensor, coord_pos: torch.Tensor) -> torch.Tensor:
+    """Positions whose logits the losses read: ``t - 1`` for every labelled ``t`` in any row, and ``p - 1``
+    for every coord slot at ``p``.
+
+    Args:
+        labels: ``[B, T]``, -100 where unsupervised.
+        coord_pos: ``[K]`` absolute slot positions (all ≥ 1).
+
+    Returns:
+        ``[K']`` int64, sorted and unique, on ``labels``' device: the ``logits_to_keep`` index of a compact
+        forward (one set for all rows of a padded batch).
+    """
+    labelled = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
+    return torch.unique(torch.cat([labelled, coord_pos.to(labels.device, torch.long) - 1]))
+
+
+def _predicted_labels(labels: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, slice]:
+    """The label each logits column predicts, and the slice of logits columns that predict one."""
+    if columns is None:
+        return labels[:, 1:], slice(None, -1)
+    return labels[:, columns + 1], slice(None)
+
+
+def ce_sum(
+    logits: torch.Tensor, labels: torch.Tensor, eos_id: int | None = None, columns: torch.Tensor | None = None
+) -> CeSums:
+    """Sum of ``cross_entropy(logits at t-1, labels[:, t])`` over every ``labels[:, t] != -100``.
 
     Only the supervised rows are gathered and upcast to float32, so memory stays ``O(n_ce · V)``.
 
     Args:
-        logits: ``[B, T, V]``.
+        logits: ``[B, T, V]``, or ``[B, K, V]`` at ``columns`` (a compact forward).
         labels: ``[B, T]`` with -100 where unsupervised. ``labels[:, 0]`` is never used (nothing
             predicts it); segments start with prompt tokens, so it is -100 anyway.
         eos_id: end-of-turn id; positions whose label equals it form the ``loss/ce_eos`` part.
+        columns: ``[K]`` positions of the logits (:func:`read_columns`); None = every position.
 
     Returns:
         :class:`CeSums` (sum with graph, count, eos sum detached, eos count).
     """
-    shifted_labels = labels[:, 1:]
-    mask = shifted_labels != IGNORE_INDEX
-    rows = logits[:, :-1][mask].float()
-    targets = shifted_labels[mask]
+    predicted, predicting = _predicted_labels(labels, columns)
+    mask = predicted != IGNORE_INDEX
+    rows = logits[:, predicting][mask].float()
+    targets = predicted[mask]
     per_token = F.cross_entropy(rows, targets, reduction="none")
     total = per_token.sum()
     if eos_id is None:
@@ -260,28 +292,33 @@ def step_loss_sums(
     coord_ids: torch.Tensor,
     coord_cfg: CoordLossConfig,
     eos_id: int | None,
+    columns: torch.Tensor | None = None,
 ) -> LossSums:
     """CE and coordinate-loss sums of one micro-batch (§13.1, §13.2).
 
     Works identically on a packed row (``B == 1``) and on right-padded rows: all positions are
     absolute in the ``[B, T]`` layout, and §14.6 guarantees ``p - 1`` lies in the slot's segment.
+    A compact forward (logits at ``columns`` only) gives the same sums as a full one.
 
     Args:
-        logits: ``[B, T, V]`` model output (any float dtype).
+        logits: ``[B, T, V]`` model output (any float dtype), or ``[B, K, V]`` at ``columns``.
         batch: labels and coord slots (see :class:`LossInputs`).
         coord_ids: ``[1000]`` coord token ids in bin order.
         coord_cfg: coordinate-loss knobs.
         eos_id: end-of-turn id for the ``loss/ce_eos`` split (None: no split).
+        columns: ``[K]`` positions of compact logits (:func:`read_columns` of this batch); None = all.
 
     Returns:
         :class:`LossSums`.
     """
-    ce = ce_sum(logits, batch.labels.to(logits.device), eos_id)
     device = logits.device
+    columns = columns.to(device) if columns is not None else None
+    ce = ce_sum(logits, batch.labels.to(device), eos_id, columns)
     pos = batch.coord_pos.to(device)
     k = int(pos.numel())
     if k:
-        rows = logits[batch.coord_batch_idx.to(device), pos - 1]
+        read_at = pos - 1 if columns is None else torch.searchsorted(columns, pos - 1)
+        rows = logits[batch.coord_batch_idx.to(device), read_at]
         terms = coord_loss_terms(rows, batch.coord_bins.to(device), coord_ids, coord_cfg)
         s_coord = terms.total.sum()
         is_prefix = batch.coord_is_prefix.to(device=device, dtype=torch.bool)

@@ -5,6 +5,7 @@ Only this module (and `__main__`) knows how the parts are wired; the trainer rec
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,23 @@ def load_policy(cfg: RunConfig, path: str | Path | None = None) -> tuple[PreTrai
     return model, tokenizer
 
 
+def check_compact_logits(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """`stage2.loss.compact_logits` needs a forward that takes a tensor `logits_to_keep` (transformers' causal
+    LMs and Qwen-VL do).
+
+    Raises:
+        ConfigError: naming the key and the model class.
+    """
+    if not cfg.stage2.loss.compact_logits:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        raise ConfigError(
+            f"stage2.loss.compact_logits: {type(base).__name__}.forward takes no `logits_to_keep`; "
+            "set stage2.loss.compact_logits: false"
+        )
+
+
 def _sample_context(cfg: RunConfig, tokenizer: Any) -> SampleContext:
     s2 = cfg.stage2
     eot_id = tokenizer.convert_tokens_to_ids(cfg.chat.end_of_turn_token)
@@ -191,6 +209,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     out = Path(resolve_path(str(output_dir or cfg.output_dir)))
     args = _training_args(cfg, out)
     model, tokenizer = load_policy(cfg)
+    check_compact_logits(cfg, model)
     ctx = _sample_context(cfg, tokenizer)
     train = load_samples(cfg.data.train, cfg)
     evals = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]

@@ -26,7 +26,7 @@ from transformers import Trainer
 
 from learner.metrics import StepMetrics
 from learner.stage2.buffer import RolloutBuffer, TaggedBatch
-from learner.stage2.losses import micro_loss, step_loss_sums, zero_loss
+from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.stage2.offload import offload_context
 from learner.stage2.pipeline import eval_metrics
 from learner.trainers.planner import StepPlanner
@@ -151,13 +151,16 @@ class RolloutMatchingTrainer(Trainer):
             return (loss, None) if return_outputs else loss
         t0 = time.perf_counter()
         batch = inputs["batch"].to(self.args.device)
-        outputs = model(**batch.model_inputs())
+        columns = read_columns(batch.labels, batch.coord_pos) if loss_cfg.compact_logits else None
+        keep = {} if columns is None else {"logits_to_keep": columns}
+        outputs = model(**batch.model_inputs(), **keep)
         sums = step_loss_sums(
             outputs.logits,
             batch,
             coord_ids=self.coord_ids.to(outputs.logits.device),
             coord_cfg=self.run_cfg.stage2.coord_loss,
             eos_id=self.planner.ctx.eot_id,
+            columns=columns,
         )
         loss = micro_loss(
             sums,
