@@ -33,6 +33,7 @@ __all__ = [
     "RunParts",
     "build_rollout_source",
     "build_run",
+    "check_compact_logits",
     "load_policy",
     "load_samples",
     "resolve_path",

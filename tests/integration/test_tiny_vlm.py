@@ -68,3 +68,31 @@ def test_shim_switches_itself_off_when_torchvision_imports(tmp_path: Path) -> No
     off = _python(code, pythonpath=[SHIM_DIR, tmp_path])
     assert on.stdout.split() == ["True", "True"], on.stderr[-2000:]
     assert off.stdout.split() == ["False", "False"], off.stderr[-2000:]
+
+
+COMPACT_LOGITS = """
+import sys, torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+proc = AutoProcessor.from_pretrained(sys.argv[1])
+model = AutoModelForImageTextToText.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64), (200, 30, 30))},
+                                          {"type": "text", "text": "find the lamp"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a lamp at the top"}]}]
+inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+columns = torch.arange(inputs["input_ids"].shape[1] - 6, inputs["input_ids"].shape[1] - 1)
+with torch.no_grad():
+    full = model(**inputs).logits
+    compact = model(**inputs, logits_to_keep=columns).logits
+assert compact.shape[1] == len(columns), compact.shape
+torch.testing.assert_close(compact, full[:, columns], rtol=1e-5, atol=1e-5)
+print("ok", tuple(full.shape), tuple(compact.shape))
+"""
+
+
+def test_vlm_forward_takes_compact_logits_columns(tiny_vlm_dir: Path) -> None:
+    """`stage2.loss.compact_logits` on Qwen-VL: a tensor `logits_to_keep` (with an image in the prompt) gives the
+    full forward's logits at exactly those columns."""
+    result = _python(COMPACT_LOGITS, str(tiny_vlm_dir), pythonpath=[SHIM_DIR, REPO])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("ok")
