@@ -1,0 +1,48 @@
+"""The `bench/` scripts still run: each one's CPU smoke mode, in a subprocess, printing the JSON lines it
+documents (numbers are checked only where they are invariants, not speeds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, f"bench/{script}", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bench_logits_smoke_full_and_compact_agree() -> None:
+    lines = run_bench("bench_logits.py", "--smoke", "--repeats", "1")
+    ratios = [line for line in lines if line.get("measure") == "full_over_compact"]
+    assert {line["layout"] for line in ratios} == {"packed", "padded"}
+    assert all(line["loss_abs_diff"] < 1e-4 for line in ratios)
+    steps = [line for line in lines if "mode" in line]
+    assert all(line["read_columns"] < line["shape"][1] for line in steps)
+
+
+def test_bench_rollout_batching_smoke_rows_match() -> None:
+    lines = run_bench("bench_rollout_batching.py", "--smoke")
+    (ratio,) = [line for line in lines if line.get("measure") == "speedup_batched_over_per_sample"]
+    assert ratio["decode_attention"] == "grouped" and ratio["ratio"] > 0
+    # float32 on CPU: left padding and the grouped decode attention change no greedy row.
+    assert ratio["greedy_rows_identical"] == "8/8"
+
+
+def test_bench_stage2_smoke() -> None:
+    (line,) = run_bench("bench_stage2.py", "--objects", "10", "--samples", "5")
+    assert line["objects"] == 10 and line["median_ms"] > 0
+    assert set(line["stage_median_ms"]) == {"parse", "gt", "match", "targets"}
+
+
+def test_bench_packing_smoke_fill() -> None:
+    lines = run_bench("bench_packing.py", "--smoke")
+    fills = [line for line in lines if line.get("inflow_tokens_per_row") == 1.0]
+    assert fills and fills[0]["fill_mean"] >= 0.95
