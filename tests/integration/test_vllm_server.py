@@ -127,36 +127,51 @@ def test_images_sent_to_a_text_model_are_a_400(vllm_server: ServerProcess, tmp_p
     assert infer_raw(vllm_server.base_url, body).status_code == 422  # never fetched
 
 
+def _timed_infer(base_url: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    """`infer_raw`, and the monotonic time its response arrived."""
+    resp = infer_raw(base_url, body)
+    return resp, time.monotonic()
+
+
 def test_health_stays_fast_during_a_long_generation(vllm_server: ServerProcess) -> None:
-    """`/health` never waits for the engine: probes during a >= 5 s `/infer/` answer in < 200 ms."""
-    requests, duration, latencies = 64, 0.0, []
-    with httpx.Client(timeout=10) as client, ThreadPoolExecutor(max_workers=1) as pool:
+    """`/health` never waits for the engine: a probe sent during a >= 5 s `/infer/` comes back seconds before the
+    generation ends, and probes are fast.
+
+    If `/health` awaited the engine, the first probe would return only when the generation ended. The bounds
+    are on probe latencies and return times, not on how many probes the loop sent: on this shared 2-core
+    machine the OS can stall the probing loop itself for seconds when other work runs (seen: 2 probes of
+    < 40 ms each in a 9 s generation).
+    """
+    requests, duration = 64, 0.0
+    probes: list[tuple[float, float]] = []  # (latency s, monotonic return time)
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(max_workers=1) as pool:
         for _ in range(4):  # grow the generation until it lasts >= 5 s on this machine
             body = {
                 "infer_requests": [{"prompt_token_ids": [10 + i, 20, 30, 40]} for i in range(requests)],
                 "request_config": {"max_tokens": 1500, "ignore_eos": True},
             }
             started = time.monotonic()
-            running = pool.submit(infer_raw, vllm_server.base_url, body)
-            latencies = []
+            running = pool.submit(_timed_infer, vllm_server.base_url, body)
+            probes = []
             while not running.done():
                 t0 = time.perf_counter()
                 resp = client.get(vllm_server.url("/health"))
-                latencies.append(time.perf_counter() - t0)
+                probes.append((time.perf_counter() - t0, time.monotonic()))
                 assert resp.status_code == 200
                 time.sleep(0.05)
-            duration = time.monotonic() - started
-            assert running.result().status_code == 200, running.result().text[:500]
+            resp, ended = running.result()
+            assert resp.status_code == 200, resp.text[:500]
+            duration = ended - started
             if duration >= 5.0:
                 break
             requests *= 2
     assert duration >= 5.0, f"generation lasted only {duration:.1f} s"
-    # A blocked event loop would delay EVERY probe by seconds; single slow probes on this shared 2-core machine
-    # come from the OS scheduler, so the bound holds for 90% of the probes (the slowest is reported).
-    latencies.sort()
-    p90 = latencies[int(0.9 * (len(latencies) - 1))]
-    assert len(latencies) >= 20
-    assert p90 < 0.2, f"90th percentile /health {p90 * 1000:.0f} ms, slowest {latencies[-1] * 1000:.0f} ms"
+    latencies = sorted(latency for latency, _ in probes)
+    median = latencies[len(latencies) // 2]
+    early = [latency for latency, returned in probes if returned <= ended - 1.0]
+    shown = f"{len(probes)} probes in {duration:.1f} s, {len(early)} back >= 1 s before the end, slowest {latencies[-1]:.2f} s"
+    assert early, shown
+    assert median < 0.2, f"median /health {median * 1000:.0f} ms; {shown}"
 
 
 def test_repeat_guard_cuts_exactly_where_the_rule_fires(
