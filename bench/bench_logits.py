@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from learner.stage2.losses import CoordLossConfig, micro_loss, read_columns, step_loss_sums  # noqa: E402
+from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
 
 IGNORE = -100
 
@@ -124,11 +125,9 @@ def build_model(smoke: bool, device: str) -> torch.nn.Module:
 
 
 def step(model: torch.nn.Module, batch: Batch, coord_ids: torch.Tensor, compact: bool) -> float:
-    columns = read_columns(batch.labels, batch.coord_pos) if compact else None
-    keep = {} if columns is None else {"logits_to_keep": columns}
-    logits = model(**batch.model_inputs(), **keep).logits
+    outputs, columns = forward_for_loss(model, batch, compact=compact)
     sums = step_loss_sums(
-        logits, batch, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=None, columns=columns
+        outputs.logits, batch, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=None, columns=columns
     )
     loss = micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1)
     loss.backward()
@@ -181,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     layouts = {
         "packed": make_batch([[(prompt, answer)] * per_row], vocab, coord_ids, device, padded=False),
         "padded": make_batch(
-            [[(prompt - prompt // 8 * i, answer)] for i in range(padded_rows)], vocab, coord_ids, device, padded=True
+            [[(prompt - prompt // 8 * i, answer)] for i in range(padded_rows)],
+            vocab,
+            coord_ids,
+            device,
+            padded=True,
         ),
     }
     common = {

@@ -32,7 +32,7 @@ from learner.stage2.pipeline import eval_metrics
 from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
 
-__all__ = ["RolloutMatchingTrainer"]
+__all__ = ["RolloutMatchingTrainer", "forward_for_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,7 @@ class RolloutMatchingTrainer(Trainer):
             return (loss, None) if return_outputs else loss
         t0 = time.perf_counter()
         batch = inputs["batch"].to(self.args.device)
-        columns = read_columns(batch.labels, batch.coord_pos) if loss_cfg.compact_logits else None
-        keep = {} if columns is None else {"logits_to_keep": columns}
-        outputs = model(**batch.model_inputs(), **keep)
+        outputs, columns = forward_for_loss(model, batch, compact=loss_cfg.compact_logits)
         sums = step_loss_sums(
             outputs.logits,
             batch,
@@ -209,6 +207,20 @@ class RolloutMatchingTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.step_metrics.finalize())
         super().log(logs, start_time)
+
+
+def forward_for_loss(model: torch.nn.Module, batch: Any, *, compact: bool) -> tuple[Any, torch.Tensor | None]:
+    """The model's forward over a prepared micro-batch, as `step_loss_sums` reads it.
+
+    With `compact` (`stage2.loss.compact_logits`) the model returns logits only at the columns the losses
+    read (`read_columns`, passed as `logits_to_keep`); pass the returned columns on to `step_loss_sums`.
+
+    Returns:
+        `(model outputs, columns or None)`.
+    """
+    columns = read_columns(batch.labels, batch.coord_pos) if compact else None
+    keep = {} if columns is None else {"logits_to_keep": columns}
+    return model(**batch.model_inputs(), **keep), columns
 
 
 def _tag(raw: list[dict[str, Any]]) -> TaggedBatch:
