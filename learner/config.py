@@ -61,8 +61,23 @@ class ModelConfig(_Section):
     """Adapter scaling numerator."""
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Adapter dropout."""
-    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module name suffixes that get adapters."""
+    lora_target_modules: list[str] | str | None = None
+    """Module-name suffixes (a list) or a PEFT regex (a string) that get adapters. Default: the attention
+    projections of a text model; every linear layer of a VL model's LLM, nothing of its vision tower
+    (`learner.policy.VL_LORA_TARGETS`)."""
+    freeze_vision: bool | None = None
+    """VL models only: freeze the vision tower (ViT blocks, patch embedding). Default true."""
+    freeze_aligner: bool | None = None
+    """VL models only: freeze the aligner (the patch merger(s) projecting vision features into the LLM).
+    Default true."""
+    freeze_llm: bool | None = None
+    """VL models only: freeze the language model and LM head. Default false."""
+    image_min_pixels: int | None = Field(default=None, ge=1)
+    """VL models only: the processor's minimum image area (pixels) after resizing; default: the checkpoint's
+    processor config. Must equal the rollout engine's (`server.vllm.mm_processor_kwargs`), or prompts
+    differ and samples are dropped (`stage2.encode.on_prompt_mismatch`)."""
+    image_max_pixels: int | None = Field(default=None, ge=1)
+    """VL models only: the processor's maximum image area (pixels) after resizing (see image_min_pixels)."""
 
 
 class DataConfig(_Section):
@@ -328,7 +343,9 @@ class RunConfig(_Section):
                 "stage2.offload.enabled cannot be combined with sharded parameters or optimizer states "
                 "(training.deepspeed / training.fsdp); use ZeRO's own offload instead (STAGE2 §16)"
             )
-        eval_strategy = str(self.training.get("eval_strategy", "no")).lower().removeprefix("intervalstrategy.")
+        eval_strategy = (
+            str(self.training.get("eval_strategy", "no")).lower().removeprefix("intervalstrategy.")
+        )
         if eval_strategy != "no" and not self.data.eval:
             raise ValueError(
                 f"training.eval_strategy={eval_strategy!r} needs held-out samples but data.eval is empty; "

@@ -16,6 +16,7 @@ from shared_schemas.buckets import (
 from shared_schemas.chunking import Chunk, plan_chunks
 from shared_schemas.errors import ErrorBody, ErrorEnvelope
 from shared_schemas.health import Health
+from shared_schemas.images import ImageRefError, image_bytes, load_image
 from shared_schemas.infer import (
     MAX_TOKENS_CAP,
     SEED_MASK,
@@ -55,6 +56,9 @@ from shared_schemas.sync import (
 )
 
 __all__ = [
+    "ImageRefError",
+    "image_bytes",
+    "load_image",
     "BUCKET_PATH",
     "BUCKET_SHM_PATH",
     "DTYPE_NBYTES",

@@ -50,6 +50,7 @@ __all__ = [
     "describe_scene",
     "generate_records",
     "make_record",
+    "record_objects",
     "sample_scene",
     "scene_user_text",
     "write_demo_dataset",
@@ -291,19 +292,25 @@ def scene_user_text(user_prompt: str, scene: str) -> str:
     return f"{user_prompt}\n{scene}"
 
 
-def make_record(objects: Sequence[SceneObject], record_id: str, cfg: DemoDataConfig) -> dict[str, Any]:
-    """One §1.1 record (text-only: ``images`` is empty) with coord-token strings and the scene text."""
+def record_objects(objects: Sequence[SceneObject]) -> list[dict[str, Any]]:
+    """The §1.2 ``objects`` list: ``desc`` plus ``bbox_2d`` or ``poly`` (flat) as coord-token strings, and
+    ``poly_points`` for polygons; order kept."""
     out_objects: list[dict[str, Any]] = []
     for o in objects:
         entry: dict[str, Any] = {"desc": o.desc, o.geom: [coord_token(v) for v in o.coords]}
         if o.geom == "poly":
             entry["poly_points"] = len(o.coords) // 2
         out_objects.append(entry)
+    return out_objects
+
+
+def make_record(objects: Sequence[SceneObject], record_id: str, cfg: DemoDataConfig) -> dict[str, Any]:
+    """One §1.1 record (text-only: ``images`` is empty) with coord-token strings and the scene text."""
     return {
         "images": [],
         "width": 1000,
         "height": 1000,
-        "objects": out_objects,
+        "objects": record_objects(objects),
         "metadata": {"id": record_id, "scene": describe_scene(objects, cfg.scene_style), "grid": cfg.grid},
     }
 

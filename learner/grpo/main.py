@@ -32,9 +32,10 @@ from learner.grpo.progress import GrpoProgressCallback
 from learner.grpo.reference import build_reference
 from learner.grpo.rollouts import request_config
 from learner.grpo.trainer import GrpoTrainer
+from learner.policy import load_policy
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.trainers.build import all_ranks_ok, load_policy
+from learner.trainers.build import all_ranks_ok
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
@@ -183,7 +184,8 @@ def build_grpo_trainer(
             "were started (GRPO_SUMMARY §2.3 rule 7: world size = len(train_gpus)); launch with "
             "scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
         )
-    model, tokenizer = load_policy(cfg, resolved.model_path)
+    policy = load_policy(cfg.model, resolved.model_path)
+    model, tokenizer = policy.model, policy.tokenizer
     reference = build_reference(model, grpo.beta)
     budget = grpo.global_max_length - grpo.max_completion_length
     try:

@@ -118,7 +118,9 @@ class ColocateRolloutSource:
         """Per result of the last `infer`: learner version − producing version."""
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, *, model: nn.Module, tokenizer: Any) -> ColocateRolloutSource:
+    def from_config(
+        cls, cfg: RunConfig, *, model: nn.Module, tokenizer: Any, encoder: Any | None = None
+    ) -> ColocateRolloutSource:
         """The colocated source of `cfg.rollout` (`backend: vllm | hf`, `mode: colocate`).
 
         Args:
@@ -126,6 +128,7 @@ class ColocateRolloutSource:
             model: the training model (the `hf` backend generates with it; the `vllm` backend re-reads it
                 when a level-2 sleep discarded the engine's weights).
             tokenizer: the training tokenizer (chat template included).
+            encoder: the run's `PromptEncoder` (the `hf` backend encodes prompts, images included, with it).
 
         Raises:
             ConfigError: `rollout.vllm.tensor_parallel_size` does not divide the world size, a sleep level on a
@@ -135,7 +138,7 @@ class ColocateRolloutSource:
         if cfg.rollout.backend == "hf":
             from learner.rollout.colocate_hf import HfColocateBackend
 
-            return cls(HfColocateBackend.from_config(cfg, model=model, tokenizer=tokenizer))
+            return cls(HfColocateBackend.from_config(cfg, model=model, tokenizer=tokenizer, encoder=encoder))
         from learner.rollout.colocate_vllm import VllmColocateBackend
 
         return cls(VllmColocateBackend.from_config(cfg, model=model))

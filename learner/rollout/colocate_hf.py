@@ -79,6 +79,7 @@ class HfColocateBackend:
         batch_size: int = 1,
         max_model_len: int | None = None,
         default_seed: int = 0,
+        encoder: Any | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"rollout.decoding.rollout_generate_batch_size must be >= 1, got {batch_size}")
@@ -90,6 +91,7 @@ class HfColocateBackend:
             )
         self._model = model
         self._tokenizer = tokenizer
+        self._encoder = encoder
         self._batch_size = batch_size
         self._max_model_len = max_model_len
         self._default_seed = default_seed
@@ -104,11 +106,14 @@ class HfColocateBackend:
         """Left-padded decode calls so far."""
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, *, model: nn.Module, tokenizer: Any) -> HfColocateBackend:
+    def from_config(
+        cls, cfg: RunConfig, *, model: nn.Module, tokenizer: Any, encoder: Any | None = None
+    ) -> HfColocateBackend:
         """The backend for `rollout.backend: hf` (batch size, max length and seed from the run config)."""
         return cls(
             model,
             tokenizer,
+            encoder=encoder,
             batch_size=cfg.rollout.decoding.rollout_generate_batch_size,
             max_model_len=cfg.rollout.vllm.max_model_len,
             default_seed=int(cfg.training.get("seed", 42)),
@@ -205,6 +210,8 @@ class HfColocateBackend:
                 " carries images — use rollout.backend 'vllm' for vision-language rollouts"
             )
         assert request.messages is not None
+        if self._encoder is not None:
+            return list(self._encoder.encode(request.messages, index=index).ids)
         return chat_prompt_ids(self._tokenizer, request.messages)
 
     def _check_lengths(self, prompts: Sequence[Sequence[int]], max_tokens: int, first_index: int) -> None:

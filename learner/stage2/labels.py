@@ -221,6 +221,7 @@ def build_segment(
     base_idx: int,
     rollout_step: int,
     mm_inputs: dict[str, Any] | None = None,
+    rope_positions: tuple[tuple[int, ...], ...] | None = None,
 ) -> Segment:
     """Teacher-forced segment ``prompt + Y_train + [eot, newline]`` with labels (§11.2, §11.4, §12).
 
@@ -234,6 +235,7 @@ def build_segment(
         base_idx: dataset row index.
         rollout_step: global step of the policy that produced the rollout.
         mm_inputs: multimodal prompt tensors, carried untouched.
+        rope_positions: the prompt's 3-row M-RoPE positions (Qwen-VL), carried untouched.
 
     Raises:
         ValueError: violated §11.4 assertion or label invariant (internal error).
@@ -278,6 +280,7 @@ def build_segment(
         coord_is_prefix=tuple(lab.coord_is_prefix),
         meta=meta,
         mm_inputs=dict(mm_inputs or {}),
+        rope_positions=rope_positions,
     )
 
 
@@ -296,6 +299,7 @@ def encode_segment(
     on_prompt_mismatch: Literal["drop", "raise"] = "drop",
     oversize_policy: Literal["drop", "raise"] = "raise",
     mm_inputs: dict[str, Any] | None = None,
+    rope_positions: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[Segment | None, dict[str, float]]:
     """§11 with its policies: prompt alignment, segment build, oversize check.
 
@@ -328,6 +332,7 @@ def encode_segment(
         base_idx=base_idx,
         rollout_step=rollout_step,
         mm_inputs=mm_inputs,
+        rope_positions=rope_positions,
     )
     if seg.encoded_len > packing_length:
         if oversize_policy == "raise":

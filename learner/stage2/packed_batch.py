@@ -8,8 +8,13 @@ Packed rows carry ``position_ids`` restarting at 0 in every segment plus ``cu_se
 (int32, flash-attention varlen convention) and NO attention mask: transformers then isolates the
 segments itself (flash-attention varlen from the position restarts; sdpa/eager get a block-diagonal
 causal mask built from the same restarts — checked by ``tests/integration/test_packed_equivalence.py``).
-Models with multi-axis rotary positions (Qwen-VL) need their 3-row positions computed per segment by
-the trainer; ``position_ids`` here is the text row.
+Models with multi-axis rotary positions (Qwen-VL, M-RoPE) get ``position_ids`` of shape ``[4, B, T]``:
+row 0 is the text position above (restarting per packed segment, which is what transformers reads to isolate
+packed segments), rows 1–3 the segment's own M-RoPE positions (t, h, w) — the prompt's, computed by the
+model's rope-index function at encoding time (`learner.stage2.prompt_encoding`), continued over the answer by
+:func:`segment_rope_positions`. So a packed segment sees the positions it would see alone. Vision tensors
+(``pixel_values``, ``image_grid_thw``) are concatenated in segment order, which is the order the model
+consumes images in (placeholders left to right).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from learner.stage2.segment import Segment
 
-__all__ = ["PackedBatch", "pack_segments", "pad_segments"]
+__all__ = ["PackedBatch", "pack_segments", "pad_segments", "segment_rope_positions"]
 
 IGNORE_INDEX = -100
 
@@ -34,7 +39,8 @@ class PackedBatch:
     Attributes:
         input_ids: ``[B, T]`` int64.
         labels: ``[B, T]`` int64, -100 where unsupervised.
-        position_ids: ``[B, T]`` int64; packed: restarting at 0 per segment.
+        position_ids: ``[B, T]`` int64, packed: restarting at 0 per segment; ``[4, B, T]`` for M-RoPE models
+            (row 0 as above, rows 1–3 the per-segment M-RoPE positions).
         attention_mask: ``[B, T]`` (1 = token, 0 = padding) for padded rows; None when packed.
         cu_seqlens: packed only: ``[k + 1]`` int32 segment boundaries ``[0, L1, L1+L2, ..., ΣL]``.
         max_seqlen: longest segment.
@@ -158,6 +164,31 @@ def _check_segment(seg: Segment, index: int) -> None:
         raise ValueError(f"segment {index} (sample_id={m.sample_id}): coord position beyond the segment")
 
 
+def segment_rope_positions(prompt_positions: Sequence[Sequence[int]], length: int) -> list[list[int]]:
+    """3-row M-RoPE positions of a segment of ``length`` tokens whose first tokens are the prompt.
+
+    Text after the prompt advances the three rows together from ``max(prompt positions) + 1`` (Qwen-VL's
+    rope index for text that follows an image; equal to its result on the whole segment).
+    """
+    prompt_len = len(prompt_positions[0])
+    start = max(max(row) for row in prompt_positions) + 1 if prompt_len else 0
+    tail = list(range(start, start + length - prompt_len))
+    return [list(row) + tail for row in prompt_positions]
+
+
+def _rope_rows(seg: Segment) -> list[list[int]]:
+    """The segment's 3-row positions; a prompt without M-RoPE positions counts as text (all rows equal)."""
+    length = len(seg.input_ids)
+    if seg.rope_positions is None:
+        return [list(range(length))] * 3
+    if any(len(row) != seg.meta.prompt_len for row in seg.rope_positions) or len(seg.rope_positions) != 3:
+        raise ValueError(
+            f"segment sample_id={seg.meta.sample_id}: rope_positions must be 3 rows of prompt_len="
+            f"{seg.meta.prompt_len} positions (internal error)"
+        )
+    return segment_rope_positions(seg.rope_positions, length)
+
+
 def _concat_mm(segments: Sequence[Segment]) -> dict[str, Any]:
     keys: list[str] = []
     for seg in segments:
@@ -213,10 +244,14 @@ def pack_segments(segments: Sequence[Segment]) -> PackedBatch:
     if bounds[-1] != len(ids):
         raise AssertionError(f"packed offsets end at {bounds[-1]} != row length {len(ids)}")
     rows, pos, bins, pref = _coord_tensors([0] * len(c_pos), c_pos, c_bins, c_pref)
+    position_ids = torch.tensor([positions], dtype=torch.long)
+    if any(seg.rope_positions is not None for seg in segments):
+        rope = [sum((_rope_rows(seg)[axis] for seg in segments), []) for axis in range(3)]
+        position_ids = torch.cat([position_ids[None], torch.tensor(rope, dtype=torch.long)[:, None]], dim=0)
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
-        position_ids=torch.tensor([positions], dtype=torch.long),
+        position_ids=position_ids,
         attention_mask=None,
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         max_seqlen=max(len(s.input_ids) for s in segments),
@@ -260,10 +295,17 @@ def pad_segments(segments: Sequence[Segment], pad_id: int) -> PackedBatch:
         c_bins += seg.coord_bins
         c_pref += seg.coord_is_prefix
     rows_t, pos, bins, pref = _coord_tensors(rows, c_pos, c_bins, c_pref)
+    position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(batch, width).contiguous()
+    if any(seg.rope_positions is not None for seg in segments):
+        # Padding keeps position 0 on every row (never attended, never read by a loss).
+        rope = torch.zeros((3, batch, width), dtype=torch.long)
+        for r, seg in enumerate(segments):
+            rope[:, r, : len(seg.input_ids)] = torch.tensor(_rope_rows(seg), dtype=torch.long)
+        position_ids = torch.cat([position_ids[None], rope], dim=0)
     return PackedBatch(
         input_ids=input_ids,
         labels=labels,
-        position_ids=torch.arange(width, dtype=torch.long).unsqueeze(0).expand(batch, width).contiguous(),
+        position_ids=position_ids,
         attention_mask=attention_mask,
         cu_seqlens=None,
         max_seqlen=width,

@@ -19,6 +19,7 @@ from learner.stage2.labels import encode_segment
 from learner.stage2.match import MatchingConfig, match
 from learner.stage2.messages import rollout_messages
 from learner.stage2.parse import ParseResult, parse_rollout
+from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.segment import Segment
 from learner.stage2.targets import TargetsConfig, build_y_train
 from shared_schemas.infer import InferResult
@@ -38,9 +39,10 @@ _LENGTHS = ("prefix_len", "train_len")
 
 @dataclass(frozen=True)
 class SampleContext:
-    """What every sample of a run shares: tokenizer, coord ids, prompts and the stage-2 knobs."""
+    """What every sample of a run shares: tokenizer, prompt encoder, coord ids, prompts and the stage-2 knobs."""
 
     tokenizer: Any
+    encoder: PromptEncoder
     coord_vocab: CoordVocab
     system_prompt: str
     stop_markers: tuple[str, ...]
@@ -59,14 +61,14 @@ class SampleContext:
         """The §3.3 rollout messages of a sample (what the backend receives and teacher forcing re-encodes)."""
         return rollout_messages(sample["messages"], self.system_prompt)
 
+    def encode_prompt(self, sample: Mapping[str, Any]) -> EncodedPrompt:
+        """The teacher-forced prompt of a sample (§11.1): its rollout messages through the one encoder
+        (text or images), cached for the rollout-buffer window."""
+        return self.encoder.encode(self.rollout_messages(sample), index=int(sample.get("base_idx", 0)))
+
     def prompt_ids(self, sample: Mapping[str, Any]) -> list[int]:
-        """Teacher-forced prompt ids: the same chat template in generation mode (§11.1, text prompts)."""
-        ids = self.tokenizer.apply_chat_template(
-            self.rollout_messages(sample), tokenize=True, add_generation_prompt=True
-        )
-        if isinstance(ids, Mapping):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """Teacher-forced prompt ids (images expanded as the engine expands them)."""
+        return list(self.encode_prompt(sample).ids)
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,9 @@ def prepare_segment(
         else:
             counters[_RENAMED.get(key, key)] = counters.get(_RENAMED.get(key, key), 0.0) + value
     lengths["rollout/append_len"] = y_train.counters.get("append_len", 0.0)
+    prompt = ctx.encode_prompt(sample)
     segment, drop = encode_segment(
-        ctx.prompt_ids(sample),
+        prompt.ids,
         result.prompt_token_ids,
         y_train,
         ctx.eot_id,
@@ -147,6 +150,8 @@ def prepare_segment(
         packing_length=ctx.packing_length,
         on_prompt_mismatch=ctx.on_prompt_mismatch,  # type: ignore[arg-type]
         oversize_policy=ctx.oversize_policy,  # type: ignore[arg-type]
+        mm_inputs=prompt.mm_inputs,
+        rope_positions=prompt.rope_positions,
     )
     for key, value in drop.items():
         counters[key] = counters.get(key, 0.0) + value

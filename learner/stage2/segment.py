@@ -78,7 +78,9 @@ class Segment:
         coord_is_prefix: True for rollout-prefix slots (§9 targets), False for tail slots.
         meta: :class:`SegmentMeta`.
         mm_inputs: multimodal tensors of the prompt (``pixel_values``, ``image_grid_thw``, ...), opaque
-            here; empty for text-only tests.
+            here; empty for text prompts.
+        rope_positions: ``[3][prompt_len]`` M-RoPE positions (rows t, h, w) of the PROMPT for models with
+            multi-axis rotary positions (Qwen-VL), else None; packing extends them over the answer.
     """
 
     input_ids: tuple[int, ...]
@@ -88,6 +90,7 @@ class Segment:
     coord_is_prefix: tuple[bool, ...]
     meta: SegmentMeta
     mm_inputs: dict[str, Any] = field(default_factory=dict)
+    rope_positions: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def encoded_len(self) -> int:

@@ -12,17 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainingArguments
+from transformers import PreTrainedModel, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import ConfigError, RunConfig, check_runtime_guards
 from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
 from learner.data.records import build_sample, load_records
 from learner.data.synthetic import scene_user_text
+from learner.policy import Policy, load_policy
 from learner.rollout.base import RolloutSource
 from learner.stage2.buffer import RolloutBuffer
 from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
+from learner.stage2.prompt_encoding import PromptEncoder
 from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallback
 from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
@@ -34,7 +36,7 @@ __all__ = [
     "build_rollout_source",
     "build_run",
     "check_compact_logits",
-    "load_policy",
+    "check_images",
     "load_samples",
     "resolve_path",
 ]
@@ -95,8 +97,14 @@ def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
     return samples
 
 
-def build_rollout_source(cfg: RunConfig, model: PreTrainedModel, tokenizer: Any) -> RolloutSource:
-    """The configured `RolloutSource`: server client(s) or the colocated engine (same protocol)."""
+def build_rollout_source(
+    cfg: RunConfig, model: PreTrainedModel, tokenizer: Any, encoder: PromptEncoder | None = None
+) -> RolloutSource:
+    """The configured `RolloutSource`: server client(s) or the colocated engine (same protocol).
+
+    `encoder` is the run's prompt encoder; a colocated HF engine encodes its prompts (images included) with it,
+    so rollout and teacher forcing share one encoding and one image cache.
+    """
     if cfg.rollout.mode == "server":
         from learner.rollout.client import ServerRolloutSource
 
@@ -105,7 +113,7 @@ def build_rollout_source(cfg: RunConfig, model: PreTrainedModel, tokenizer: Any)
         return source
     from learner.rollout.colocate import ColocateRolloutSource
 
-    return ColocateRolloutSource.from_config(cfg, model=model, tokenizer=tokenizer)
+    return ColocateRolloutSource.from_config(cfg, model=model, tokenizer=tokenizer, encoder=encoder)
 
 
 @dataclass
@@ -121,43 +129,6 @@ def _training_args(cfg: RunConfig, output_dir: Path) -> TrainingArguments:
     kwargs = {**_DEFAULT_ARGS, **cfg.training, **_FORCED_ARGS, "output_dir": str(output_dir)}
     kwargs.pop("resume_from_checkpoint", None)
     return TrainingArguments(**kwargs)
-
-
-def load_policy(cfg: RunConfig, path: str | Path | None = None) -> tuple[PreTrainedModel, Any]:
-    """The model to train (with a fresh LoRA/DoRA adapter when `model.adapter` asks for one) and its tokenizer.
-
-    Args:
-        cfg: the run config (`model:` section).
-        path: checkpoint directory; default `model.path` resolved against the repository.
-
-    Raises:
-        ConfigError: the directory does not exist (nothing is ever downloaded).
-    """
-    path = str(path) if path is not None else resolve_path(cfg.model.path)
-    if not Path(path).is_dir():
-        raise ConfigError(
-            f"model.path {path} is not a local directory; build it with scripts/setup.sh "
-            "(tiny models) or point it at a downloaded checkpoint"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
-    )
-    if cfg.model.adapter != "none":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.model.lora_r,
-                lora_alpha=cfg.model.lora_alpha,
-                lora_dropout=cfg.model.lora_dropout,
-                target_modules=cfg.model.lora_target_modules,
-                use_dora=cfg.model.adapter == "dora",
-                task_type="CAUSAL_LM",
-            ),
-        )
-    return model, tokenizer
 
 
 def check_compact_logits(cfg: RunConfig, model: torch.nn.Module) -> None:
@@ -177,7 +148,38 @@ def check_compact_logits(cfg: RunConfig, model: torch.nn.Module) -> None:
         )
 
 
-def _sample_context(cfg: RunConfig, tokenizer: Any) -> SampleContext:
+def check_images(policy: Policy, samples: list[dict[str, Any]], cfg: RunConfig) -> None:
+    """Image records need a vision-language model.
+
+    Raises:
+        ConfigError: naming the data key and the model path.
+    """
+    if policy.is_vision_language:
+        return
+    with_images = next((s for s in samples if s.get("images")), None)
+    if with_images is not None:
+        raise ConfigError(
+            f"data.train holds image records (sample base_idx={with_images['base_idx']} of "
+            f"{with_images['dataset']}) but model.path {cfg.model.path} is a text-only model; point model.path "
+            "at a Qwen-VL checkpoint, or use text-only records with data.max_images_per_sample: 0"
+        )
+
+
+def check_sync_mode(cfg: RunConfig, policy: Policy) -> None:
+    """An adapter sync carries only the LLM adapters: refused when base weights train too.
+
+    Raises:
+        ConfigError: `rollout.sync.mode: adapter` with an unfrozen vision tower or aligner.
+    """
+    if cfg.rollout.sync.mode == "adapter" and policy.trains_outside_adapters:
+        raise ConfigError(
+            "rollout.sync.mode is 'adapter' but base weights train outside the adapters (model.freeze_vision / "
+            "model.freeze_aligner false): an adapter sync would leave the engine's vision tower stale; use "
+            "rollout.sync.mode: full (or auto, which picks full here)"
+        )
+
+
+def _sample_context(cfg: RunConfig, tokenizer: Any, encoder: PromptEncoder | None = None) -> SampleContext:
     s2 = cfg.stage2
     eot_id = tokenizer.convert_tokens_to_ids(cfg.chat.end_of_turn_token)
     newline = tokenizer.encode("\n", add_special_tokens=False)
@@ -185,6 +187,7 @@ def _sample_context(cfg: RunConfig, tokenizer: Any) -> SampleContext:
         raise ConfigError(f"the tokenizer encodes '\\n' as {newline}; the turn suffix needs a single id")
     return SampleContext(
         tokenizer=tokenizer,
+        encoder=encoder if encoder is not None else PromptEncoder(tokenizer),
         coord_vocab=CoordVocab.from_tokenizer(tokenizer),
         system_prompt=cfg.prompts.system,
         stop_markers=tuple(s2.parse.stop_markers),
@@ -209,15 +212,19 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     """
     out = Path(resolve_path(str(output_dir or cfg.output_dir)))
     args = _training_args(cfg, out)
-    model, tokenizer = load_policy(cfg)
+    policy = load_policy(cfg.model, resolve_path(cfg.model.path))
+    model, tokenizer = policy.model, policy.tokenizer
     check_compact_logits(cfg, model)
-    ctx = _sample_context(cfg, tokenizer)
+    check_sync_mode(cfg, policy)
+    ctx = _sample_context(cfg, tokenizer, PromptEncoder.for_model(model, tokenizer, policy.processor))
     train = load_samples(cfg.data.train, cfg)
     evals = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]
+    check_images(policy, train + evals, cfg)
     longest = max((len(ctx.prompt_ids(s)) for s in train[:256]), default=0)
+    ctx.encoder.new_window()
     # Guards that need no engine run first: a colocated engine is slow to start and takes GPU memory.
     check_runtime_guards(cfg, world_size=args.world_size, longest_prompt_tokens=longest)
-    source = build_rollout_source(cfg, model, tokenizer)
+    source = build_rollout_source(cfg, model, tokenizer, ctx.encoder)
     health = source.health()
     check_runtime_guards(
         cfg,
@@ -263,7 +270,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         train_dataset=dataset,
         eval_dataset=SampleListDataset(evals) if evals else None,
         data_collator=_identity_collator,
-        processing_class=tokenizer,
+        processing_class=policy.processing_class,
         callbacks=[MetricsJsonlCallback(out / "metrics.jsonl"), LiveProgressCallback()],
     )
     trainer.remove_callback(ProgressCallback)

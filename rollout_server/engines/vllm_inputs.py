@@ -12,20 +12,15 @@ Everything here blocks (file reads, image decoding, tokenization): callers run i
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, unquote_to_bytes, urlparse
-from urllib.request import url2pathname
 
 from rollout_server.engines.base import render_chat_prompt
 from rollout_server.errors import BadRequestError
-from shared_schemas.infer import InferRequest, image_ref_kind, iter_image_refs
+from shared_schemas import images
+from shared_schemas.infer import InferRequest, iter_image_refs
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -63,74 +58,33 @@ class PreparedPrompt:
         return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_data": {"image": list(self.images)}}
 
 
-def _bad_image(index: int, position: int, why: str) -> BadRequestError:
-    return BadRequestError(
-        f"request {index}: image {position}: {why}; send a readable local path, a file:// URL or a"
-        " base64 data: URL",
-        type="bad_image",
-        detail={"index": index, "image": position},
-    )
-
-
 def image_bytes(ref: str, index: int = 0, position: int = 0) -> bytes:
-    """Reads the encoded bytes behind an image reference.
-
-    Args:
-        ref: a local path, a `file://` URL or a `data:` URL.
-        index: global request index (named in errors).
-        position: the image's position in the request (named in errors).
+    """`shared_schemas.images.image_bytes`, its error as a 400 `bad_image` naming the request and image.
 
     Raises:
-        BadRequestError: unknown scheme, malformed URL, missing or unreadable file (400 `bad_image`).
+        BadRequestError: unknown scheme, malformed URL, missing or unreadable file.
     """
     try:
-        kind = image_ref_kind(ref)
-    except ValueError as exc:
-        raise _bad_image(index, position, str(exc)) from exc
-    if kind == "data":
-        header, sep, payload = ref.partition(",")
-        if not sep:
-            raise _bad_image(index, position, "data: URL without a ',' before the payload")
-        if header.endswith(";base64"):
-            try:
-                return base64.b64decode(payload, validate=False)
-            except (binascii.Error, ValueError) as exc:
-                raise _bad_image(index, position, "data: URL payload is not valid base64") from exc
-        return unquote_to_bytes(payload)
-    if kind == "file":
-        parsed = urlparse(ref)
-        if parsed.netloc not in ("", "localhost"):
-            raise _bad_image(index, position, f"file:// URL names host {parsed.netloc!r}; only local files")
-        path = Path(url2pathname(unquote(parsed.path)))
-    else:
-        path = Path(ref).expanduser()
-    try:
-        return path.read_bytes()
-    except FileNotFoundError as exc:
-        raise _bad_image(index, position, f"file {path.name!r} does not exist") from exc
-    except OSError as exc:
-        raise _bad_image(index, position, f"file {path.name!r} cannot be read ({exc.strerror})") from exc
+        return images.image_bytes(ref, index, position)
+    except images.ImageRefError as exc:
+        raise _bad_image(exc) from exc
 
 
 def load_image(ref: str, index: int = 0, position: int = 0) -> Any:
-    """Decodes an image reference to an RGB `PIL.Image`, as `transformers.image_utils.load_image` does.
-
-    EXIF orientation is applied and the image converted to RGB, so the server sees the same pixels as the
-    learner's HF processor.
+    """Decodes an image reference to an RGB `PIL.Image` with `shared_schemas.images.load_image` (the learner
+    decodes through the same function, so both sides see the same pixels).
 
     Raises:
         BadRequestError: unreadable reference or bytes that are not an image (400 `bad_image`).
     """
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    data = image_bytes(ref, index, position)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise _bad_image(index, position, "the bytes are not a decodable image") from exc
-    image = ImageOps.exif_transpose(image)
-    return image.convert("RGB")
+        return images.load_image(ref, index, position)
+    except images.ImageRefError as exc:
+        raise _bad_image(exc) from exc
+
+
+def _bad_image(exc: images.ImageRefError) -> BadRequestError:
+    return BadRequestError(str(exc), type="bad_image", detail={"index": exc.index, "image": exc.position})
 
 
 def _image_part(ref: str) -> dict[str, Any]:

@@ -1,0 +1,318 @@
+"""Synthetic IMAGE detection set for the image demo: flat coloured shapes rendered with PIL.
+
+Records follow spec/STAGE2.md §1.1 exactly: one image per record (a PNG path relative to the JSONL file's
+directory, ``images/{split}_{i:05d}.png``), ``width`` / ``height`` in pixels, and objects whose coordinates are
+norm1000 coord-token strings written by :func:`learner.data.synthetic.record_objects` (the text demo's writer).
+Pixel geometry becomes bins with the §2.2 / §2.3 converter (``learner.stage2.coords``: floor/ceil for boxes,
+half-to-even for polygon vertices), and polygon rings are made canonical in the bin domain (§2.4) with
+:func:`learner.data.synthetic.canonical_ring`. Objects are listed in §1.4 ``sorted`` order (anchor ``(y, x)``).
+
+Design choices that make the task learnable by the tiny ``tiny-qwen3-vl-demo`` model (a few M parameters,
+192x192 images = 36 image tokens):
+
+- Five categories, each one fixed colour AND one fixed shape (``CATEGORIES``), so the desc follows from any
+  pixel of the object; the desc words are single tokens of the demo tokenizer (scripts/build_tiny_models.py
+  ``DEMO_WORDS``) and match the text demo where the shape is the same (``tree`` triangle, ``rug`` quad).
+- The geometry kind follows from the category: ``book`` (filled rectangle), ``cup`` (filled ellipse) and
+  ``lamp`` (hollow frame) are ``bbox_2d`` — the box is the drawn shape's pixel extent; ``tree`` (triangle)
+  and ``rug`` (convex quadrilateral) are ``poly`` with a fixed vertex count.
+- Every vertex lies on a coarse pixel grid (default every 8 px: 24 positions per axis), so each coordinate
+  token the model must emit is one of few values, each seen often.
+- Objects are large (sides 48..88 px, 25–46 % of the side) and their bounding boxes never overlap (they may
+  touch), so each object is fully visible, its shape is its GT, and a prediction that is one grid step off
+  still passes the maskIoU gate (0.3) of matching.
+- 1–4 objects per image on a light background with faint stripes (a random tint, stripe period and
+  direction per image), so the background is never confused with an object but is not a constant either.
+
+Everything is pure and seeded: the same ``(seed, split, n, config)`` always yields the same records and
+pixels, and the train and eval splits come from independent RNG streams (``"rollmatch-demo-vlm/{split}/{seed}"``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from PIL import Image, ImageDraw
+
+from learner.data.synthetic import SceneObject, canonical_ring, record_objects
+from learner.stage2.coords import bbox_to_bins, pixel_to_bin
+
+__all__ = [
+    "CATEGORIES",
+    "Category",
+    "ImageDemoConfig",
+    "PixelObject",
+    "generate_images",
+    "render_scene",
+    "sample_pixel_scene",
+    "to_scene_objects",
+    "write_image_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+Drawing = Literal["rectangle", "ellipse", "frame", "triangle", "quad"]
+
+
+@dataclass(frozen=True)
+class Category:
+    """How one category is drawn: a shape and an RGB fill colour (0..255 per channel)."""
+
+    drawing: Drawing
+    rgb: tuple[int, int, int]
+
+    @property
+    def geom(self) -> Literal["bbox_2d", "poly"]:
+        """The record geometry: ``poly`` for triangles and quads, ``bbox_2d`` for the rest."""
+        return "poly" if self.drawing in ("triangle", "quad") else "bbox_2d"
+
+
+# Desc words are single tokens of the demo tokenizer (scripts/build_tiny_models.py DEMO_WORDS).
+CATEGORIES: dict[str, Category] = {
+    "book": Category("rectangle", (214, 40, 40)),
+    "cup": Category("ellipse", (40, 80, 214)),
+    "lamp": Category("frame", (226, 186, 20)),
+    "tree": Category("triangle", (30, 150, 50)),
+    "rug": Category("quad", (140, 50, 170)),
+}
+
+
+@dataclass(frozen=True)
+class ImageDemoConfig:
+    """Knobs of the generator (sizes in pixels).
+
+    Attributes:
+        size: side of the square image.
+        grid: every vertex coordinate is a multiple of ``grid`` (and at most ``size - 1``).
+        min_objects: fewest objects per image (≥ 1).
+        max_objects: most objects per image; a crowded image may keep fewer (never fewer than one).
+        min_side: smallest side of an object's bounding box.
+        max_side: largest side of an object's bounding box.
+        categories: desc → drawing; order matters for sampling.
+    """
+
+    size: int = 192
+    grid: int = 8
+    min_objects: int = 1
+    max_objects: int = 4
+    min_side: int = 48
+    max_side: int = 88
+    categories: dict[str, Category] = field(default_factory=lambda: dict(CATEGORIES))
+
+    def __post_init__(self) -> None:
+        if not 32 <= self.size <= 1024:
+            raise ValueError(f"ImageDemoConfig.size={self.size}: must be in 32..1024 pixels")
+        if not 1 <= self.grid <= self.size // 8:
+            raise ValueError(f"ImageDemoConfig.grid={self.grid}: must be in 1..size/8={self.size // 8}")
+        if not 1 <= self.min_objects <= self.max_objects:
+            raise ValueError(
+                f"ImageDemoConfig: min_objects={self.min_objects}, max_objects={self.max_objects}; "
+                "need 1 <= min_objects <= max_objects"
+            )
+        if not 4 * self.grid <= self.min_side <= self.max_side < self.size:
+            raise ValueError(
+                f"ImageDemoConfig: min_side={self.min_side}, max_side={self.max_side}, grid={self.grid}, "
+                f"size={self.size}; need 4 * grid <= min_side <= max_side < size"
+            )
+        if not self.categories:
+            raise ValueError("ImageDemoConfig.categories is empty")
+
+
+@dataclass(frozen=True)
+class PixelObject:
+    """One drawn object in pixel coordinates.
+
+    Attributes:
+        desc: category word (a key of the config's ``categories``).
+        box: ``(x1, y1, x2, y2)`` pixel extent, both ends inclusive (x1 < x2, y1 < y2).
+        ring: polygon vertices ``((x, y), ...)`` for triangles and quads; empty for box-like drawings.
+    """
+
+    desc: str
+    box: tuple[int, int, int, int]
+    ring: tuple[tuple[int, int], ...] = ()
+
+
+def _grid_value(rng: random.Random, lo: int, hi: int, grid: int) -> int:
+    """A uniform multiple of ``grid`` in ``[lo, hi]`` (both rounded inward to the grid)."""
+    return rng.randint(-(-lo // grid), hi // grid) * grid
+
+
+def _sample_object(rng: random.Random, desc: str, cfg: ImageDemoConfig) -> PixelObject:
+    g, last = cfg.grid, cfg.size - 1
+    w = _grid_value(rng, cfg.min_side, cfg.max_side, g)
+    h = _grid_value(rng, cfg.min_side, cfg.max_side, g)
+    x1 = _grid_value(rng, 0, last - w, g)
+    y1 = _grid_value(rng, 0, last - h, g)
+    x2, y2 = x1 + w, y1 + h
+    drawing = cfg.categories[desc].drawing
+    if drawing == "triangle":
+        # Apex on the top edge, base corners on the bottom quarter: area >= w*h/4, never degenerate. The
+        # left base corner ends the bottom edge at y2 so that the box extent is exactly (x1, y1, x2, y2).
+        apex = _grid_value(rng, x1 + w // 4, x2 - w // 4, g)
+        ring: tuple[tuple[int, int], ...] = (
+            (apex, y1),
+            (x2, y2 - _grid_value(rng, 0, h // 4, g)),
+            (x1, y2),
+        )
+    elif drawing == "quad":
+        # Each corner moves inward along one axis by at most a quarter side: convex, area >= w*h/2.
+        dx, dy = (w // 4) // g * g, (h // 4) // g * g
+        ring = (
+            (x1 + _grid_value(rng, 0, dx, g), y1),
+            (x2, y1 + _grid_value(rng, 0, dy, g)),
+            (x2 - _grid_value(rng, 0, dx, g), y2),
+            (x1, y2 - _grid_value(rng, 0, dy, g)),
+        )
+    else:
+        ring = ()
+    return PixelObject(desc, (x1, y1, x2, y2), ring)
+
+
+def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    """Whether two inclusive pixel boxes share a pixel row AND column interior (touching edges do not count)."""
+    return min(a[2], b[2]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[1], b[1])
+
+
+def sample_pixel_scene(rng: random.Random, cfg: ImageDemoConfig) -> list[PixelObject]:
+    """Draw ``min_objects..max_objects`` objects with pairwise non-overlapping boxes (in draw order).
+
+    Rejection sampling, 50 tries per object; a scene too crowded for another object keeps fewer.
+    """
+    names = list(cfg.categories)
+    target = rng.randint(cfg.min_objects, cfg.max_objects)
+    objects: list[PixelObject] = []
+    for _ in range(target):
+        desc = rng.choice(names)
+        for _ in range(50):
+            obj = _sample_object(rng, desc, cfg)
+            if not any(_overlap(obj.box, o.box) for o in objects):
+                objects.append(obj)
+                break
+    return objects
+
+
+def to_scene_objects(objects: Sequence[PixelObject], width: int, height: int) -> list[SceneObject]:
+    """Pixel objects → norm1000 :class:`SceneObject` (§2.2–§2.4), sorted by the §1.4 anchor (stable).
+
+    Boxes use the floor/ceil converter of §2.3 on the inclusive pixel extent; polygon vertices are rounded
+    half-to-even (§2.2), then the ring is made canonical in the bin domain (§2.4).
+    """
+    out = []
+    for o in objects:
+        if o.ring:
+            ring = canonical_ring([(pixel_to_bin(x, width), pixel_to_bin(y, height)) for x, y in o.ring])
+            out.append(SceneObject(o.desc, "poly", tuple(v for p in ring for v in p)))
+        else:
+            out.append(SceneObject(o.desc, "bbox_2d", tuple(bbox_to_bins(o.box, width, height))))
+    return sorted(out, key=lambda s: s.anchor)
+
+
+def render_scene(objects: Sequence[PixelObject], rng: random.Random, cfg: ImageDemoConfig) -> Image.Image:
+    """The RGB image of a scene: a light striped background, then every object filled in its colour.
+
+    The background draws come from ``rng`` (a tint per image, a stripe period and direction), so the pixels
+    are as deterministic as the objects.
+    """
+    base = tuple(rng.randint(205, 245) for _ in range(3))
+    stripe = tuple(c - 10 for c in base)
+    period = rng.randint(3, 8) * 2
+    vertical = rng.random() < 0.5
+    img = Image.new("RGB", (cfg.size, cfg.size), base)
+    draw = ImageDraw.Draw(img)
+    for start in range(0, cfg.size, period):
+        end = start + period // 2 - 1
+        rect = (start, 0, end, cfg.size - 1) if vertical else (0, start, cfg.size - 1, end)
+        draw.rectangle(rect, fill=stripe)
+    for o in objects:
+        cat = cfg.categories[o.desc]
+        if o.ring:
+            draw.polygon(list(o.ring), fill=cat.rgb)
+        elif cat.drawing == "ellipse":
+            draw.ellipse(o.box, fill=cat.rgb)
+        elif cat.drawing == "frame":
+            side = min(o.box[2] - o.box[0], o.box[3] - o.box[1])
+            draw.rectangle(o.box, outline=cat.rgb, width=max(3, side // 6))
+        else:
+            draw.rectangle(o.box, fill=cat.rgb)
+    return img
+
+
+def generate_images(
+    n: int, seed: int, split: str, cfg: ImageDemoConfig | None = None
+) -> list[tuple[dict[str, Any], Image.Image]]:
+    """``n`` ``(record, image)`` pairs of one split; identical for identical arguments.
+
+    The RNG is seeded from ``"rollmatch-demo-vlm/{split}/{seed}"`` (Python's str seeding hashes the text with
+    SHA-512, stable across runs and platforms), so splits never share a stream. Record ``i`` refers to its
+    image as ``images/{split}_{i:05d}.png``.
+    """
+    if n < 0:
+        raise ValueError(f"generate_images: n={n} must be >= 0")
+    cfg = cfg or ImageDemoConfig()
+    rng = random.Random(f"rollmatch-demo-vlm/{split}/{seed}")
+    out = []
+    for i in range(n):
+        pixel_objects = sample_pixel_scene(rng, cfg)
+        image = render_scene(pixel_objects, rng, cfg)
+        record = {
+            "images": [f"images/{split}_{i:05d}.png"],
+            "width": cfg.size,
+            "height": cfg.size,
+            "objects": record_objects(to_scene_objects(pixel_objects, cfg.size, cfg.size)),
+            "metadata": {"id": f"demo-vlm-{split}-{seed}-{i:06d}", "grid_px": cfg.grid},
+        }
+        out.append((record, image))
+    return out
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def write_image_dataset(
+    out_dir: Path | str, n_train: int, n_eval: int, seed: int, cfg: ImageDemoConfig | None = None
+) -> tuple[Path, Path]:
+    """Write ``train.jsonl``, ``eval.jsonl``, ``manifest.json`` and ``images/*.png`` into ``out_dir``.
+
+    Idempotent: files whose bytes would not change are left untouched (mtime kept).
+
+    Args:
+        out_dir: target directory, created if missing.
+        n_train: number of training records.
+        n_eval: number of held-out records (own RNG stream, split name ``eval``).
+        seed: base seed.
+        cfg: generator knobs (default :class:`ImageDemoConfig`).
+
+    Returns:
+        ``(train_path, eval_path)``.
+    """
+    cfg = cfg or ImageDemoConfig()
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        lines = []
+        for record, image in generate_images(n, seed, split, cfg):
+            buf = io.BytesIO()
+            image.save(buf, format="PNG", optimize=False, compress_level=9)
+            _write_if_changed(out / record["images"][0], buf.getvalue())
+            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        path = out / f"{split}.jsonl"
+        _write_if_changed(path, "".join(lines).encode("utf-8"))
+        paths.append(path)
+    manifest = {"seed": seed, "n_train": n_train, "n_eval": n_eval, "config": asdict(cfg)}
+    _write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    logger.info("image demo dataset in %s: %d train, %d eval records", out, n_train, n_eval)
+    return paths[0], paths[1]
