@@ -28,6 +28,7 @@ from learner.weights.sync import SyncConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
 
 __all__ = [
+    "REPO_ROOT",
     "ConfigError",
     "DecodingConfig",
     "RolloutConfig",
@@ -37,7 +38,16 @@ __all__ = [
     "deep_merge",
     "load_run_config",
     "load_yaml_with_extends",
+    "resolve_path",
 ]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_path(path: str) -> str:
+    """A relative path in a config resolves against the repository root (so configs work from any cwd)."""
+    p = Path(path)
+    return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
 
 
 class _Section(BaseModel):

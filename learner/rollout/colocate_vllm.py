@@ -54,8 +54,13 @@ T = TypeVar("T")
 def server_config_for(cfg: RunConfig) -> Any:
     """The `ServerConfig` the colocated `VllmEngine` is built from (`rollout.vllm` + `model.path`).
 
-    `load_format`, `sleep_level` (→ `enable_sleep_mode`) travel as `engine_kwargs`; LoRA is off.
+    `load_format`, `sleep_level` (→ `enable_sleep_mode`) travel as `engine_kwargs`; LoRA is off. A Qwen-VL
+    checkpoint gets `data.max_images_per_sample` images and no video per prompt (vLLM would otherwise profile a
+    dummy video), and the learner processor's pixel bounds (`model.image_min_pixels` / `image_max_pixels`), so
+    engine and learner expand images to the same token counts.
     """
+    from learner.config import resolve_path
+    from learner.policy import ensure_vl_imports, is_vl_checkpoint
     from rollout_server.config import ServerConfig, VllmServerConfig
 
     v = cfg.rollout.vllm
@@ -63,6 +68,13 @@ def server_config_for(cfg: RunConfig) -> Any:
     if v.sleep_level > 0:
         extra["enable_sleep_mode"] = True
     assert v.max_model_len is not None  # RunConfig requires it for a colocated vLLM engine
+    mm: dict[str, Any] = {}
+    if is_vl_checkpoint(resolve_path(cfg.model.path)):
+        ensure_vl_imports()  # the engine's processes inherit the shim path where torchvision is missing
+        mm["limit_mm_per_prompt"] = {"image": max(1, cfg.data.max_images_per_sample), "video": 0}
+        pixels = {"min_pixels": cfg.model.image_min_pixels, "max_pixels": cfg.model.image_max_pixels}
+        if any(value is not None for value in pixels.values()):
+            mm["mm_processor_kwargs"] = {k: value for k, value in pixels.items() if value is not None}
     return ServerConfig(
         model=cfg.model.path,  # relative paths resolve against the repository root, as the learner's do
         backend="vllm",
@@ -76,6 +88,7 @@ def server_config_for(cfg: RunConfig) -> Any:
             enforce_eager=v.enforce_eager,
             enable_lora=False,
             engine_kwargs=extra,
+            **mm,
         ),
     )
 

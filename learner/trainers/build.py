@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from learner.config import ConfigError, RunConfig, check_runtime_guards
+from learner.config import REPO_ROOT, ConfigError, RunConfig, check_runtime_guards, resolve_path
 from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
 from learner.data.records import build_sample, load_records
 from learner.data.synthetic import scene_user_text
@@ -42,7 +42,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # TrainingArguments we must own (and why): identity collator needs the raw columns; the rollout-buffer
 # repetition order lives in the dataset, so sampling must be sequential.
@@ -57,12 +56,6 @@ _DEFAULT_ARGS = {
     "dataloader_num_workers": 0,
     "use_cpu": not torch.cuda.is_available(),
 }
-
-
-def resolve_path(path: str) -> str:
-    """A relative path in a config resolves against the repository root (so configs work from any cwd)."""
-    p = Path(path)
-    return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
 
 
 def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
