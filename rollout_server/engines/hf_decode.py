@@ -1,15 +1,27 @@
-"""A left-padded, KV-cached decode loop for transformers causal LMs with per-row seeds.
+"""A left-padded, KV-cached decode loop for transformers causal LMs (and Qwen-VL models) with per-row seeds.
 
 `transformers.generate` draws every row from one global RNG, so a row's samples would depend on which
 other rows share its batch; here every row owns a `torch.Generator` seeded from its request seed, so
 results do not depend on chunking or batch size. The loop also applies the wire contract's rules exactly:
 `min_tokens`, `ignore_eos`, stop strings, the repeat-terminate guard and raw-logit logprobs (as vLLM v1
 reports them).
+
+Image prompts (a Qwen-VL model; rows carry a `VisionRow`): the ids are the processor-expanded ones (one
+`<|image_pad|>` per image token). The prefill passes the vision tensors of the batch's image rows,
+concatenated in row order (`pixel_values`, `image_grid_thw`, ...: the model scatters image features into the
+placeholders in row-major order, so row order is placeholder order), and 4-row position ids `[4, B, L]`:
+row 0 the 1-D text positions used for text prompts (the model reads it for its masks), rows 1-3 each row's
+M-RoPE positions (time, height, width, as the model's `get_rope_index` computes them; left padding gets 0).
+Transformers takes 4-row position ids as given, so it neither needs `mm_token_type_ids` nor keeps its own
+`rope_deltas` state between calls. Decode step `k` continues all three M-RoPE rows at
+`max(prompt rope positions) + 1 + k` (what `generate` does through `rope_deltas`). Text rows of a mixed
+batch get their text positions in all rows; a batch without images keeps the plain text path (2-D position
+ids), so text-only models and prompts decode exactly as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +30,7 @@ from rollout_server.engines.decode_attention import GROUPED_DECODE_SDPA, decode_
 from shared_schemas.infer import FinishReason, RequestConfig, completion_seed
 from shared_schemas.repeat_guard import needs_text, should_terminate
 
-__all__ = ["RowOutput", "choose_tokens", "decode_requests", "decode_rows", "filter_top_k_top_p"]
+__all__ = ["RowOutput", "VisionRow", "choose_tokens", "decode_requests", "decode_rows", "filter_top_k_top_p"]
 
 
 @dataclass
@@ -30,6 +42,20 @@ class RowOutput:
     logprobs: list[float] | None
     stop_string: str | None = None
     """The stop string that ended the sequence (the caller cuts the text there)."""
+
+
+@dataclass(frozen=True)
+class VisionRow:
+    """The vision side of one image prompt (a `learner.stage2.prompt_encoding.EncodedPrompt`'s).
+
+    Attributes:
+        mm_inputs: the processor's vision tensors of the prompt (`pixel_values`, `image_grid_thw`, ...).
+        rope_positions: ``[3][len(prompt)]`` M-RoPE positions of the prompt (rows t, h, w), or None for a model
+            with 1-D positions.
+    """
+
+    mm_inputs: Mapping[str, torch.Tensor]
+    rope_positions: Sequence[Sequence[int]] | None = None
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -98,6 +124,7 @@ def decode_rows(
     eos_ids: Sequence[int],
     end_of_turn_id: int,
     decode_text: Callable[[list[int]], str],
+    vision: Sequence[VisionRow | None] | None = None,
 ) -> list[RowOutput]:
     """Generates one completion per prompt in one left-padded batch.
 
@@ -110,10 +137,13 @@ def decode_rows(
         eos_ids: ids that end a sequence (unless `ignore_eos`).
         end_of_turn_id: id emitted when the repeat guard fires.
         decode_text: ids → text (stop strings and guard rule (c)).
+        vision: per row, its images (`VisionRow`) or None for a text row; None = a text-only batch.
 
     Returns:
         One `RowOutput` per prompt, in order.
     """
+    if vision is not None and len(vision) != len(prompts):
+        raise ValueError(f"{len(vision)} vision rows for {len(prompts)} prompts")
     device = next(model.parameters()).device
     with decode_attention(model, device):
         return _decode_rows(
@@ -126,6 +156,7 @@ def decode_rows(
             eos_ids=eos_ids,
             end_of_turn_id=end_of_turn_id,
             decode_text=decode_text,
+            vision=vision,
         )
 
 
@@ -140,6 +171,7 @@ def _decode_rows(
     eos_ids: Sequence[int],
     end_of_turn_id: int,
     decode_text: Callable[[list[int]], str],
+    vision: Sequence[VisionRow | None] | None,
 ) -> list[RowOutput]:
     batch, width = len(prompts), max(len(p) for p in prompts)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -148,7 +180,11 @@ def _decode_rows(
         input_ids[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
         attention[i, width - len(prompt) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
+    mm_inputs, rope = _vision_batch(vision, prompts, positions)
+    prefill_pos = positions if rope is None else torch.cat([positions[None], rope.positions])
+    input_ids, attention, prefill_pos = input_ids.to(device), attention.to(device), prefill_pos.to(device)
+    rope_delta = None if rope is None else rope.delta.to(device)
+    text_pos = positions[:, -1:].to(device)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
     vocab = model.get_output_embeddings().weight.shape[0]
     penalize = cfg.repetition_penalty != 1.0
@@ -161,7 +197,8 @@ def _decode_rows(
     generated: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
     cache = None
-    step_ids, step_pos, mask = input_ids, positions, attention
+    step_ids, step_pos, mask = input_ids, prefill_pos, attention
+    extra = {k: v.to(device) for k, v in mm_inputs.items()}
     for step in range(cfg.max_tokens):
         out = model(
             input_ids=step_ids,
@@ -170,8 +207,9 @@ def _decode_rows(
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
         )
-        cache = out.past_key_values
+        cache, extra = out.past_key_values, {}
         logits = out.logits[:, -1, :].float()
         # Active rows have all generated `step` tokens, so the min_tokens rule is one flag (a CPU tensor:
         # no device sync).
@@ -214,8 +252,58 @@ def _decode_rows(
         if penalize:
             seen.scatter_(1, step_ids.clamp(max=vocab - 1), True)
         mask = step_mask.next()
-        step_pos = step_pos[:, -1:] + 1
+        text_pos = text_pos + 1
+        step_pos = text_pos if rope_delta is None else _step_rope_positions(text_pos, rope_delta)
     return [o for o in outputs if o is not None]
+
+
+@dataclass
+class _RopeBatch:
+    positions: torch.Tensor
+    """`(3, B, L)` left-padded M-RoPE prefill positions (pads 0)."""
+    delta: torch.Tensor
+    """`(B, 1)`: a row's M-RoPE position minus its text position after the prompt
+    (``max(prompt rope positions) + 1 - len(prompt)``; 0 for text rows)."""
+
+
+def _vision_batch(
+    vision: Sequence[VisionRow | None] | None, prompts: Sequence[Sequence[int]], positions: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], _RopeBatch | None]:
+    """The prefill's vision tensors (image rows concatenated in row order) and M-RoPE positions.
+
+    Returns `({}, None)` for a batch without images (the text path). The M-RoPE positions are None when no
+    image row carries them (a model with 1-D positions); text rows then get their text positions.
+    """
+    rows = [v for v in vision or () if v is not None and v.mm_inputs]
+    if not rows:
+        return {}, None
+    keys = list(rows[0].mm_inputs)
+    if any(list(v.mm_inputs) != keys for v in rows):
+        raise ValueError(f"image rows carry different vision inputs (expected {keys} in every row)")
+    mm_inputs = {k: torch.cat([v.mm_inputs[k] for v in rows]) for k in keys}
+    if all(v.rope_positions is None for v in rows):
+        return mm_inputs, None
+    assert vision is not None
+    batch, width = positions.shape
+    rope = positions[None].repeat(3, 1, 1)
+    delta = torch.zeros((batch, 1), dtype=torch.long)
+    for i, (row, prompt) in enumerate(zip(vision, prompts, strict=True)):
+        if row is None or row.rope_positions is None:
+            continue
+        own = torch.tensor([list(r) for r in row.rope_positions], dtype=torch.long)
+        if own.shape != (3, len(prompt)):
+            raise ValueError(
+                f"row {i}: M-RoPE positions of shape {tuple(own.shape)} for a {len(prompt)}-token prompt;"
+                f" expected (3, {len(prompt)})"
+            )
+        rope[:, i, width - len(prompt) :] = own
+        delta[i, 0] = int(own.max()) + 1 - len(prompt)
+    return mm_inputs, _RopeBatch(rope, delta)
+
+
+def _step_rope_positions(text_pos: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """`(4, B, 1)` position ids of a decode step: the text position, then the M-RoPE position in rows 1-3."""
+    return torch.cat([text_pos[None], (text_pos + delta)[None].expand(3, -1, -1)])
 
 
 class _StepMask:
@@ -268,11 +356,13 @@ def decode_requests(
     eos_ids: Sequence[int],
     end_of_turn_id: int,
     decode_text: Callable[[list[int]], str],
+    vision: Sequence[VisionRow | None] | None = None,
 ) -> list[list[RowOutput]]:
     """`cfg.n` completions per prompt, decoded in left-padded chunks of at most `batch_size` rows.
 
     Completion `j` of request `i` is seeded with `completion_seed(seeds[i], j)`, so results do not depend on
-    `batch_size` (every row owns its generator). Returns, per prompt, its `n` outputs in order.
+    `batch_size` (every row owns its generator). `vision` gives, per prompt, its images or None (see
+    `decode_rows`). Returns, per prompt, its `n` outputs in order.
     """
     rows = [(i, completion_seed(seed, j)) for i, seed in enumerate(seeds) for j in range(cfg.n)]
     outputs: list[RowOutput] = []
@@ -287,5 +377,6 @@ def decode_requests(
             eos_ids=eos_ids,
             end_of_turn_id=end_of_turn_id,
             decode_text=decode_text,
+            vision=None if vision is None else [vision[i] for i, _ in chunk],
         )
     return [outputs[i * cfg.n : (i + 1) * cfg.n] for i in range(len(prompts))]
