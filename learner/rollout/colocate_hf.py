@@ -14,6 +14,16 @@ switch off: the decode loop always passes an explicit attention mask and positio
 
 Prompt ids are the tokenizer's chat template in generation mode, tokenized exactly as the teacher-forced
 encoding does (`SampleContext.prompt_ids`), so the prompt-mismatch check of §11.3 compares equal ids.
+
+Image prompts (a Qwen-VL policy; the backend gets the run's `PromptEncoder`): each request goes through the
+same `PromptEncoder.encode` as its teacher forcing, so the images are decoded once per window (the encoder's
+cache) and the rollout conditions on exactly the pixels, ids and M-RoPE positions the loss later sees. The
+ids are the processor-expanded ones (one `<|image_pad|>` per image token), which is also what the vLLM
+server returns as `prompt_token_ids`, so results of both backends compare equal. The encoding's vision
+tensors and M-RoPE positions travel to the decode loop as a `VisionRow` per request (its prefill feeds the
+vision tower; its steps continue the M-RoPE positions, see `hf_decode`). Text requests keep the text path
+(ids only, the grouped decode attention), also inside a batch that holds image rows. ms-swift style
+`images` lists are placed into the messages as the server does (`attach_images`).
 """
 
 from __future__ import annotations
@@ -29,10 +39,11 @@ from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
 from learner.yaml_loader import ConfigError
-from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds
+from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, iter_image_refs, resolve_seeds
 
 if TYPE_CHECKING:
     from learner.config import RunConfig
+    from rollout_server.engines.hf_decode import VisionRow
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +77,9 @@ class HfColocateBackend:
         batch_size: rows per left-padded decode call (`rollout.decoding.rollout_generate_batch_size`).
         max_model_len: prompt + new tokens limit (`rollout.vllm.max_model_len`); None = unchecked.
         default_seed: base seed when a batch carries neither `seeds` nor `request_config.seed`.
+        encoder: the run's `PromptEncoder` (`learner.stage2.prompt_encoding`); image prompts need one built
+            with the model's processor (`PromptEncoder.for_model`). None = text prompts through the chat
+            template (`chat_prompt_ids`).
 
     Raises:
         ConfigError: the model is partitioned by ZeRO-3 (ranks would run different numbers of forwards).
@@ -133,12 +147,16 @@ class HfColocateBackend:
         """Generates `batch` with the training model in eval mode; restores its mode afterwards.
 
         Raises:
-            ValueError: a request with images (text-only here), or a prompt that cannot fit `max_model_len`.
+            ValueError: a request with images but no image-capable encoder (or images beside
+                `prompt_token_ids`), or a prompt that cannot fit `max_model_len`.
+            shared_schemas.images.ImageRefError: an unreadable image reference.
         """
         from rollout_server.engines.hf_decode import decode_requests
 
         cfg = batch.request_config
-        prompts = [self._prompt_ids(r, batch.first_index + i) for i, r in enumerate(batch.infer_requests)]
+        encoded = [self._encode(r, batch.first_index + i) for i, r in enumerate(batch.infer_requests)]
+        prompts = [ids for ids, _ in encoded]
+        vision = [row for _, row in encoded]
         self._check_lengths(prompts, cfg.max_tokens, batch.first_index)
         seeds = resolve_seeds(batch, self._default_seed)
         version = self._version
@@ -156,6 +174,7 @@ class HfColocateBackend:
                     eos_ids=self._eos_ids,
                     end_of_turn_id=self._end_of_turn_id,
                     decode_text=self._decode,
+                    vision=vision if any(v is not None for v in vision) else None,
                 )
         finally:
             self._model.train(was_training)
@@ -201,18 +220,34 @@ class HfColocateBackend:
         """Nothing to release: the model belongs to the trainer."""
 
     # -- helpers ------------------------------------------------------------------------------------------
-    def _prompt_ids(self, request: InferRequest, index: int) -> list[int]:
+    def _encode(self, request: InferRequest, index: int) -> tuple[list[int], VisionRow | None]:
+        """Prompt ids of one request and, for an image prompt, its vision inputs."""
+        from rollout_server.engines.hf_decode import VisionRow
+        from rollout_server.engines.vllm_inputs import attach_images
+
+        refs = request.all_image_refs()
         if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.all_image_refs():
-            raise ValueError(
-                f"request {index}: rollout.backend 'hf' (colocate) generates text-only prompts; this request"
-                " carries images — use rollout.backend 'vllm' for vision-language rollouts"
-            )
+            if refs:
+                raise ValueError(
+                    f"request {index}: rollout.backend 'hf' (colocate) takes images only with chat messages"
+                    " (it expands the placeholders through the processor); send messages, not"
+                    " prompt_token_ids"
+                )
+            return list(request.prompt_token_ids), None
         assert request.messages is not None
-        if self._encoder is not None:
-            return list(self._encoder.encode(request.messages, index=index).ids)
-        return chat_prompt_ids(self._tokenizer, request.messages)
+        if refs and (self._encoder is None or not self._encoder.takes_images):
+            raise ValueError(
+                f"request {index}: this request carries images but the colocated HF model has no image"
+                " processor; train a Qwen-VL checkpoint (model.path) or use rollout.backend 'vllm'"
+            )
+        if self._encoder is None:
+            return chat_prompt_ids(self._tokenizer, request.messages), None
+        in_messages = iter_image_refs(request.messages)
+        messages = attach_images(request.messages, [r for r in request.images if r not in in_messages])
+        prompt = self._encoder.encode(messages, index=index)
+        if not prompt.mm_inputs:
+            return list(prompt.ids), None
+        return list(prompt.ids), VisionRow(prompt.mm_inputs, prompt.rope_positions)
 
     def _check_lengths(self, prompts: Sequence[Sequence[int]], max_tokens: int, first_index: int) -> None:
         if self._max_model_len is None:
