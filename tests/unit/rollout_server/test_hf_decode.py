@@ -104,3 +104,30 @@ def test_padded_batch_tokens_and_logprobs_equal_teacher_forcing(tiny_model_dir, 
         assert row.token_ids == logits.argmax(-1).tolist()
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(row.token_ids)[:, None]).squeeze(1)
         assert row.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_vision_rows_are_checked_and_text_rows_keep_the_text_path(tiny_model_dir, tiny_tokenizer) -> None:
+    """`vision` of all-None rows decodes exactly like no `vision`; malformed image rows fail before any forward
+    (their M-RoPE positions must be 3 rows of the prompt's length). The image path itself is tested on the tiny
+    Qwen3-VL in tests/integration/test_colocate_hf_image.py."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engines.hf_decode import VisionRow, decode_rows
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [tiny_tokenizer.encode(t) for t in ("a", "the lamp and the dog")]
+    kwargs = {"pad_id": 0, "eos_ids": [], "end_of_turn_id": 0, "decode_text": tiny_tokenizer.decode}
+    cfg = RequestConfig(max_tokens=4, temperature=1.0)
+    plain = decode_rows(model, prompts, [1, 2], cfg, **kwargs)
+    assert decode_rows(model, prompts, [1, 2], cfg, vision=[None, None], **kwargs) == plain
+    with pytest.raises(ValueError, match="1 vision rows for 2 prompts"):
+        decode_rows(model, prompts, [1, 2], cfg, vision=[None], **kwargs)
+    bad_rope = VisionRow({"pixel_values": torch.zeros(4, 8)}, [[0, 1, 2]] * 2)
+    with pytest.raises(ValueError, match=r"row 1: M-RoPE positions of shape \(2, 3\) for a \d+-token prompt"):
+        decode_rows(model, prompts, [1, 2], cfg, vision=[None, bad_rope], **kwargs)
+    mixed_keys = [
+        VisionRow({"pixel_values": torch.zeros(4, 8)}),
+        VisionRow({"image_grid_thw": torch.ones(1, 3)}),
+    ]
+    with pytest.raises(ValueError, match="image rows carry different vision inputs"):
+        decode_rows(model, prompts, [1, 2], cfg, vision=mixed_keys, **kwargs)
