@@ -174,8 +174,10 @@ class ColocateVllmConfig(_Section):
     """Divides the learner world size."""
     enable_prefix_caching: bool = True
     """Reset after every weight sync."""
-    load_format: Literal["dummy", "auto"] = "dummy"
-    """`dummy`: real weights arrive with the step-0 sync."""
+    load_format: Literal["dummy", "auto"] | None = None
+    """`dummy`: real weights arrive with the step-0 sync; `auto`: the engine reads the checkpoint. Default: dummy
+    for text models, auto for Qwen-VL (vLLM's Qwen-VL vision tower holds state that is not in the checkpoint,
+    e.g. Qwen3-VL's `visual.input_norm`, which dummy init randomizes and no sync can restore)."""
     infer_batch_size: int | None = Field(default=None, ge=1)
     """Chunk requests per generate call (caps multimodal prefill memory)."""
     enforce_eager: bool = False

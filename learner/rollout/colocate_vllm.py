@@ -64,12 +64,19 @@ def server_config_for(cfg: RunConfig) -> Any:
     from rollout_server.config import ServerConfig, VllmServerConfig
 
     v = cfg.rollout.vllm
-    extra: dict[str, Any] = {"load_format": v.load_format}
+    is_vl = is_vl_checkpoint(resolve_path(cfg.model.path))
+    if is_vl and v.load_format == "dummy":
+        raise ConfigError(
+            "rollout.vllm.load_format: dummy with a Qwen-VL checkpoint: vLLM's vision tower keeps state that is not"
+            " in the checkpoint (Qwen3-VL's visual.input_norm), which dummy init randomizes and no weight sync"
+            " restores; remove the key (default auto for VL models) or set it to auto"
+        )
+    extra: dict[str, Any] = {"load_format": v.load_format or ("auto" if is_vl else "dummy")}
     if v.sleep_level > 0:
         extra["enable_sleep_mode"] = True
     assert v.max_model_len is not None  # RunConfig requires it for a colocated vLLM engine
     mm: dict[str, Any] = {}
-    if is_vl_checkpoint(resolve_path(cfg.model.path)):
+    if is_vl:
         ensure_vl_imports()  # the engine's processes inherit the shim path where torchvision is missing
         mm["limit_mm_per_prompt"] = {"image": max(1, cfg.data.max_images_per_sample), "video": 0}
         pixels = {"min_pixels": cfg.model.image_min_pixels, "max_pixels": cfg.model.image_max_pixels}

@@ -132,7 +132,6 @@ def test_colocate_matches_the_server(backend, server_step, tiny_vlm_dir, vl_data
             "dtype": "float32",
             "enforce_eager": True,
             "kv_cache_space_gb": 1,
-            "load_format": "dummy",  # the checkpoint's weights arrive only through the step-0 in-process sync
         }
     rollouts, loss, logged = first_step(vl_cfg(tiny_vlm_dir, vl_data, tmp_path, rollout=colocate))
     assert logged["rollout/prompt_mismatch_dropped"] == 0
