@@ -1,4 +1,4 @@
-"""Build a tiny random Qwen3-VL model (vision tower included, ~1M parameters) offline, for the image-path tests.
+"""Build tiny random Qwen3-VL models (vision tower included) offline: the image-path test model and the demo's.
 
 The tokenizer and chat template are the embedded tiny LM's (`build_tiny_models.build_tokenizer`): Qwen chat and
 vision special tokens plus the 1000 single-id coord tokens. The processor keeps image-token counts tiny
@@ -9,8 +9,15 @@ vision depth, square position-embedding table, vision config matching the image 
 Loading the result without torchvision needs the import shim in `scripts/vlm_shim/` on `PYTHONPATH` (every
 process, vLLM's architecture-inspection subprocess included); the builder installs it in-process itself.
 
-CLI: ``python scripts/build_tiny_vlm.py --out .cache/models`` writes ``.cache/models/tiny-qwen3-vl``.
-Building is deterministic and idempotent: a directory already holding the same recipe is kept.
+Presets (``PRESETS``): ``tiny-qwen3-vl`` is the image-path test model above; ``tiny-qwen3-vl-demo`` is the image
+demo's model (5M parameters, 192x192 images → 36 image tokens), built twice: ``tiny-qwen3-vl-demo-init`` (random)
+and ``tiny-qwen3-vl-demo`` = its stage-1 SFT (``scripts/vlm_pretrain.py``), copied from the shipped
+``assets/tiny-qwen3-vl-demo-stage1/`` and re-trained only when that asset is missing or no longer matches the
+preset (``--rebuild-stage1`` forces it).
+
+CLI: ``python scripts/build_tiny_vlm.py --out .cache/models`` writes ``.cache/models/tiny-qwen3-vl``;
+``--preset tiny-qwen3-vl-demo`` writes ``tiny-qwen3-vl-demo-init`` and ``tiny-qwen3-vl-demo``.
+Building is deterministic and idempotent: a directory already holding the same recipe (or asset) is kept.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import logging
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -69,6 +77,47 @@ IMAGE_PROCESSOR = dict(
 )
 
 
+@dataclass(frozen=True)
+class VlmPreset:
+    """One named architecture: text and vision configs plus the image processor that must match the vision."""
+
+    text: dict
+    vision: dict
+    image_processor: dict
+
+
+DEMO_MODEL_NAME = "tiny-qwen3-vl-demo"
+DEMO_INIT_NAME = DEMO_MODEL_NAME + "-init"
+"""The random-init demo model; ``DEMO_MODEL_NAME`` is the stage-1 model built from the shipped asset."""
+PRESETS: dict[str, VlmPreset] = {
+    # The image-path test model: ~1M parameters, 64x64 -> 4 image tokens. Tests pin its shape and token counts.
+    MODEL_NAME: VlmPreset(TEXT_CONFIG, VISION_CONFIG, IMAGE_PROCESSOR),
+    # The image demo model (5M parameters; 192x192 -> 12x12 patches -> 36 image tokens): 4 text layers of
+    # width 256 and a 4-block vision tower of width 128 whose block 1 also feeds text layer 0 (deepstack).
+    # Same tokenizer, rope layout and image processor as the test model; ~10 MB of weights in bf16.
+    DEMO_MODEL_NAME: VlmPreset(
+        text={
+            **TEXT_CONFIG,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        vision={
+            **VISION_CONFIG,
+            "depth": 4,
+            "hidden_size": 128,
+            "intermediate_size": 512,
+            "num_heads": 2,
+            "out_hidden_size": 256,
+            "deepstack_visual_indexes": [1],
+        },
+        image_processor=IMAGE_PROCESSOR,
+    ),
+}
+
+
 def _install_shim() -> None:
     if str(SHIM_DIR) not in sys.path:
         sys.path.insert(0, str(SHIM_DIR))
@@ -77,24 +126,28 @@ def _install_shim() -> None:
     tinyvlm_compat.install()
 
 
-def _recipe(seed: int) -> dict:
+def _recipe(seed: int, preset: str) -> dict:
     import build_tiny_models
 
-    return {
+    arch = PRESETS[preset]
+    recipe = {
         "recipe": RECIPE_VERSION,
         "tokenizer_recipe": build_tiny_models.RECIPE_VERSION,
         "seed": seed,
-        "text": TEXT_CONFIG,
-        "vision": VISION_CONFIG,
-        "image_processor": IMAGE_PROCESSOR,
+        "text": arch.text,
+        "vision": arch.vision,
+        "image_processor": arch.image_processor,
     }
+    if preset != MODEL_NAME:  # the test model's recipe key predates presets and stays as it was
+        recipe["preset"] = preset
+    return recipe
 
 
 def _key(recipe: dict) -> str:
     return hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _build_processor(tmp: Path):
+def _build_processor(tmp: Path, image_processor_config: dict):
     """Tokenizer (shared with the tiny LM) + PIL image processor + real Qwen3-VL video processor, saved."""
     import build_tiny_models
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -102,13 +155,8 @@ def _build_processor(tmp: Path):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     tokenizer = build_tiny_models.build_tokenizer(tmp)
-    image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR)
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
-    )
+    image_processor = Qwen2VLImageProcessorPil(**image_processor_config)
+    video_processor = Qwen3VLVideoProcessor(**image_processor_config)
     processor = Qwen3VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -119,12 +167,13 @@ def _build_processor(tmp: Path):
     return tokenizer
 
 
-def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
-    """Build (or keep, if already built with the same recipe) the tiny Qwen3-VL model in ``out_dir``.
+def build_tiny_vlm(out_dir: Path, seed: int = 0, preset: str = MODEL_NAME) -> Path:
+    """Build (or keep, if already built with the same recipe) a tiny random Qwen3-VL model in ``out_dir``.
 
     Args:
         out_dir: target directory (created; replaced atomically when the recipe changed).
         seed: torch seed of the random init (the tokenizer does not depend on it).
+        preset: a key of ``PRESETS``.
 
     Returns:
         ``out_dir`` as an absolute path.
@@ -136,14 +185,15 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     out_dir = Path(out_dir).resolve()
-    recipe = _recipe(seed)
+    arch = PRESETS[preset]
+    recipe = _recipe(seed, preset)
     info_path = out_dir / "build_info.json"
     if info_path.exists() and json.loads(info_path.read_text()).get("recipe_key") == _key(recipe):
         return out_dir
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = _build_processor(tmp)
+    tokenizer = _build_processor(tmp, arch.image_processor)
     ids = {
         t: tokenizer.convert_tokens_to_ids(t)
         for t in (
@@ -157,8 +207,8 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     }
     vocab = -(-len(tokenizer) // 64) * 64
     config = Qwen3VLConfig(
-        text_config={**TEXT_CONFIG, "vocab_size": vocab, "dtype": "float32"},
-        vision_config=VISION_CONFIG,
+        text_config={**arch.text, "vocab_size": vocab, "dtype": "float32"},
+        vision_config=arch.vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -180,14 +230,88 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+DEMO_ASSET = SCRIPTS.parent / "assets" / "tiny-qwen3-vl-demo-stage1"
+"""The shipped stage-1 weights of the demo model (``scripts/vlm_pretrain.py``; recipe in its pretrain_info.json)."""
+DEMO_DATA = SCRIPTS.parent / ".cache" / "data" / "demo_vlm"
+
+
+def _matches_preset(model_dir: Path, init_dir: Path) -> bool:
+    """Same tokenizer as ``init_dir`` and the demo preset's text and vision architecture."""
+    if not (model_dir / "model.safetensors").is_file() or not (model_dir / "config.json").is_file():
+        return False
+    if (model_dir / "tokenizer.json").read_text() != (init_dir / "tokenizer.json").read_text():
+        return False
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = PRESETS[DEMO_MODEL_NAME]
+    return all(config["text_config"].get(k) == v for k, v in arch.text.items()) and all(
+        config["vision_config"].get(k) == v for k, v in arch.vision.items()
+    )
+
+
+def build_demo_stage1(out_dir: Path, init_dir: Path, *, rebuild: bool = False) -> Path:
+    """The image demo's starting model: ``init_dir`` after stage-1 SFT, copied from ``DEMO_ASSET``.
+
+    Only when the asset is missing or no longer matches the preset (or ``rebuild``) is the pretraining re-run
+    here (``scripts/vlm_pretrain.py`` with its default recipe on the default demo data; minutes on a GPU,
+    far longer on 2 CPU cores).
+    """
+    out_dir = Path(out_dir).resolve()
+    asset_ok = _matches_preset(DEMO_ASSET, init_dir)
+    if not rebuild and asset_ok and _matches_preset(out_dir, init_dir):
+        if (out_dir / "model.safetensors").read_bytes() == (DEMO_ASSET / "model.safetensors").read_bytes():
+            return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if asset_ok and not rebuild:
+        shutil.copytree(DEMO_ASSET, tmp)
+    else:
+        import vlm_pretrain
+        from build_vlm_demo_data import DEFAULT_N_EVAL, DEFAULT_N_TRAIN
+
+        from learner.data.synthetic_images import write_image_dataset
+
+        logger.info("stage-1 pretraining of %s (no usable asset in %s)", init_dir, DEMO_ASSET)
+        write_image_dataset(DEMO_DATA, DEFAULT_N_TRAIN, DEFAULT_N_EVAL, seed=0)
+        code = vlm_pretrain.main(["--model-dir", str(init_dir), "--data", str(DEMO_DATA), "--out", str(tmp)])
+        if code != 0:
+            raise RuntimeError(f"vlm_pretrain.py exited with {code}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def build_demo_vlm(out: Path, seed: int = 0, *, rebuild: bool = False) -> dict[str, Path]:
+    """The image demo models under ``out``: ``tiny-qwen3-vl-demo-init`` (random init, ``seed``) and
+    ``tiny-qwen3-vl-demo`` (its stage-1 SFT, :func:`build_demo_stage1`)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    if str(SCRIPTS.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS.parent))
+    init = build_tiny_vlm(out / DEMO_INIT_NAME, seed=seed, preset=DEMO_MODEL_NAME)
+    return {
+        DEMO_INIT_NAME: init,
+        DEMO_MODEL_NAME: build_demo_stage1(out / DEMO_MODEL_NAME, init, rebuild=rebuild),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(".cache/models"), help="parent folder of the model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=MODEL_NAME)
+    parser.add_argument(
+        "--rebuild-stage1",
+        action="store_true",
+        help="demo preset: re-run stage-1 pretraining instead of the asset",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = build_tiny_vlm(args.out / MODEL_NAME, seed=args.seed)
-    print(f"{MODEL_NAME}: {path}")
+    if args.preset == MODEL_NAME:
+        built = {MODEL_NAME: build_tiny_vlm(args.out / MODEL_NAME, seed=args.seed)}
+    else:
+        built = build_demo_vlm(args.out, seed=args.seed, rebuild=args.rebuild_stage1)
+    for name, path in built.items():
+        print(f"{name}: {path}")
     print(f"serve or load it with PYTHONPATH={SHIM_DIR} (torchvision-free import shim)")
     return 0
 
