@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,14 +115,7 @@ def ensure_vl_imports() -> None:
         sys.path.insert(0, str(_SHIM_DIR))
     import tinyvlm_compat
 
-    if tinyvlm_compat.torchvision_available():
-        return
-    tinyvlm_compat.install()
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(_SHIM_DIR) not in paths:
-        # Processes started from here (vLLM's engine core and its architecture probe) load the shim through
-        # `sitecustomize.py` on their path.
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(_SHIM_DIR), *[p for p in paths if p]])
+    tinyvlm_compat.install_everywhere()
 
 
 def vl_parts(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -185,7 +177,7 @@ def _apply_freeze(model: nn.Module, cfg: ModelConfig) -> dict[str, bool]:
     for part, params in vl_parts(model).items():
         for _, param in params:
             param.requires_grad_(not frozen[part])
-    if all(frozen.values()):
+    if all(frozen.values()) and cfg.adapter == "none":
         raise ConfigError(
             "model.freeze_vision, model.freeze_aligner and model.freeze_llm are all true: nothing would train"
         )

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["install", "installed", "torchvision_available"]
+__all__ = ["install", "install_everywhere", "installed", "torchvision_available"]
 
 _IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
@@ -182,4 +182,23 @@ def install() -> bool:
         if module is not None:
             patch(module)
     _installed = True
+    return True
+
+
+def install_everywhere() -> bool:
+    """`install()` in this process and, through `PYTHONPATH` (this folder's `sitecustomize.py`), in every Python
+    process started from it afterwards (vLLM's engine core and its architecture-inspection subprocess).
+
+    Returns:
+        Whether the shim is active (False where torchvision imports).
+    """
+    import os
+    from pathlib import Path
+
+    if not install():
+        return False
+    here = str(Path(__file__).resolve().parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
     return True
