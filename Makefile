@@ -2,13 +2,16 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-unit lint
+.PHONY: setup demo demo-vlm test test-unit lint
 
 setup:
 	./scripts/setup.sh
 
 demo: setup
 	./scripts/demo.sh
+
+demo-vlm: setup
+	./scripts/demo.sh --vlm --config configs/demo_vlm_cpu.yaml
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -271,8 +270,3 @@ def _trainable_summary(model: nn.Module) -> str:
         total[0] += param.numel() if param.requires_grad else 0
         total[1] += param.numel()
     return ", ".join(f"{part} {t:,}/{n:,} trainable" for part, (t, n) in counts.items())
-
-
-def iter_trainable(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Trainable parameters by name (for tests and reports)."""
-    return ((n, p) for n, p in model.named_parameters() if p.requires_grad)

@@ -3,17 +3,22 @@
 # train with rollout-matching SFT in server mode on the synthetic detection set, evaluate on the held-out
 # split, write metrics.jsonl + TensorBoard events + report.png under runs/demo, stop the server it started.
 #
-#   scripts/demo.sh [--config configs/demo_tiny_cpu.yaml] [--port N]
+#   scripts/demo.sh [--config configs/demo_tiny_cpu.yaml] [--port N] [--vlm]
+#
+# --vlm also builds the image demo's tiny Qwen3-VL and synthetic image set (make demo-vlm passes it with
+# configs/demo_vlm_cpu.yaml).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="$REPO/.venv/bin/python"
 CONFIG="configs/demo_tiny_cpu.yaml"
 PORT=""
+VLM=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --config) CONFIG="$2"; shift 2 ;;
     --port) PORT="$2"; shift 2 ;;
+    --vlm) VLM=1; shift ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -26,6 +31,10 @@ export NO_PROXY="127.0.0.1,localhost,::1" no_proxy="127.0.0.1,localhost,::1"
 
 "$PY" scripts/build_tiny_models.py --out .cache/models >/dev/null
 "$PY" scripts/build_demo_data.py --out .cache/data/demo >/dev/null
+if [[ "$VLM" == 1 ]]; then
+  "$PY" scripts/build_tiny_vlm.py --out .cache/models --preset tiny-qwen3-vl-demo >/dev/null
+  "$PY" scripts/build_vlm_demo_data.py --out .cache/data/demo_vlm >/dev/null
+fi
 
 # A free loopback port unless one was given; the run YAML below records it (reproducibility).
 if [[ -z "$PORT" ]]; then

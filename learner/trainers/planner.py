@@ -146,6 +146,9 @@ class StepPlanner:
                 weight sync of §5.6; returns the seconds it took.
         """
         flat = [s for raw in raws for s in raw]
+        # A new rollout-buffer window: prompts (decoded images) are encoded once for its rollout and teacher
+        # forcing; its M-steps replay the prepared batches and encode nothing.
+        self.ctx.encoder.new_window()
         warmup = global_step < self.stage2.sft_warmup_steps
         if warmup:
             # Stage-1 warm-up: an empty rollout makes Y_train the whole GT (§6.4 fallback) — plain SFT with the
