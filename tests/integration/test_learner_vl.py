@@ -179,14 +179,16 @@ def _changed(before: dict[str, torch.Tensor], model: torch.nn.Module, part: str)
     return any(not torch.equal(before[n], now[n].detach()) for n in before)
 
 
+@pytest.mark.parametrize("adapter", ["none", "dora"])
 def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
-    server_step, tiny_vlm_dir, vl_data, vlm_server, tmp_path
+    adapter, server_step, tiny_vlm_dir, vl_data, vlm_server, tmp_path
 ) -> None:
+    """Full sync of a VL model: vision tower, aligner and LLM (DoRA merged for the export, then unmerged)."""
     cfg = vl_cfg(
         tiny_vlm_dir,
         vl_data,
         tmp_path,
-        model={"freeze_vision": False, "freeze_aligner": False},
+        model={"freeze_vision": False, "freeze_aligner": False, "adapter": adapter, "lora_r": 8},
         rollout=server_rollout(vlm_server),
         training={"learning_rate": 2e-2},
     )
@@ -198,7 +200,8 @@ def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
         trained = rec.trainer.model
         assert served_version(vlm_server) == before_version + 1
         assert [(step, mode) for step, mode, _ in rec.syncs] == [(0, "full")]
-        assert all(_changed(initial[part], trained, part) for part in ("vision", "aligner", "llm"))
+        parts = ("vision", "aligner", "llm") if adapter == "none" else ("vision", "aligner")
+        assert all(_changed(initial[part], trained, part) for part in parts)
         rec.trainer.weight_sync.maybe_sync(trained, rec.trainer.state.global_step, rec.source)
         assert served_version(vlm_server) == before_version + 2
         ctx = rec.trainer.planner.ctx
@@ -208,7 +211,7 @@ def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
         own = _hf_greedy(trained, ctx.encoder.processor, messages, 12)
         eos = {ctx.eot_id, ctx.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
         assert [_strip_eos(r.choices[0].token_ids, eos) for r in served] == [_strip_eos(o, eos) for o in own]
-        initial_model = load_policy(cfg.model, tiny_vlm_dir).model.eval()
+        initial_model = load_policy(cfg.model.model_copy(update={"adapter": "none"}), tiny_vlm_dir).model.eval()
         before = _hf_greedy(initial_model, ctx.encoder.processor, messages, 12)
         assert before != own  # the comparison can fail: training moved the answers
         assert [r.prompt_token_ids for r in served] == [
