@@ -4,6 +4,12 @@ Layout of a micro-batch of ``B`` completions (prompt ``P_i`` + completion ``C_i`
 
 - ``input_ids``/``attention_mask`` ``[B, T]``, ``T = max L_i``, RIGHT-padded, so every real token keeps its
   natural position (no position ids needed; causal attention never sees the padding on the right);
+- Qwen-VL policies (rows with M-RoPE positions): ``position_ids`` ``[4, B, T]`` — row 0 the text positions,
+  rows 1–3 the prompt's M-RoPE positions continued over the completion from ``max + 1``
+  (:func:`learner.stage2.packed_batch.segment_rope_positions`, the layout of the stage-2 padded rows), and the
+  vision tensors (``pixel_values``, ``image_grid_thw``) of the rows concatenated in row order (the model
+  consumes images placeholder by placeholder, left to right, row by row); every completion of a prompt
+  repeats its prompt's tensors;
 - the model returns logits for the last ``logits_to_keep = T − min P_i + 1`` positions only; dropping the last
   one leaves ``K = T − min P_i`` predictions for the targets ``input_ids[:, min P_i:]``;
 - ``completion_mask`` ``[B, K]`` marks the target columns holding completion ``i``'s tokens;
@@ -18,11 +24,13 @@ log-probs (vLLM reports raw log-probs), so the importance-ratio metric compares 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from learner.stage2.packed_batch import segment_rope_positions
 
 __all__ = ["CompletionRow", "collate_rows", "completion_logps", "selective_log_softmax"]
 
@@ -36,12 +44,16 @@ class CompletionRow:
         completion_ids: the sampled ids (non-empty).
         server_logprobs: the server's log-prob per completion token, or None.
         advantage: ``A_i`` (§3.1).
+        rope_positions: the prompt's 3-row M-RoPE positions (Qwen-VL), else None.
+        mm_inputs: the prompt's vision tensors (``pixel_values``, ``image_grid_thw``); empty for text.
     """
 
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     server_logprobs: Sequence[float] | None
     advantage: float
+    rope_positions: Sequence[Sequence[int]] | None = None
+    mm_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 def collate_rows(rows: Sequence[CompletionRow], pad_id: int) -> dict[str, torch.Tensor | int]:
@@ -82,7 +94,12 @@ def collate_rows(rows: Sequence[CompletionRow], pad_id: int) -> dict[str, torch.
         if row.server_logprobs is not None:
             server[i, start:stop] = torch.tensor(row.server_logprobs, dtype=torch.float32)
             server_mask[i, start:stop] = 1.0
+    out: dict[str, torch.Tensor | int] = {}
+    if any(r.rope_positions is not None for r in rows):
+        out["position_ids"] = _mrope_position_ids(rows, total)
+    out.update(_concat_mm(rows))
     return {
+        **out,
         "input_ids": input_ids,
         "attention_mask": attention,
         "targets": input_ids[:, min_prompt:].clone(),
@@ -92,6 +109,35 @@ def collate_rows(rows: Sequence[CompletionRow], pad_id: int) -> dict[str, torch.
         "server_logprobs_mask": server_mask,
         "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32),
     }
+
+
+def _mrope_position_ids(rows: Sequence[CompletionRow], total: int) -> torch.Tensor:
+    """``[4, B, T]``: text positions, then the 3 M-RoPE rows (padding keeps 0; never attended, never read)."""
+    batch = len(rows)
+    text = torch.arange(total, dtype=torch.long).unsqueeze(0).expand(batch, total)
+    rope = torch.zeros((3, batch, total), dtype=torch.long)
+    for i, row in enumerate(rows):
+        length = len(row.prompt_ids) + len(row.completion_ids)
+        prompt = row.rope_positions
+        if prompt is None:
+            prompt = [list(range(len(row.prompt_ids)))] * 3
+        if len(prompt) != 3 or any(len(axis) != len(row.prompt_ids) for axis in prompt):
+            raise ValueError(
+                f"completion {i}: rope_positions must be 3 rows of {len(row.prompt_ids)} positions"
+            )
+        rope[:, i, :length] = torch.tensor(segment_rope_positions(prompt, length), dtype=torch.long)
+    return torch.cat([text.unsqueeze(0), rope], dim=0).contiguous()
+
+
+def _concat_mm(rows: Sequence[CompletionRow]) -> dict[str, torch.Tensor]:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row.mm_inputs if k not in keys]
+    return {key: torch.cat([r.mm_inputs[key] for r in rows if key in r.mm_inputs], dim=0) for key in keys}
+
+
+_MODEL_KEYS = ("position_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+"""Optional batch keys passed to the forward when present (M-RoPE positions and vision tensors)."""
 
 
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,11 +161,13 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.
 def completion_logps(model: nn.Module, batch: dict[str, torch.Tensor | int]) -> torch.Tensor:
     """``[B, K]`` log-probs of ``batch["targets"]`` under ``model`` (mask with ``completion_mask``)."""
     keep = int(batch["logits_to_keep"])
+    extra = {key: batch[key] for key in _MODEL_KEYS if key in batch}
     outputs = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         logits_to_keep=keep,
         use_cache=False,
+        **extra,
     )
     logits = outputs.logits[:, :-1, :]
     return selective_log_softmax(logits, batch["targets"])

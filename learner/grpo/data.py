@@ -6,11 +6,21 @@ A JSONL row is a JSON object with:
   ``prompt``: the user text (with ``system`` as an optional system text);
 - ``task_mode`` (required), ``domain``, ``summary_ref``: the §4.1 reference metadata the rewards read;
 - ``id`` (optional) and any other keys (kept in :attr:`PromptRow.meta`, ignored by the rewards);
-- ``images``: must be absent or empty — image prompts need the learner's vision forward, which this trainer
-  does not have yet (the row is rejected with a message saying so).
+- ``images`` (optional): image reference strings (absolute path, ``file://`` or ``data:`` URL, or a path
+  relative to ``data.image_root`` / the JSONL file's directory — the stage-2 rules,
+  :func:`learner.data.records.resolve_image`). Image parts may also sit in ``messages``
+  (``{"type": "image", "image": ref}``; relative refs resolved the same way); a part without a ref takes the
+  next ``images`` entry; when ``messages`` has no image part, the images go first in the first user turn (the
+  stage-2 layout of ``learner.stage2.messages.build_messages``).
 
-Prompts are templated and tokenized ONCE on the learner; the same ids are sent to the server as
-``prompt_token_ids`` and fed to the learner's forward, so both sides condition on identical tokens.
+Prompts are encoded ONCE per row on the learner with the run's prompt encoder
+(:class:`learner.stage2.prompt_encoding.PromptEncoder`: chat template, and for image rows the processor's
+placeholder expansion and the M-RoPE positions). A text row is sent to the server as those ids
+(``prompt_token_ids``); an image row is sent as its ``messages`` (the server templates and expands the images
+itself — already-expanded ids would be expanded twice) and the ids the server returns must equal the learner's
+(:func:`learner.grpo.rollouts.group_results`). :class:`PromptRow` keeps the ids and positions; the vision
+tensors are re-encoded at step time (the encoder caches them for the step), so a large image set is never held
+in memory and the broadcast groups stay small.
 ``truncation_strategy: delete`` (§3.5) is applied at load time: a prompt longer than
 ``global_max_length − max_completion_length`` is removed, which is the same as replacing it by the next
 sample; the count is reported as ``data/deleted_overlong``.
@@ -29,22 +39,40 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch.utils.data import Dataset
 
 from learner.data.errors import DataRecordError
+from learner.data.records import resolve_image
+from shared_schemas.infer import iter_image_refs
 
 __all__ = [
     "GenerationSlots",
     "PromptRow",
     "PromptSet",
+    "attach_images",
     "chat_messages",
     "load_prompt_rows",
     "prompt_order",
 ]
 
 REWARD_KEYS = ("task_mode", "domain", "summary_ref")
+_IMAGE_PART_KEYS = ("image", "image_url")
+
+
+class EncodedLike(Protocol):
+    """What the prompt encoder returns (:class:`learner.stage2.prompt_encoding.EncodedPrompt`)."""
+
+    ids: Sequence[int]
+    rope_positions: tuple[tuple[int, ...], ...] | None
+
+    @property
+    def n_images(self) -> int: ...
+
+
+Encode = Callable[[list[dict[str, Any]]], "EncodedLike | list[int]"]
+"""messages → the encoded prompt (or plain ids, for text-only encoders)."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +83,12 @@ class PromptRow:
         index: position in the loaded (filtered) prompt set.
         row_id: the row's ``id`` (or ``<file stem>:<line>``).
         messages: the chat messages sent for generation (no assistant turn).
-        prompt_ids: templated prompt token ids (generation prompt included), as sent to the server.
+        prompt_ids: templated prompt token ids (generation prompt included, image placeholders expanded): the
+            ids sent to the server for a text row, the ids the server must return for an image row.
         reward_row: ``task_mode``/``domain``/``summary_ref`` for the rewards (§4.1).
         meta: every other key of the JSONL row.
+        rope_positions: the prompt's 3-row M-RoPE positions (Qwen-VL policies), else None.
+        n_images: images in the prompt (0 = text row).
     """
 
     index: int
@@ -66,6 +97,13 @@ class PromptRow:
     prompt_ids: list[int] = field(repr=False)
     reward_row: dict[str, Any] = field(repr=False)
     meta: dict[str, Any] = field(default_factory=dict, repr=False)
+    rope_positions: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    n_images: int = 0
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the prompt holds images (sent to the server as messages, forwarded with vision tensors)."""
+        return self.n_images > 0
 
 
 @dataclass(frozen=True)
@@ -109,50 +147,122 @@ def chat_messages(record: Mapping[str, Any], *, where: str) -> list[dict[str, An
     raise ValueError(f"{where}: a GRPO row needs 'messages' (chat list) or 'prompt' (user text)")
 
 
+def _image_part(part: Any) -> bool:
+    return isinstance(part, dict) and (
+        part.get("type") in _IMAGE_PART_KEYS or any(k in part for k in _IMAGE_PART_KEYS)
+    )
+
+
+def attach_images(
+    messages: list[dict[str, Any]], images: Sequence[str], resolve: Callable[[str], str]
+) -> list[dict[str, Any]]:
+    """``messages`` with every image ref resolved and the row's ``images`` placed (module docstring rules).
+
+    Raises:
+        ValueError: ``images`` entries that are not non-empty strings, or a count that does not fit the
+            image parts of ``messages``.
+    """
+    if not all(isinstance(ref, str) and ref for ref in images):
+        raise ValueError("'images' must be a list of non-empty strings (paths, file:// or data: URLs)")
+    pending = [resolve(ref) for ref in images]
+    out: list[dict[str, Any]] = []
+    parts = 0
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        new_content = []
+        for part in content:
+            if _image_part(part):
+                parts += 1
+                part = dict(part)
+                ref = iter_image_refs([{"content": [part]}])
+                if ref:
+                    part = {"type": "image", "image": resolve(ref[0])}
+                elif pending:
+                    part = {"type": "image", "image": pending.pop(0)}
+                else:
+                    raise ValueError(
+                        f"image part {parts} has no reference and 'images' has no entry left for it"
+                    )
+            new_content.append(part)
+        out.append({**message, "content": new_content})
+    if pending and parts == 0:
+        users = [i for i, m in enumerate(out) if m.get("role") == "user"]
+        if not users:
+            raise ValueError("'images' given but 'messages' has no user turn to carry them")
+        first = out[users[0]]
+        text = first.get("content")
+        text_parts = [{"type": "text", "text": text}] if isinstance(text, str) else list(text or [])
+        out[users[0]] = {**first, "content": [*({"type": "image", "image": r} for r in pending), *text_parts]}
+        pending = []
+    if pending:
+        raise ValueError(
+            f"{len(pending)} 'images' entries left over: 'messages' has {parts} image part(s) without a "
+            "reference for them; give each image once (in 'images' or in the message parts)"
+        )
+    return out
+
+
 def _row_from_record(
-    record: Any, *, path: Path, line_no: int, encode: Callable[[list[dict[str, Any]]], list[int]]
-) -> tuple[str, list[dict[str, Any]], list[int], dict[str, Any], dict[str, Any]]:
+    record: Any, *, path: Path, line_no: int, image_root: str | Path | None
+) -> tuple[str, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     where = f"{path}:{line_no}"
     if not isinstance(record, dict):
         raise DataRecordError(str(path), line_no, f"a row must be a JSON object, got {type(record).__name__}")
     if "task_mode" not in record:
         raise DataRecordError(str(path), line_no, "missing 'task_mode' (summary or dense; §4.1)")
-    if record.get("images"):
-        raise DataRecordError(
-            str(path),
-            line_no,
-            "image prompts are not supported by the GRPO learner yet (it has no vision forward); "
-            "use text-only rows or the rollout-matching trainer",
-        )
+    images = record.get("images") or []
     try:
-        messages = chat_messages(record, where=where)
+        if not isinstance(images, list):
+            raise ValueError("'images' must be a list of non-empty strings (paths, file:// or data: URLs)")
+        messages = attach_images(
+            chat_messages(record, where=where),
+            images,
+            lambda ref: resolve_image(ref, path.parent, image_root),
+        )
     except ValueError as exc:
         raise DataRecordError(str(path), line_no, str(exc).removeprefix(f"{where}: ")) from None
     reward_row = {key: record[key] for key in REWARD_KEYS if key in record}
     skip = {*REWARD_KEYS, "messages", "prompt", "system", "images", "id"}
     meta = {key: value for key, value in record.items() if key not in skip}
     row_id = str(record.get("id", f"{path.stem}:{line_no}"))
-    return row_id, messages, encode(messages), reward_row, meta
+    return row_id, messages, reward_row, meta
+
+
+def _encode_row(
+    encode: Encode, messages: list[dict[str, Any]], path: Path, line_no: int
+) -> EncodedLike | list[int]:
+    try:
+        return encode(messages)
+    except (ValueError, OSError) as exc:  # images for a text-only model, an unreadable image
+        raise DataRecordError(str(path), line_no, str(exc)) from None
 
 
 def load_prompt_rows(
     files: Sequence[str | Path],
-    encode: Callable[[list[dict[str, Any]]], list[int]],
+    encode: Encode,
     *,
     budget: int,
+    image_root: str | Path | None = None,
+    max_images: int | None = None,
 ) -> PromptSet:
     """Reads GRPO prompt rows from JSONL files, in file then line order, deleting overlong prompts (§3.5).
 
     Args:
         files: JSONL paths.
-        encode: messages → templated prompt ids (generation prompt included).
+        encode: messages → the encoded prompt (``PromptEncoder.encode``) or plain templated ids.
         budget: largest allowed prompt length in tokens (``global_max_length − max_completion_length``).
+        image_root: ``data.image_root`` (relative image refs; default: the JSONL file's directory).
+        max_images: ``data.max_images_per_sample`` (None: no limit); a row with more images is an error.
 
     Returns:
         :class:`PromptSet`.
 
     Raises:
-        DataRecordError: a malformed line (names file and line), or no prompt left.
+        DataRecordError: a malformed line (names file and line; unreadable images and images for a text-only
+            model included), or no prompt left.
     """
     rows: list[PromptRow] = []
     deleted = 0
@@ -166,13 +276,24 @@ def load_prompt_rows(
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataRecordError(str(path), line_no, f"invalid JSON: {exc.msg}") from None
-                row_id, messages, ids, reward_row, meta = _row_from_record(
-                    record, path=path, line_no=line_no, encode=encode
+                row_id, messages, reward_row, meta = _row_from_record(
+                    record, path=path, line_no=line_no, image_root=image_root
                 )
+                n_images = len(iter_image_refs(messages))
+                if max_images is not None and n_images > max_images:
+                    raise DataRecordError(
+                        str(path),
+                        line_no,
+                        f"{n_images} image(s) > data.max_images_per_sample {max_images} (0 = text-only rows); "
+                        "raise it for a Qwen-VL model",
+                    )
+                encoded = _encode_row(encode, messages, path, line_no)
+                ids = [int(t) for t in getattr(encoded, "ids", encoded)]
                 if len(ids) > budget:
                     deleted += 1
                     continue
-                rows.append(PromptRow(len(rows), row_id, messages, ids, reward_row, meta))
+                rope = getattr(encoded, "rope_positions", None)
+                rows.append(PromptRow(len(rows), row_id, messages, ids, reward_row, meta, rope, n_images))
     if not rows:
         raise DataRecordError(
             ", ".join(str(f) for f in files),

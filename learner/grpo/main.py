@@ -35,6 +35,7 @@ from learner.grpo.trainer import GrpoTrainer
 from learner.policy import load_policy
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
+from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.trainers.build import all_ranks_ok
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.weights.sync import WeightSyncPolicy
@@ -118,10 +119,14 @@ def _num_steps(cfg: RunConfig, num_rows: int, prompts_per_step: int) -> int:
     return max(1, math.ceil(epochs * num_rows / prompts_per_step))
 
 
-def _prompt_encoder(tokenizer: Any):
-    def encode(messages: list[dict[str, Any]]) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+def _load_encode(encoder: PromptEncoder):
+    """``encoder.encode`` for the load pass: nothing is kept in its cache (the rows keep ids and positions; the
+    vision tensors are encoded again, once per step, when a step uses the row)."""
+
+    def encode(messages: list[dict[str, Any]]) -> EncodedPrompt:
+        encoded = encoder.encode(messages)
+        encoder.new_window()
+        return encoded
 
     return encode
 
@@ -187,10 +192,15 @@ def build_grpo_trainer(
     policy = load_policy(cfg.model, resolved.model_path)
     model, tokenizer = policy.model, policy.tokenizer
     reference = build_reference(model, grpo.beta)
+    encoder = PromptEncoder.for_model(model, tokenizer, policy.processor)
     budget = grpo.global_max_length - grpo.max_completion_length
     try:
         prompts: PromptSet = load_prompt_rows(
-            [_resolve(f) for f in cfg.data.train], _prompt_encoder(tokenizer), budget=budget
+            [_resolve(f) for f in cfg.data.train],
+            _load_encode(encoder),
+            budget=budget,
+            image_root=_resolve(cfg.data.image_root) if cfg.data.image_root else None,
+            max_images=cfg.data.max_images_per_sample,
         )
     except (DataRecordError, OSError) as exc:
         raise ConfigError(f"data.train: {exc}") from exc
@@ -228,6 +238,7 @@ def build_grpo_trainer(
         generator=generator,
         reference=reference,
         deleted_overlong=prompts.deleted_overlong,
+        encoder=encoder if any(r.has_images for r in prompts.rows) else None,
         model=model,
         args=args,
         train_dataset=dataset,
@@ -238,8 +249,9 @@ def build_grpo_trainer(
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     logger.info(
-        "GRPO: %d prompts (%d deleted as overlong), %d steps of %d prompts × %d generations, world %d, reference %s",
+        "GRPO: %d prompts (%d with images, %d deleted as overlong), %d steps of %d prompts × %d generations, world %d, reference %s",
         len(prompts.rows),
+        sum(r.has_images for r in prompts.rows),
         prompts.deleted_overlong,
         num_steps,
         prompts_per_step,

@@ -4,8 +4,11 @@ One generate request per prompt with ``n = num_generations``; request ``i`` of a
 prompt index ``first_index + i`` (its position in the step's generation batch, resample rounds continuing
 after the regular round), the explicit per-request seed
 ``(training.seed + global_step · 1_000_003 + prompt_index) & 0x7FFFFFFF`` and the request id
-``grpo-s<step>-p<prompt_index>``. Results are matched back by index AND request id (a mismatch raises),
-never by position; each result must hold exactly ``n`` choices and echo the prompt ids that were sent.
+``grpo-s<step>-p<prompt_index>``. A text prompt is sent as its ``prompt_token_ids``; an image prompt as its
+``messages`` with the image parts (the server templates it and expands the images itself: expanded ids would
+be expanded a second time). Results are matched back by index AND request id (a mismatch raises), never by
+position; each result must hold exactly ``n`` choices and return the prompt ids the learner encoded (for an
+image prompt: the server's expansion equals the learner processor's, or the step fails naming both lengths).
 
 Pure: no HTTP, no torch.
 """
@@ -75,16 +78,40 @@ def build_infer_batch(
     seed: int,
     config: RequestConfig,
 ) -> InferBatch:
-    """One request per prompt (``prompt_token_ids``), global indices from ``first_index``, explicit seeds."""
+    """One request per prompt (text: ``prompt_token_ids``; images: ``messages``), global indices from
+    ``first_index``, explicit seeds."""
     indices = range(first_index, first_index + len(rows))
     return InferBatch(
         infer_requests=[
-            InferRequest(prompt_token_ids=list(row.prompt_ids), request_id=request_id(global_step, i))
-            for row, i in zip(rows, indices, strict=True)
+            _request(row, request_id(global_step, i)) for row, i in zip(rows, indices, strict=True)
         ],
         request_config=config,
         first_index=first_index,
         seeds=[prompt_seed(seed, global_step, i) for i in indices],
+    )
+
+
+def _request(row: PromptRow, rid: str) -> InferRequest:
+    if row.has_images:
+        return InferRequest(messages=row.messages, request_id=rid)
+    return InferRequest(prompt_token_ids=list(row.prompt_ids), request_id=rid)
+
+
+def _prompt_mismatch(want: str, row: PromptRow, server_ids: Sequence[int]) -> str:
+    if not row.has_images:
+        return (
+            f"result {want}: the server conditioned on {len(server_ids)} prompt ids that differ from the "
+            f"{len(row.prompt_ids)} sent; server and learner must load the same tokenizer"
+        )
+    first = next(
+        (k for k, (a, b) in enumerate(zip(server_ids, row.prompt_ids, strict=False)) if a != b),
+        min(len(server_ids), len(row.prompt_ids)),
+    )
+    return (
+        f"result {want} (row {row.row_id!r}, {row.n_images} image(s)): the server expanded the prompt to "
+        f"{len(server_ids)} ids, the learner's processor to {len(row.prompt_ids)} (first difference at "
+        f"position {first}); server and learner must load the same processor and image pixel bounds "
+        "(server.vllm.mm_processor_kwargs, the checkpoint's preprocessor_config.json)"
     )
 
 
@@ -143,7 +170,8 @@ def group_results(
 
     Raises:
         GenerationError: a missing, extra or duplicated result, a request id that does not name its prompt,
-            a choice count other than ``n``, or prompt ids other than those sent.
+            a choice count other than ``n``, or prompt ids other than the learner's encoding (for an image
+            prompt: the server's expansion differs from the learner processor's).
     """
     n = batch.request_config.n
     first = batch.first_index
@@ -171,10 +199,7 @@ def group_results(
         if len(result.choices) != n:
             raise GenerationError(f"result {want} holds {len(result.choices)} choices, requested n={n}")
         if list(result.prompt_token_ids) != list(row.prompt_ids):
-            raise GenerationError(
-                f"result {want}: the server conditioned on {len(result.prompt_token_ids)} prompt ids that differ "
-                f"from the {len(row.prompt_ids)} sent; server and learner must load the same tokenizer"
-            )
+            raise GenerationError(_prompt_mismatch(want, row, result.prompt_token_ids))
         completions = [
             Completion(
                 list(c.token_ids),

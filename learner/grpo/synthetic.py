@@ -18,26 +18,41 @@ Design choices (why the tiny model can raise the rewards within ~30 GRPO steps a
   mode choice with maximal spread inside every group — and the header/strict rewards (−4 points for the
   wrong tag) tell GRPO which mode is right, so they rise within a few dozen steps.
 
+Image rows (:func:`generate_image_rows`, the Qwen-VL demo): the same §4 task read off a picture. A scene of 1–3
+flat shapes (``learner.data.synthetic_images``' renderer: each category has one colour and one shape) summarises
+as one ``统计`` entry per category with its count (``可见性: {完整: n}``); ~20 % of the images are pixel noise,
+whose right answer is ``无关图片``. The user turn only names the domain (which picks the header).
+
 Everything is pure and seeded: the same ``(seed, split, n)`` always gives the same rows; the train and eval
 splits use independent RNG streams.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
+from learner.data.synthetic_images import ImageDemoConfig, PixelObject, render_scene, sample_pixel_scene
 from learner.rewards.summary_parse import IRRELEVANT, expected_header
 
 __all__ = [
     "ATTRIBUTES",
     "CATEGORIES",
     "DOMAINS",
+    "IMAGE_SYSTEM_PROMPT",
     "SYSTEM_PROMPT",
     "answer_text",
+    "generate_image_rows",
     "generate_rows",
+    "image_demo_config",
+    "image_reference",
+    "irrelevant_image",
     "make_row",
     "sample_reference",
     "scene_text",
@@ -156,3 +171,94 @@ def with_task_noise(rows: list[dict[str, Any]], fraction: float, *, seed: int = 
             row["answer"] = row["answer"].replace("<TASK=SUMMARY>", "<TASK=DENSE>", 1)
         out.append(row)
     return out
+
+
+# -- image rows (the Qwen-VL GRPO demo) ------------------------------------------------------------------------
+IMAGE_SYSTEM_PROMPT = "Summarize the image."
+IMAGE_COUNT_KEY = "可见性"
+"""Attribute key of the image rows' counts (in the §5 ``attr_path_recall`` parent list)."""
+IMAGE_COUNT_VALUE = "完整"
+_IMAGE_SALT = {"train": "train", "eval": "eval"}
+
+
+def image_demo_config() -> ImageDemoConfig:
+    """128-px scenes (16 image tokens on the tiny Qwen3-VL): 1–3 large objects of the five demo categories."""
+    return ImageDemoConfig(size=128, grid=8, min_objects=1, max_objects=3, min_side=32, max_side=56)
+
+
+def image_reference(objects: Sequence[PixelObject]) -> dict[str, Any]:
+    """The summary an image shows: one entry per drawn category (sorted), its object count under
+    ``可见性/完整`` — everything in it can be read off the pixels (colour and shape name the category)."""
+    counts: dict[str, int] = {}
+    for obj in objects:
+        counts[obj.desc] = counts.get(obj.desc, 0) + 1
+    return {
+        "统计": [
+            {"类别": name, IMAGE_COUNT_KEY: {IMAGE_COUNT_VALUE: counts[name]}} for name in sorted(counts)
+        ]
+    }
+
+
+def irrelevant_image(rng: random.Random, size: int) -> Image.Image:
+    """An image that does not belong to the task: coloured pixel noise (never a flat shape on stripes)."""
+    return Image.frombytes("RGB", (size, size), rng.randbytes(size * size * 3))
+
+
+def generate_image_rows(
+    n: int, out_dir: Path, *, seed: int = 0, split: str = "train"
+) -> list[dict[str, Any]]:
+    """``n`` image rows of ``split``, their PNGs written under ``out_dir/images/`` (unchanged files are kept).
+
+    A row: ``messages`` (system + a user turn naming the domain), ``images`` (the PNG path relative to
+    ``out_dir``, resolved like stage-2 records), the §4.1 metadata and the reference ``answer``. About
+    ``IRRELEVANT_FRACTION`` of the rows show pixel noise and answer ``无关图片``. Deterministic in
+    ``(seed, split, n)``; train and eval use independent RNG streams.
+
+    Raises:
+        ValueError: unknown split or negative ``n``.
+    """
+    if split not in _IMAGE_SALT:
+        raise ValueError(f"split {split!r} is not one of {sorted(_IMAGE_SALT)}")
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    cfg = image_demo_config()
+    rng = random.Random(f"rollmatch-grpo-vlm/{split}/{seed}")
+    rows = []
+    for i in range(n):
+        domain = rng.choice(DOMAINS)
+        if rng.random() < IRRELEVANT_FRACTION:
+            ref = None
+            image = irrelevant_image(rng, cfg.size)
+        else:
+            objects = sample_pixel_scene(rng, cfg)
+            ref = image_reference(objects)
+            image = render_scene(objects, rng, cfg)
+        rel = f"images/{split}_{i:05d}.png"
+        _write_png(Path(out_dir) / rel, image)
+        rows.append(
+            {
+                "id": f"{split}-img-{i:05d}",
+                "messages": [
+                    {"role": "system", "content": IMAGE_SYSTEM_PROMPT},
+                    {"role": "user", "content": f"domain {domain}"},
+                ],
+                "images": [rel],
+                "task_mode": "summary",
+                "domain": domain,
+                "summary_ref": IRRELEVANT if ref is None else ref,
+                "answer": answer_text(domain, ref),
+            }
+        )
+    return rows
+
+
+def _write_png(path: Path, image: Image.Image) -> None:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    data = buf.getvalue()
+    if path.exists() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)

@@ -20,7 +20,8 @@ One optimizer step (``global_step = k``):
    ``n = num_generations``, grouping by request id, rewards, dynamic sampling) and broadcasts the scored
    groups; a failure there is broadcast too, so every rank raises instead of hanging;
 4. every rank builds the tensors of its own slots (slot ``(p, j)`` trains on completion ``j`` of group
-   ``p``), computes the reference log-probs (no grad) and, with ``kl_in_reward``, the per-completion KL,
+   ``p``; an image prompt's vision tensors come from the run's prompt encoder, cached for the step, and its
+   M-RoPE positions from the row), computes the reference log-probs (no grad) and, with ``kl_in_reward``, the per-completion KL,
    which is all-gathered;
 5. every rank computes the advantages over the WHOLE generation batch from the broadcast rewards (group and
    batch statistics are global, §3.1; float64, identical on every rank) and keeps its slots' values.
@@ -50,6 +51,7 @@ from learner.grpo.reference import ReferencePolicy
 from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, assemble_window, slot_tags
 from learner.rollout.base import RolloutSource
+from learner.stage2.prompt_encoding import PromptEncoder
 from learner.weights.sync import WeightSyncPolicy
 
 __all__ = ["GrpoTrainer"]
@@ -68,6 +70,7 @@ class GrpoTrainer(Trainer):
         generator: the rank-0 generation step (None on other ranks).
         reference: the KL reference (None when ``beta == 0``).
         deleted_overlong: prompts removed at load time by §3.5 (logged as ``data/deleted_overlong``).
+        encoder: the run's prompt encoder (vision tensors of image prompts); None for text-only prompts.
         **kwargs: passed to ``Trainer`` (model, args, train_dataset, data_collator, callbacks, ...).
     """
 
@@ -83,6 +86,7 @@ class GrpoTrainer(Trainer):
         generator: GroupGenerator | None,
         reference: ReferencePolicy | None,
         deleted_overlong: int = 0,
+        encoder: PromptEncoder | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -99,6 +103,7 @@ class GrpoTrainer(Trainer):
         self.generator = generator
         self.reference = reference
         self.deleted_overlong = deleted_overlong
+        self.encoder = encoder
         self.prompts_per_step = grpo.generation_batch_size // grpo.num_generations
         self.metric_window = MetricWindow()
         self._prepared_at: float | None = None
@@ -118,6 +123,8 @@ class GrpoTrainer(Trainer):
             prompts_per_step=self.prompts_per_step,
             num_generations=self.grpo.num_generations,
         )
+        if self.encoder is not None:
+            self.encoder.new_window()  # vision tensors are cached for this step only
         sync_s = self.weight_sync.maybe_sync(self.model, step, self.source)
         rollout = self._generate([self.prompts[i] for i in window], step)
         started = time.perf_counter()
@@ -160,12 +167,35 @@ class GrpoTrainer(Trainer):
         for tag in tags:
             completion = rollout.groups[tag.prompt_slot].completions[tag.generation]
             group = rollout.groups[tag.prompt_slot]
-            rows.append(CompletionRow(group.row.prompt_ids, completion.token_ids, completion.logprobs, 0.0))
+            rows.append(
+                CompletionRow(
+                    group.row.prompt_ids,
+                    completion.token_ids,
+                    completion.logprobs,
+                    0.0,
+                    rope_positions=group.row.rope_positions,
+                    mm_inputs=self._vision_inputs(group.row),
+                )
+            )
         batch: dict[str, Any] = collate_rows(rows, self._pad_id)
         if self.reference is not None:
             on_device = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             batch["ref_logps"] = self.reference.logps(on_device).cpu()
         return batch
+
+    def _vision_inputs(self, row: PromptRow) -> dict[str, torch.Tensor]:
+        """The vision tensors of an image prompt from the run's encoder (same ids as at load time, checked)."""
+        if not row.has_images:
+            return {}
+        if self.encoder is None:
+            raise RuntimeError(f"prompt {row.row_id!r} has images but the trainer has no prompt encoder")
+        encoded = self.encoder.encode(row.messages, index=row.index)
+        if list(encoded.ids) != list(row.prompt_ids):
+            raise RuntimeError(
+                f"prompt {row.row_id!r}: re-encoding gave {len(encoded.ids)} ids, {len(row.prompt_ids)} at load "
+                "time (did an image file change during the run?)"
+            )
+        return encoded.mm_inputs
 
     @torch.no_grad()
     def _sequence_kl(self, prepared: list[dict[str, Any]], local: list[list[SlotTag]]) -> torch.Tensor:

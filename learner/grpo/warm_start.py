@@ -5,6 +5,11 @@ scores the same, so every GRPO group has zero variance and there is no signal). 
 GRPO starts from an SFT checkpoint. This module trains a deliberately *short* teacher-forced SFT (a few
 dozen steps) so the model knows the answer skeleton only partly; GRPO then has rewards to raise.
 
+A Qwen-VL checkpoint (rows with ``images``) is warm-started through the GRPO learner's own path: the policy
+loader, the run's prompt encoder (processor expansion, vision tensors, M-RoPE positions) and the GRPO
+micro-batch forward (:func:`learner.grpo.batch.collate_rows`, :func:`~learner.grpo.batch.completion_logps`),
+so the SFT sees exactly the inputs GRPO later trains on; the loss is the mean answer-token NLL.
+
 Deterministic for a given ``(model, rows, steps, lr, seed)`` on one machine (single-threaded CPU kernels
 are not guaranteed bit-identical across machines; the demo does not need that).
 """
@@ -67,6 +72,7 @@ def warm_start(
     batch_size: int = 16,
     lr: float = 2e-3,
     seed: int = 0,
+    image_root: Path | None = None,
 ) -> Path:
     """Trains ``steps`` SFT steps from ``model_dir`` on ``rows`` and saves model + tokenizer to ``out_dir``.
 
@@ -80,11 +86,14 @@ def warm_start(
         batch_size: rows per step.
         lr: AdamW learning rate.
         seed: data order and torch seed.
+        image_root: the directory relative image refs of the rows are resolved against (image rows).
 
     Returns:
         ``out_dir`` as an absolute path.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.policy import is_vl_checkpoint
 
     out_dir = Path(out_dir).resolve()
     weights = Path(model_dir) / "model.safetensors"
@@ -94,7 +103,9 @@ def warm_start(
         "base_sha1": hashlib.sha1(weights.read_bytes()).hexdigest() if weights.exists() else None,
         "rows": len(rows),
         "rows_sha1": hashlib.sha1(
-            json.dumps([[r["messages"], r["answer"]] for r in rows], ensure_ascii=False).encode()
+            json.dumps(
+                [[r["messages"], r.get("images"), r["answer"]] for r in rows], ensure_ascii=False
+            ).encode()
         ).hexdigest(),
         "steps": steps,
         "batch_size": batch_size,
@@ -105,6 +116,8 @@ def warm_start(
     if info.exists() and json.loads(info.read_text()) == recipe:
         return out_dir
     torch.manual_seed(seed)
+    if is_vl_checkpoint(model_dir):
+        return _warm_start_vl(model_dir, out_dir, rows, recipe, image_root)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -127,11 +140,69 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == steps - 1:
             logger.info("warm start step %d/%d: loss %.3f", step + 1, steps, loss.item())
+    return _save(model, tokenizer, out_dir, recipe)
+
+
+def _save(model: Any, processing: Any, out_dir: Path, recipe: dict[str, Any]) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    processing.save_pretrained(tmp)
     (tmp / "warm_start.json").write_text(json.dumps(recipe, indent=1))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _warm_start_vl(
+    model_dir: Path,
+    out_dir: Path,
+    rows: Sequence[dict[str, Any]],
+    recipe: dict[str, Any],
+    image_root: Path | None,
+) -> Path:
+    """The Qwen-VL warm start (module docstring): rows are encoded by the GRPO data loader's rules."""
+    from learner.config import ModelConfig
+    from learner.data.records import resolve_image
+    from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
+    from learner.grpo.data import attach_images
+    from learner.policy import load_policy
+    from learner.stage2.prompt_encoding import PromptEncoder
+
+    policy = load_policy(
+        ModelConfig(path=str(model_dir), freeze_vision=False, freeze_aligner=False), model_dir
+    )
+    model, tokenizer = policy.model, policy.tokenizer
+    encoder = PromptEncoder.for_model(model, tokenizer, policy.processor)
+
+    def resolve(ref: str) -> str:
+        return resolve_image(ref, image_root or ".")
+
+    eot = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    examples = []
+    for row in rows:
+        messages = attach_images(row["messages"], row.get("images") or [], resolve)
+        prompt = encoder.encode(messages)
+        encoder.new_window()
+        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + eot
+        examples.append(CompletionRow(prompt.ids, answer, None, 0.0, prompt.rope_positions, prompt.mm_inputs))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe["lr"])
+    rng = random.Random(recipe["seed"])
+    order: list[int] = []
+    for step in range(recipe["steps"]):
+        if len(order) < recipe["batch_size"]:
+            fresh = list(range(len(examples)))
+            rng.shuffle(fresh)
+            order += fresh
+        picked = [examples[i] for i in order[: recipe["batch_size"]]]
+        del order[: recipe["batch_size"]]
+        batch = collate_rows(picked, int(tokenizer.pad_token_id))
+        mask = batch["completion_mask"]
+        loss = -(completion_logps(model, batch) * mask).sum() / mask.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == recipe["steps"] - 1:
+            logger.info("warm start (VL) step %d/%d: loss %.3f", step + 1, recipe["steps"], loss.item())
+    return _save(model, policy.processor, out_dir, recipe)

@@ -73,6 +73,11 @@ class LossConfig(BaseModel):
     columns): the LM head, its logits and their gradient cost ``B·K·V`` instead of ``B·T·V`` (K = read
     positions; the prompt, image tokens included, is never read). Same losses and gradients; false asks
     for every position (models whose forward has no ``logits_to_keep``)."""
+    segment_attention: bool = True
+    """Teacher-forced forwards of ``sdpa`` models attend with one causal SDPA call per packed segment and no
+    mask (``learner.trainers.packed_attention``): attention costs Σ Lᵢ² instead of T² per packed row and no
+    T×T mask is built. Same outputs as transformers' ``sdpa`` with its block-diagonal mask; false uses the
+    latter."""
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from learner.stage2.buffer import RolloutBuffer, TaggedBatch
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.stage2.offload import offload_context
 from learner.stage2.pipeline import eval_metrics
+from learner.trainers.packed_attention import packed_attention
 from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
 
@@ -151,7 +152,9 @@ class RolloutMatchingTrainer(Trainer):
             return (loss, None) if return_outputs else loss
         t0 = time.perf_counter()
         batch = inputs["batch"].to(self.args.device)
-        outputs, columns = forward_for_loss(model, batch, compact=loss_cfg.compact_logits)
+        outputs, columns = forward_for_loss(
+            model, batch, compact=loss_cfg.compact_logits, segment_attention=loss_cfg.segment_attention
+        )
         sums = step_loss_sums(
             outputs.logits,
             batch,
@@ -209,18 +212,23 @@ class RolloutMatchingTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def forward_for_loss(model: torch.nn.Module, batch: Any, *, compact: bool) -> tuple[Any, torch.Tensor | None]:
+def forward_for_loss(
+    model: torch.nn.Module, batch: Any, *, compact: bool, segment_attention: bool = True
+) -> tuple[Any, torch.Tensor | None]:
     """The model's forward over a prepared micro-batch, as `step_loss_sums` reads it.
 
     With `compact` (`stage2.loss.compact_logits`) the model returns logits only at the columns the losses
     read (`read_columns`, passed as `logits_to_keep`); pass the returned columns on to `step_loss_sums`.
+    With `segment_attention` (`stage2.loss.segment_attention`) an `sdpa` model attends per packed segment
+    without a mask (`learner.trainers.packed_attention`); a packed row then passes its segment bounds.
 
     Returns:
         `(model outputs, columns or None)`.
     """
     columns = read_columns(batch.labels, batch.coord_pos) if compact else None
     keep = {} if columns is None else {"logits_to_keep": columns}
-    return model(**batch.model_inputs(), **keep), columns
+    with packed_attention(model, enabled=segment_attention):
+        return model(**batch.model_inputs(flash_varlen_kwargs=segment_attention), **keep), columns
 
 
 def _tag(raw: list[dict[str, Any]]) -> TaggedBatch:

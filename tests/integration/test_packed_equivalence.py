@@ -146,3 +146,34 @@ def test_segment_isolation_in_packed_row(model_and_segments) -> None:
     for leaked in (leaked_mask, leaked_cache):
         diffs = _max_diff_per_segment(leaked, alone, bounds)
         assert diffs[0] < 1e-5 and min(diffs[1:]) > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_segment_attention_equals_sdpa(model_and_segments, layout: str) -> None:
+    """`stage2.loss.segment_attention` (per-segment causal SDPA, no mask) = sdpa with its mask: values at the
+    real positions and parameter gradients (the VL version: tests/integration/test_vl_packing.py)."""
+    from learner.trainers.rollout_matching import forward_for_loss
+
+    model, segments, coord_ids, tok = model_and_segments
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    batch = pack_segments(segments) if layout == "packed" else pad_segments(segments, tok.pad_token_id)
+    real = (
+        torch.ones_like(batch.input_ids, dtype=torch.bool)
+        if batch.attention_mask is None
+        else batch.attention_mask.bool()
+    )
+    results = []
+    for segment_attention in (False, True):
+        model.zero_grad()
+        out, _ = forward_for_loss(model, batch, compact=False, segment_attention=segment_attention)
+        sums = step_loss_sums(out.logits, batch, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=eot)
+        (sums.s_ce + sums.s_coord).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.detach()[real], grads))
+    assert model.config._attn_implementation == "sdpa"
+    (ref, ref_grads), (seg, seg_grads) = results
+    torch.testing.assert_close(seg, ref, rtol=1e-5, atol=1e-5)
+    assert ref_grads and ref_grads.keys() == seg_grads.keys()
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(seg_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()

@@ -65,7 +65,8 @@ def vl_parts(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         img = Image.radial_gradient("L").convert("RGB").resize((w, h))
         img.save(folder / f"img{k}.png")
         record = validate_record(
-            {"images": [f"img{k}.png"], "width": w, "height": h, "objects": OBJECTS}, path=str(folder / "d.jsonl")
+            {"images": [f"img{k}.png"], "width": w, "height": h, "objects": OBJECTS},
+            path=str(folder / "d.jsonl"),
         )
         sample = build_sample(record, base_idx=k, dataset="d", dataset_namespace=0)
         prompt = ctx.encode_prompt(sample)
@@ -140,7 +141,9 @@ def test_packed_and_padded_losses_are_equal(vl_parts, compact: bool) -> None:
         with torch.no_grad():
             logits = model(**batch.model_inputs(), **keep).logits
         sums.append(
-            step_loss_sums(logits, batch, coord_ids=coord_ids, coord_cfg=cfg, eos_id=ctx.eot_id, columns=columns)
+            step_loss_sums(
+                logits, batch, coord_ids=coord_ids, coord_cfg=cfg, eos_id=ctx.eot_id, columns=columns
+            )
         )
     packed, padded = sums
     assert (packed.n_ce, packed.n_coord) == (padded.n_ce, padded.n_coord)
@@ -148,3 +151,48 @@ def test_packed_and_padded_losses_are_equal(vl_parts, compact: bool) -> None:
     for name in ("s_ce", "s_coord", "s_coord_prefix", "s_ce_eos"):
         a, b = getattr(packed, name).item(), getattr(padded, name).item()
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: str) -> None:
+    """`stage2.loss.segment_attention`: per-segment causal SDPA without a mask = transformers' sdpa with its
+    block-diagonal (packed) or padding (padded) mask — logits at the read columns and parameter gradients."""
+    from learner.trainers.packed_attention import SEGMENT_SDPA
+    from learner.trainers.rollout_matching import forward_for_loss
+
+    model, segments, coord_ids, ctx = vl_parts
+    batch = (
+        pack_segments(segments) if layout == "packed" else pad_segments(segments, ctx.tokenizer.pad_token_id)
+    )
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(True)  # the vision tower's gradients too
+    results = []
+    for segment_attention in (False, True):
+        model.zero_grad()
+        out, columns = forward_for_loss(model, batch, compact=True, segment_attention=segment_attention)
+        sums = step_loss_sums(
+            out.logits,
+            batch,
+            coord_ids=coord_ids,
+            coord_cfg=CoordLossConfig(),
+            eos_id=ctx.eot_id,
+            columns=columns,
+        )
+        (sums.s_ce + sums.s_coord).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        # Padded rows: positions past a row's end are padding (don't-care without a mask; no loss reads them).
+        real = torch.ones_like(out.logits[..., 0], dtype=torch.bool)
+        if batch.attention_mask is not None:
+            real = batch.attention_mask[:, columns].bool()
+        results.append((out.logits.detach()[real], grads))
+    assert model.config.text_config._attn_implementation == "sdpa"  # restored after the forward
+    assert SEGMENT_SDPA != "sdpa"
+    (ref_logits, ref_grads), (seg_logits, seg_grads) = results
+    torch.testing.assert_close(seg_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert ref_grads.keys() == seg_grads.keys() and any("visual" in n for n in ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(seg_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
+    for n, p in model.named_parameters():
+        p.requires_grad_(trainable[n])
