@@ -144,12 +144,15 @@ def generate_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict[s
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> bool:
     """Writes ``rows`` as JSONL to ``path`` unless it already holds exactly that text; True when written."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    path = Path(path)
-    if path.exists() and path.read_text(encoding="utf-8") == text:
+    return _write_if_changed(Path(path), text.encode("utf-8"))
+
+
+def _write_if_changed(path: Path, data: bytes) -> bool:
+    if path.exists() and path.read_bytes() == data:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(data)
     tmp.replace(path)
     return True
 
@@ -255,10 +258,4 @@ def generate_image_rows(
 def _write_png(path: Path, image: Image.Image) -> None:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    data = buf.getvalue()
-    if path.exists() and path.read_bytes() == data:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    _write_if_changed(path, buf.getvalue())

@@ -66,7 +66,11 @@ def test_overlong_prompts_are_deleted_and_counted(tmp_path: Path) -> None:
     [
         ({"prompt": "x"}, "missing 'task_mode'"),
         ({"task_mode": "summary"}, "needs 'messages'"),
-        ({"prompt": "x", "task_mode": "summary", "images": ["a.png"]}, "image prompts are not supported"),
+        (
+            {"prompt": "x", "task_mode": "summary", "images": ["a.png"]},
+            r"image\(s\) > data.max_images_per_sample 0",
+        ),
+        ({"prompt": "x", "task_mode": "summary", "images": "a.png"}, "'images' must be a list"),
         (
             {"messages": [{"role": "assistant", "content": "a"}], "task_mode": "summary"},
             "no system/user turn",
@@ -77,8 +81,120 @@ def test_overlong_prompts_are_deleted_and_counted(tmp_path: Path) -> None:
 def test_bad_rows_name_file_line_and_fix(tmp_path: Path, row: Any, message: str) -> None:
     file = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok", "task_mode": "summary"}, row])
     with pytest.raises(DataRecordError, match=message) as info:
-        load_prompt_rows([file], encode, budget=100)
+        load_prompt_rows([file], encode, budget=100, max_images=0)
     assert f"{file}:2" in str(info.value)
+
+
+class FakeEncoded:
+    """What PromptEncoder.encode returns, for a fake image model: 3 placeholder ids per image."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        refs = [
+            p["image"]
+            for m in messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if "image" in p
+        ]
+        self.ids = [*encode([{"content": json.dumps(messages)}]), *[13] * (3 * len(refs))]
+        self.rope_positions = tuple(tuple(range(len(self.ids))) for _ in range(3))
+        self.n_images = len(refs)
+
+
+@pytest.mark.parametrize(
+    ("row", "want"),
+    [
+        pytest.param(
+            {"prompt": "count", "images": ["img/a.png"]},
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": "ROOT/img/a.png"},
+                        {"type": "text", "text": "count"},
+                    ],
+                }
+            ],
+            id="images-go-first-in-the-user-turn",
+        ),
+        pytest.param(
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": [{"type": "text", "text": "t"}, {"type": "image"}]},
+                ],
+                "images": ["/abs/b.png"],
+            },
+            [
+                {"role": "system", "content": "s"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "t"}, {"type": "image", "image": "/abs/b.png"}],
+                },
+            ],
+            id="ref-less-part-takes-the-next-image",
+        ),
+        pytest.param(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "image": "c.png"}, {"type": "text", "text": "x"}],
+                    }
+                ]
+            },
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": "ROOT/c.png"}, {"type": "text", "text": "x"}],
+                }
+            ],
+            id="relative-part-ref-resolved",
+        ),
+    ],
+)
+def test_image_rows_resolve_refs_like_stage2(tmp_path: Path, row: dict[str, Any], want: list[Any]) -> None:
+    root = tmp_path / "root"
+    file = write_jsonl(tmp_path / "a.jsonl", [{**row, "task_mode": "summary"}])
+    loaded = load_prompt_rows([file], FakeEncoded, budget=10_000, image_root=root, max_images=1)
+    (prompt,) = loaded.rows
+    assert prompt.messages == json.loads(json.dumps(want).replace("ROOT", str(root)))
+    assert prompt.n_images == 1 and prompt.has_images and prompt.prompt_ids[-3:] == [13, 13, 13]
+    assert prompt.rope_positions is not None and len(prompt.rope_positions[0]) == len(prompt.prompt_ids)
+    # without data.image_root, relative refs resolve against the JSONL file's directory
+    (again,) = load_prompt_rows([file], FakeEncoded, budget=10_000).rows
+    assert (
+        "ROOT" not in json.dumps(want)
+        or str(tmp_path) in json.dumps(again.messages)
+        and str(root) not in json.dumps(again.messages)
+    )
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "x", "images": ["a.png", "b.png"]}, r"2 image\(s\) > data.max_images_per_sample 1"),
+        (
+            {
+                "messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}],
+                "images": ["b.png"],
+            },
+            "left over",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "no reference"),
+        ({"prompt": "x", "images": ["/no/such.png"]}, "unreadable"),
+    ],
+)
+def test_bad_image_rows_name_file_and_line(tmp_path: Path, row: dict[str, Any], message: str) -> None:
+    def encode_or_fail(messages: list[dict[str, Any]]) -> FakeEncoded:
+        if "/no/such.png" in json.dumps(messages):
+            raise OSError("image /no/such.png is unreadable")
+        return FakeEncoded(messages)
+
+    file = write_jsonl(tmp_path / "bad.jsonl", [{**row, "task_mode": "summary"}])
+    with pytest.raises(DataRecordError, match=message) as info:
+        load_prompt_rows([file], encode_or_fail, budget=10_000, max_images=1)
+    assert f"{file}:1" in str(info.value)
 
 
 def test_prompt_order_is_a_permutation_per_pass() -> None:

@@ -70,7 +70,8 @@ class FakeSource:
         self.batches.append(batch)
         results = []
         for i, request in enumerate(batch.infer_requests):
-            row_index = request.prompt_token_ids[0] - 100
+            ids = request.prompt_token_ids or [0]  # a messages request: the test sets the expanded ids
+            row_index = ids[0] - 100
             choices = [
                 Choice(
                     token_ids=[1, 2, j + 3],
@@ -84,7 +85,7 @@ class FakeSource:
                 InferResult(
                     index=batch.first_index + i,
                     request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
+                    prompt_token_ids=ids,
                     choices=choices,
                     weight_version=self.version,
                 )
@@ -326,3 +327,75 @@ def test_collate_aligns_targets_with_completion_tokens() -> None:
     assert batch["advantages"].tolist() == [1.0, -2.0]
     with pytest.raises(ValueError, match="server log-probs"):
         collate_rows([CompletionRow([1], [2, 3], [-1.0], 0.0)], pad_id=0)
+
+
+# -- image prompts ---------------------------------------------------------------------------------------------
+def make_image_row(index: int) -> PromptRow:
+    """An image prompt: 2 text ids, 4 expanded placeholders (13), 2 text ids; M-RoPE positions with an image block."""
+    rope = ((0, 1, 2, 2, 2, 2, 4, 5), (0, 1, 2, 2, 3, 3, 4, 5), (0, 1, 2, 3, 2, 3, 4, 5))
+    return PromptRow(
+        index=index,
+        row_id=f"img{index}",
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": f"/d/{index}.png"}, {"type": "text", "text": "x"}],
+            }
+        ],
+        prompt_ids=[1, 2, 13, 13, 13, 13, 3, 4],
+        reward_row={"task_mode": "summary", "domain": "BBU", "summary_ref": "无关图片"},
+        rope_positions=rope,
+        n_images=1,
+    )
+
+
+def test_image_prompts_are_sent_as_messages_text_prompts_as_ids() -> None:
+    rows = [make_row(0), make_image_row(1)]
+    batch = build_infer_batch(rows, global_step=0, first_index=0, seed=0, config=request_config(GrpoConfig()))
+    text, image = batch.infer_requests
+    assert text.prompt_token_ids == rows[0].prompt_ids and text.messages is None
+    assert image.messages == rows[1].messages and image.prompt_token_ids is None
+    assert image.all_image_refs() == ["/d/1.png"]
+    # the server returns the expanded ids it conditioned on: equal → grouped; different → the step fails naming both
+    results = FakeSource(lambda r, j: "x").infer(batch)
+    results = [results[0], results[1].model_copy(update={"prompt_token_ids": rows[1].prompt_ids})]
+    assert [g.row for g in group_results(batch, results, rows, global_step=0)] == rows
+    results[1] = results[1].model_copy(update={"prompt_token_ids": [1, 2, 13, 13, 3, 4]})
+    with pytest.raises(
+        GenerationError, match=r"expanded the prompt to 6 ids, the learner's processor to 8 .*position 4"
+    ):
+        group_results(batch, results, rows, global_step=0)
+
+
+def test_collate_vl_rows_m_rope_positions_and_vision_tensors_in_row_order() -> None:
+    row = make_image_row(0)
+    pixels = [torch.full((4, 3), float(k)) for k in range(2)]
+    grid = torch.tensor([[1, 2, 2]])
+    rows = [
+        CompletionRow(
+            row.prompt_ids,
+            [7, 8, 9],
+            None,
+            0.0,
+            row.rope_positions,
+            {"pixel_values": pixels[0], "image_grid_thw": grid},
+        ),
+        CompletionRow(
+            row.prompt_ids,
+            [7],
+            None,
+            0.0,
+            row.rope_positions,
+            {"pixel_values": pixels[1], "image_grid_thw": grid},
+        ),
+    ]
+    batch = collate_rows(rows, pad_id=0)
+    pos = batch["position_ids"]
+    assert pos.shape == (4, 2, 11)
+    assert pos[0, 0].tolist() == list(range(11))  # text positions
+    # M-RoPE: the prompt's rows, then the completion continues every row from max(prompt) + 1 = 6
+    assert pos[1:, 0, :].tolist() == [[*axis, 6, 7, 8] for axis in row.rope_positions]
+    assert pos[1:, 1, :].tolist() == [[*axis, 6, 0, 0] for axis in row.rope_positions]  # padding keeps 0
+    assert batch["pixel_values"].tolist() == torch.cat(pixels).tolist()
+    assert batch["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+    assert "position_ids" not in collate_rows([CompletionRow([1], [2], None, 0.0)], pad_id=0)
