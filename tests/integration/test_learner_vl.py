@@ -211,7 +211,9 @@ def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
         own = _hf_greedy(trained, ctx.encoder.processor, messages, 12)
         eos = {ctx.eot_id, ctx.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
         assert [_strip_eos(r.choices[0].token_ids, eos) for r in served] == [_strip_eos(o, eos) for o in own]
-        initial_model = load_policy(cfg.model.model_copy(update={"adapter": "none"}), tiny_vlm_dir).model.eval()
+        initial_model = load_policy(
+            cfg.model.model_copy(update={"adapter": "none"}), tiny_vlm_dir
+        ).model.eval()
         before = _hf_greedy(initial_model, ctx.encoder.processor, messages, 12)
         assert before != own  # the comparison can fail: training moved the answers
         assert [r.prompt_token_ids for r in served] == [
@@ -236,7 +238,14 @@ def _restore(server: ServerProcess, model_dir: Path) -> None:
 def test_frozen_vision_tower_and_aligner_stay_bit_identical(
     tiny_vlm_dir, vl_data, vlm_server, tmp_path
 ) -> None:
-    cfg = vl_cfg(tiny_vlm_dir, vl_data, tmp_path, rollout=server_rollout(vlm_server))
+    """Default freeze knobs; the checkpoint holds the processor beside the weights and loads back as a VL policy."""
+    cfg = vl_cfg(
+        tiny_vlm_dir,
+        vl_data,
+        tmp_path,
+        rollout=server_rollout(vlm_server),
+        training={"save_strategy": "steps", "save_steps": 1},
+    )
     rec = build_recorded(cfg)
     try:
         initial = _snapshot(rec.trainer.model)
@@ -246,6 +255,12 @@ def test_frozen_vision_tower_and_aligner_stay_bit_identical(
         assert _changed(initial["llm"], rec.trainer.model, "llm")
     finally:
         rec.close()
+    checkpoint = tmp_path / "checkpoint-1"
+    saved = load_policy(cfg.model, checkpoint)
+    assert saved.is_vision_language and (checkpoint / "processor_config.json").is_file()
+    trained = dict(rec.trainer.model.named_parameters())
+    for name, param in saved.model.named_parameters():
+        assert torch.equal(param, trained[name]), name
 
 
 # -- 4. processor mismatch --------------------------------------------------------------------------------------
