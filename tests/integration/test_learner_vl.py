@@ -33,7 +33,7 @@ from learner.rollout.client import ServerRolloutSource
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.conftest import ServerProcess, start_server
 from tests.integration.learner_fixtures import run_config
-from tests.integration.test_learner_loop import build_recorded, served_version, signature
+from tests.integration.test_learner_loop import build_recorded, logged_first_step, served_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -97,14 +97,8 @@ def server_rollout(server: ServerProcess, **extra: Any) -> dict[str, Any]:
 
 def first_step(cfg: RunConfig) -> tuple[list[tuple[Any, ...]], float, dict[str, Any]]:
     """One training step; returns the rollout signature, the loss and the logged step metrics."""
-    rec = build_recorded(cfg)
-    try:
-        rec.trainer.train()
-    finally:
-        rec.close()
-    logged = next(entry for entry in rec.trainer.state.log_history if "loss" in entry)
-    assert len(rec.rollouts) == 1 and len(rec.rollouts[0]) == 4
-    return signature(rec.rollouts), logged["loss"], logged
+    rollouts, logged = logged_first_step(cfg)
+    return rollouts, logged["loss"], logged
 
 
 @pytest.fixture(scope="module")
