@@ -154,6 +154,13 @@ def prompt_rows(train_file: Path, model_dir: Path) -> dict[str, tuple[dict[str, 
     return out
 
 
+def image_token_id(proxy: RecordingProxy, demo: dict[str, Path]) -> int | None:
+    """The image placeholder id of the image variant's model (None for text)."""
+    if proxy.variant != "image":
+        return None
+    return int(json.loads((demo["warm_model"] / "config.json").read_text())["image_token_id"])
+
+
 def request_key(request: dict[str, Any]) -> str:
     if request.get("messages") is not None:
         return json.dumps(request["messages"], sort_keys=True)
@@ -166,7 +173,7 @@ def check_steps(
     rows: dict[str, tuple[dict[str, Any], list[int]]],
     steps: int,
     *,
-    images: bool = False,
+    image_token_id: int | None = None,
 ) -> list[tuple[float, float]]:
     """The per-step server-side checks of the module docstring; returns the first-round mean reward per step."""
     assert all(e.status == 200 for e in events), [(e.kind, e.status) for e in events if e.status != 200]
@@ -202,13 +209,15 @@ def check_steps(
                 assert result["prompt_token_ids"] == learner_ids, (
                     "the learner's prompt ids differ from the server's"
                 )
-                if images:  # image rows go as messages with the image part, never as (expanded) ids
+                if (
+                    image_token_id is not None
+                ):  # image rows go as messages with the image part, never as (expanded) ids
                     assert request.get("prompt_token_ids") is None and request["messages"]
                     parts = [
                         p for m in request["messages"] if isinstance(m["content"], list) for p in m["content"]
                     ]
                     assert [p["type"] for p in parts].count("image") == 1
-                    assert learner_ids.count(13) > 1  # <|image_pad|> expanded on both sides
+                    assert learner_ids.count(image_token_id) > 1  # <|image_pad|> expanded on both sides
                 assert len(result["choices"]) == G
                 assert result["weight_version"] == versions[step], (
                     "generated with the weights of another step"
@@ -238,9 +247,8 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
     assert summary["steps"] == steps
     metrics = metrics_by_step(tmp_path / "run")
     assert sorted(metrics) == list(range(steps))
-    images = proxy.variant == "image"
     rows = prompt_rows(demo["train"], demo["warm_model"])
-    curve = check_steps(proxy.take(), metrics, rows, steps, images=images)
+    curve = check_steps(proxy.take(), metrics, rows, steps, image_token_id=image_token_id(proxy, demo))
     for step, (reward, wrong_tag) in enumerate(curve):
         m = metrics[step]
         print(
@@ -271,7 +279,7 @@ def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: R
     metrics = metrics_by_step(tmp_path / "run")
     assert sorted(metrics) == list(range(steps))
     rows = prompt_rows(demo["train"], demo["warm_model"])
-    curve = check_steps(proxy.take(), metrics, rows, steps, images=proxy.variant == "image")
+    curve = check_steps(proxy.take(), metrics, rows, steps, image_token_id=image_token_id(proxy, demo))
     # only rank 0 synced: one commit per step on the server (above), and every sync log line is rank 0's
     sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
     assert len(sync_lines) == steps and all("[rank0]" in line for line in sync_lines), sync_lines
