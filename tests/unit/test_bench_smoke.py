@@ -46,3 +46,14 @@ def test_bench_packing_smoke_fill() -> None:
     lines = run_bench("bench_packing.py", "--smoke")
     fills = [line for line in lines if line.get("inflow_tokens_per_row") == 1.0]
     assert fills and fills[0]["fill_mean"] >= 0.95
+
+
+def test_bench_logits_vlm_smoke_image_segments() -> None:
+    """`--vlm`: image segments from the learner's encoder on the tiny Qwen3-VL; full and compact logits agree."""
+    lines = run_bench("bench_logits.py", "--vlm", "--smoke", "--repeats", "1")
+    ratios = [line for line in lines if line.get("measure") == "full_over_compact"]
+    assert {line["layout"] for line in ratios} == {"packed", "padded"}
+    assert all(line["loss_abs_diff"] < 1e-4 for line in ratios)
+    steps = [line for line in lines if "mode" in line]
+    assert steps and all(line["model"] == "qwen3_vl" for line in steps)
+    assert steps[0]["image_tokens_per_segment"][1] > steps[0]["image_tokens_per_segment"][0] > 0
