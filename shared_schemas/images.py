@@ -6,6 +6,7 @@ pixels as the engine that rolled out, so both decode through `load_image` here: 
 converted to RGB, as `transformers.image_utils.load_image` does.
 
 PIL is imported inside `load_image` only, so importing `shared_schemas` stays light (no torch, no PIL).
+`attach_images` places ms-swift style `images` lists into the messages (both sides do it the same way).
 Relative paths are resolved against the current directory; the learner makes them absolute from
 `data.image_root` / the JSONL's directory before they go on the wire (`learner.data.records.resolve_image`).
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, unquote_to_bytes, urlparse
@@ -22,7 +25,11 @@ from urllib.request import url2pathname
 
 from shared_schemas.infer import image_ref_kind
 
-__all__ = ["ImageRefError", "image_bytes", "load_image"]
+__all__ = ["IMAGE_TAG", "ImageRefError", "attach_images", "image_bytes", "load_image"]
+
+IMAGE_TAG = "<image>"
+"""ms-swift's inline image marker in string message content."""
+_TAG_SPLIT = re.compile(f"({re.escape(IMAGE_TAG)})")
 
 
 class ImageRefError(ValueError):
@@ -100,3 +107,44 @@ def load_image(ref: str, index: int = 0, position: int = 0) -> Any:
         raise ImageRefError(index, position, "the bytes are not a decodable image") from exc
     image = ImageOps.exif_transpose(image)
     return image.convert("RGB")
+
+
+def _image_part(ref: str) -> dict[str, Any]:
+    return {"type": "image", "image": ref}
+
+
+def attach_images(messages: list[dict[str, Any]], extra_refs: Sequence[str]) -> list[dict[str, Any]]:
+    """Places ms-swift style `images` (refs not already in the messages) into the messages as image parts.
+
+    Each `<image>` tag in string content takes the next extra image, in order; images left over are
+    prepended, in order, to the first user message (Qwen-VL puts the image before the text).
+
+    Args:
+        messages: chat messages (not modified).
+        extra_refs: image refs from the request's `images` that no message part holds.
+
+    Returns:
+        New messages whose image parts, read in order, are the images of the prompt.
+    """
+    pending = list(extra_refs)
+    if not pending:
+        return messages
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and IMAGE_TAG in content and pending:
+            parts: list[dict[str, Any]] = []
+            for piece in _TAG_SPLIT.split(content):
+                if piece == IMAGE_TAG and pending:
+                    parts.append(_image_part(pending.pop(0)))
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
+            message = {**message, "content": parts}
+        out.append(message)
+    if pending:
+        first_user = next((i for i, m in enumerate(out) if m.get("role") == "user"), 0)
+        message = out[first_user]
+        content = message.get("content")
+        body = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        out[first_user] = {**message, "content": [*(_image_part(r) for r in pending), *body]}
+    return out

@@ -39,6 +39,7 @@ from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
 from learner.yaml_loader import ConfigError
+from shared_schemas.images import attach_images
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, iter_image_refs, resolve_seeds
 
 if TYPE_CHECKING:
@@ -223,7 +224,6 @@ class HfColocateBackend:
     def _encode(self, request: InferRequest, index: int) -> tuple[list[int], VisionRow | None]:
         """Prompt ids of one request and, for an image prompt, its vision inputs."""
         from rollout_server.engines.hf_decode import VisionRow
-        from rollout_server.engines.vllm_inputs import attach_images
 
         refs = request.all_image_refs()
         if request.prompt_token_ids is not None:

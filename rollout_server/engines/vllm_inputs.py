@@ -12,14 +12,13 @@ Everything here blocks (file reads, image decoding, tokenization): callers run i
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_server.engines.base import render_chat_prompt
 from rollout_server.errors import BadRequestError
 from shared_schemas import images
+from shared_schemas.images import IMAGE_TAG, attach_images
 from shared_schemas.infer import InferRequest, iter_image_refs
 
 __all__ = [
@@ -34,9 +33,6 @@ __all__ = [
 
 IMAGE_PLACEHOLDER = "<|image_pad|>"
 """The unexpanded per-image placeholder token of Qwen-VL chat templates."""
-IMAGE_TAG = "<image>"
-"""ms-swift's inline image marker in string message content."""
-_TAG_SPLIT = re.compile(f"({re.escape(IMAGE_TAG)})")
 
 
 @dataclass
@@ -85,47 +81,6 @@ def load_image(ref: str, index: int = 0, position: int = 0) -> Any:
 
 def _bad_image(exc: images.ImageRefError) -> BadRequestError:
     return BadRequestError(str(exc), type="bad_image", detail={"index": exc.index, "image": exc.position})
-
-
-def _image_part(ref: str) -> dict[str, Any]:
-    return {"type": "image", "image": ref}
-
-
-def attach_images(messages: list[dict[str, Any]], extra_refs: Sequence[str]) -> list[dict[str, Any]]:
-    """Places ms-swift style `images` (refs not already in the messages) into the messages as image parts.
-
-    Each `<image>` tag in string content takes the next extra image, in order; images left over are
-    prepended, in order, to the first user message (Qwen-VL puts the image before the text).
-
-    Args:
-        messages: chat messages (not modified).
-        extra_refs: image refs from the request's `images` that no message part holds.
-
-    Returns:
-        New messages whose image parts, read in order, are the images of the prompt.
-    """
-    pending = list(extra_refs)
-    if not pending:
-        return messages
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) and IMAGE_TAG in content and pending:
-            parts: list[dict[str, Any]] = []
-            for piece in _TAG_SPLIT.split(content):
-                if piece == IMAGE_TAG and pending:
-                    parts.append(_image_part(pending.pop(0)))
-                elif piece:
-                    parts.append({"type": "text", "text": piece})
-            message = {**message, "content": parts}
-        out.append(message)
-    if pending:
-        first_user = next((i for i, m in enumerate(out) if m.get("role") == "user"), 0)
-        message = out[first_user]
-        content = message.get("content")
-        body = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        out[first_user] = {**message, "content": [*(_image_part(r) for r in pending), *body]}
-    return out
 
 
 def _encode(tokenizer: Any, messages: list[dict[str, Any]], index: int) -> list[int]:
