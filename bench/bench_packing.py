@@ -59,6 +59,7 @@ from learner.stage2.labels import build_labels  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.stage2.segment import Segment, SegmentMeta  # noqa: E402
+from learner.trainers.packed_attention import packed_attention  # noqa: E402
 from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
 
 
@@ -206,13 +207,17 @@ def train_tokens_per_s(
         sync()
         start = time.perf_counter()
         columns = None
-        if compact is None:
-            logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
-        else:
-            outputs, columns = forward_for_loss(model, b, compact=compact)
-            logits = outputs.logits
-        sums = step_loss_sums(logits, b, coord_ids=coord_ids, coord_cfg=cfg, eos_id=eos_id, columns=columns)
-        micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1).backward()
+        # As the trainer's training_step: forward and backward (checkpointing recomputes) under one attention set-up.
+        with packed_attention(model, enabled=compact is not None):
+            if compact is None:
+                logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
+            else:
+                outputs, columns = forward_for_loss(model, b, compact=compact)
+                logits = outputs.logits
+            sums = step_loss_sums(
+                logits, b, coord_ids=coord_ids, coord_cfg=cfg, eos_id=eos_id, columns=columns
+            )
+            micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1).backward()
         model.zero_grad(set_to_none=True)
         del logits, sums
         sync()

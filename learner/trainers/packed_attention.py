@@ -27,12 +27,14 @@ tests/integration/test_packed_equivalence.py and tests/integration/test_vl_packi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["SEGMENT_SDPA", "packed_attention", "segment_sdpa"]
 
@@ -127,22 +129,35 @@ def _text_configs(model: torch.nn.Module) -> list[Any]:
     return [text if text is not None else base.config]
 
 
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA kernels allowed on CUDA: every backend but cuDNN, which builds (and caches) one execution graph per
+new sequence length — a packed row calls attention once per segment, nearly every one a new length. Measured
+on an H100 with a Qwen3-VL-2B-shaped model: packed ÷ padded tokens/s 0.63× with cuDNN allowed, 1.34× without
+(bench/RESULTS.md)."""
+
+
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, *, enabled: bool = True) -> Iterator[None]:
-    """Runs the block's forwards of `model` with `SEGMENT_SDPA` as the language model's attention.
+    """Runs the block with `SEGMENT_SDPA` as the language model's attention (and no cuDNN SDPA on CUDA).
 
-    Only models configured for `sdpa` are switched (eager is a debugging choice; flash-attention has varlen
-    already). Not re-entrant across threads for one model: the trainer's forward is single-threaded.
+    Wrap the forward AND the backward: gradient checkpointing re-runs the forward during the backward, which
+    must attend the same way (the trainer wraps its whole `training_step`). Nested blocks are no-ops, so the
+    trainer's step and `forward_for_loss` inside it compose. Only models configured for `sdpa` are switched
+    (eager is a debugging choice; flash-attention has varlen already). Not for concurrent use of one model from
+    several threads: the trainer's step is single-threaded.
     """
     configs = [c for c in _text_configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
     if not enabled or not configs:
         yield
         return
     _register()
+    cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))
+    kernels = sdpa_kernel(_CUDA_BACKENDS) if cuda else contextlib.nullcontext()
     for config in configs:
         config._attn_implementation = SEGMENT_SDPA
     try:
-        yield
+        with kernels:
+            yield
     finally:
         for config in configs:
             config._attn_implementation = "sdpa"

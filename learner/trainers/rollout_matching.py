@@ -133,7 +133,9 @@ class RolloutMatchingTrainer(Trainer):
         """HF's step, timed: `time/backward_s` = the step's wall time minus the forward measured in compute_loss."""
         t0 = time.perf_counter()
         self._last_forward_s = 0.0
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        # The whole step (gradient checkpointing re-runs the forward inside the backward) attends per segment.
+        with packed_attention(model, enabled=self.run_cfg.stage2.loss.segment_attention):
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_metrics.add_time(
             "time/backward_s", max(0.0, time.perf_counter() - t0 - self._last_forward_s)
         )

@@ -196,3 +196,44 @@ def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: st
     model.zero_grad()
     for n, p in model.named_parameters():
         p.requires_grad_(trainable[n])
+
+
+def test_segment_attention_under_gradient_checkpointing(vl_parts) -> None:
+    """Checkpointing re-runs the forward inside the backward: wrapped around forward AND backward (as the trainer's
+    `training_step` is), the packed row's gradients equal the plain sdpa ones without checkpointing."""
+    from learner.trainers.packed_attention import packed_attention
+    from learner.trainers.rollout_matching import forward_for_loss
+
+    model, segments, coord_ids, ctx = vl_parts
+    batch = pack_segments(segments)
+
+    def grads(checkpointing: bool, segment_attention: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        try:
+            with packed_attention(model, enabled=segment_attention):
+                out, columns = forward_for_loss(
+                    model, batch, compact=True, segment_attention=segment_attention
+                )
+                sums = step_loss_sums(
+                    out.logits,
+                    batch,
+                    coord_ids=coord_ids,
+                    coord_cfg=CoordLossConfig(),
+                    eos_id=ctx.eot_id,
+                    columns=columns,
+                )
+                (sums.s_ce + sums.s_coord).backward()
+        finally:
+            model.gradient_checkpointing_disable()
+            model.eval()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = grads(checkpointing=False, segment_attention=False)
+    checkpointed = grads(checkpointing=True, segment_attention=True)
+    assert reference and reference.keys() == checkpointed.keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
