@@ -89,6 +89,13 @@ class ModelConfig(_Section):
     image_max_pixels: int | None = Field(default=None, ge=1)
     """VL models only: the processor's maximum image area (pixels) after resizing (see image_min_pixels)."""
 
+    @model_validator(mode="after")
+    def _check_pixels(self) -> ModelConfig:
+        lo, hi = self.image_min_pixels, self.image_max_pixels
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"model.image_min_pixels {lo} > model.image_max_pixels {hi}")
+        return self
+
 
 class DataConfig(_Section):
     """`data:` — dataset files (spec/STAGE2.md §1)."""

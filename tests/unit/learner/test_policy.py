@@ -112,3 +112,10 @@ def test_colocated_vllm_on_a_vl_checkpoint(tmp_path: Path) -> None:
     base["rollout"]["vllm"]["load_format"] = "dummy"
     with pytest.raises(ConfigError, match="load_format: dummy with a Qwen-VL checkpoint"):
         server_config_for(RunConfig.model_validate(base))
+
+
+def test_pixel_bounds_must_be_ordered() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="image_min_pixels 4096 > model.image_max_pixels 1024"):
+        ModelConfig(path="x", image_min_pixels=4096, image_max_pixels=1024)
