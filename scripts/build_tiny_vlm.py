@@ -13,7 +13,7 @@ Presets (``PRESETS``): ``tiny-qwen3-vl`` is the image-path test model above; ``t
 demo's model (5M parameters, 192x192 images → 36 image tokens), built twice: ``tiny-qwen3-vl-demo-init`` (random)
 and ``tiny-qwen3-vl-demo`` = its stage-1 SFT (``scripts/vlm_pretrain.py``), copied from the shipped
 ``assets/tiny-qwen3-vl-demo-stage1/`` and re-trained only when that asset is missing or no longer matches the
-preset (``--rebuild-stage1`` forces it).
+preset or the demo's prompts (``--rebuild-stage1`` forces it).
 
 CLI: ``python scripts/build_tiny_vlm.py --out .cache/models`` writes ``.cache/models/tiny-qwen3-vl``;
 ``--preset tiny-qwen3-vl-demo`` writes ``tiny-qwen3-vl-demo-init`` and ``tiny-qwen3-vl-demo``.
@@ -236,8 +236,15 @@ DEMO_DATA = SCRIPTS.parent / ".cache" / "data" / "demo_vlm"
 
 
 def _matches_preset(model_dir: Path, init_dir: Path) -> bool:
-    """Same tokenizer as ``init_dir`` and the demo preset's text and vision architecture."""
+    """Same tokenizer as ``init_dir``, the demo preset's text and vision architecture, and stage-1 trained on the
+    demo's prompts (``pretrain_info.json``; the learner rolls out with ``prompts:`` of configs/demo_vlm_cpu.yaml)."""
+    from learner.data.synthetic_images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT
+
     if not (model_dir / "model.safetensors").is_file() or not (model_dir / "config.json").is_file():
+        return False
+    info = model_dir / "pretrain_info.json"
+    recipe = json.loads(info.read_text()).get("config", {}) if info.is_file() else {}
+    if (recipe.get("system_prompt"), recipe.get("user_prompt")) != (DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT):
         return False
     if (model_dir / "tokenizer.json").read_text() != (init_dir / "tokenizer.json").read_text():
         return False

@@ -8,11 +8,14 @@ still well below 0.5, so that rollout-matching SFT has room to show learning. Th
 ``build_tiny_vlm.py`` copies the asset and re-runs this script only when the asset is missing.
 
 One training row is exactly what the learner teacher-forces for an empty rollout: the rollout prompt
-(``learner.stage2.messages.rollout_messages`` of ``build_sample(record, include_assistant=True)``: the default
-system prompt, then the user turn with the image part first and the default user prompt, then
-``<|im_start|>assistant\\n``), the GT answer (``serialize_objects``, §4) and ``<|im_end|>``. The loss is the mean
-token cross-entropy over the answer tokens and ``<|im_end|>`` only. The learning rate is constant after a linear
-warm-up, so the snapshot at step k of a longer run is the model that ``--steps k`` trains.
+(``learner.stage2.messages.rollout_messages`` of ``build_sample(record, include_assistant=True)``: the system
+prompt, then the user turn with the image part first and the user prompt, then ``<|im_start|>assistant\\n``),
+the GT answer (``serialize_objects``, §4) and ``<|im_end|>``. The prompts default to the image demo's short ones
+(``learner.data.synthetic_images.DEMO_SYSTEM_PROMPT`` / ``DEMO_USER_PROMPT``, also ``prompts:`` of
+configs/demo_vlm_cpu.yaml; ``--system-prompt`` / ``--user-prompt`` change them): the learner must roll out with
+the prompts the checkpoint was trained on. The loss is the mean token cross-entropy over the answer tokens and
+``<|im_end|>`` only. The learning rate is constant after a linear warm-up, so the snapshot at step k of a longer
+run is the model that ``--steps k`` trains.
 
 Held-out detection F1 (``--eval-at``) is measured as the learner's evaluation does: greedy decoding (HF
 ``generate``), then ``learner.stage2.pipeline.score_rollout`` (parse, match with the default
@@ -58,9 +61,10 @@ import torch.nn.functional as F  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from learner.data.records import build_sample, load_records  # noqa: E402
+from learner.data.synthetic_images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.match import MatchingConfig  # noqa: E402
-from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, rollout_messages  # noqa: E402
+from learner.stage2.messages import rollout_messages  # noqa: E402
 from learner.stage2.pipeline import eval_metrics, score_rollout  # noqa: E402
 from shared_schemas.infer import Choice, InferResult  # noqa: E402
 
@@ -82,9 +86,11 @@ class PretrainConfig:
         clip: gradient-norm clip.
         seed: torch seed and data-order seed.
         max_new_tokens: greedy decoding budget of the held-out evaluation.
+        system_prompt: the rollout prompt's system text (``prompts.system`` of the learner that starts from it).
+        user_prompt: the user text after the image (``prompts.user``).
     """
 
-    steps: int = 200
+    steps: int = 250
     batch: int = 32
     lr: float = 1e-3
     warmup: int = 100
@@ -92,6 +98,8 @@ class PretrainConfig:
     clip: float = 1.0
     seed: int = 0
     max_new_tokens: int = 200
+    system_prompt: str = DEMO_SYSTEM_PROMPT
+    user_prompt: str = DEMO_USER_PROMPT
 
 
 @dataclass
@@ -117,8 +125,15 @@ class EncodedSet:
     prompt_mm_types: list[int] | None = None
 
 
-def load_split(processor: Any, jsonl: Path, limit: int | None = None) -> EncodedSet:
-    """Encode one JSONL split with the processor (the learner's prompts, §3).
+def load_split(
+    processor: Any,
+    jsonl: Path,
+    limit: int | None = None,
+    *,
+    system_prompt: str = DEMO_SYSTEM_PROMPT,
+    user_prompt: str = DEMO_USER_PROMPT,
+) -> EncodedSet:
+    """Encode one JSONL split with the processor (the learner's prompt layout, §3, with these prompts).
 
     Raises:
         ValueError: the images of the split do not all give the same prompt (different sizes).
@@ -130,12 +145,18 @@ def load_split(processor: Any, jsonl: Path, limit: int | None = None) -> Encoded
     out = EncodedSet([], [], [], [], [])
     for i, record in enumerate(records):
         sample = build_sample(
-            record, base_idx=i, dataset=jsonl.stem, dataset_namespace=0, include_assistant=True
+            record,
+            base_idx=i,
+            dataset=jsonl.stem,
+            dataset_namespace=0,
+            system_prompt=system_prompt,
+            user_prompt=user_prompt,
+            include_assistant=True,
         )
         answer = sample["messages"][-1]["content"]
         image = Image.open(sample["images"][0]).convert("RGB")
         text = processor.apply_chat_template(
-            rollout_messages(sample["messages"], DEFAULT_SYSTEM_PROMPT),
+            rollout_messages(sample["messages"], system_prompt),
             tokenize=False,
             add_generation_prompt=True,
         )
@@ -324,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=PretrainConfig.batch)
     parser.add_argument("--lr", type=float, default=PretrainConfig.lr)
     parser.add_argument("--seed", type=int, default=PretrainConfig.seed)
+    parser.add_argument("--system-prompt", default=PretrainConfig.system_prompt, help="prompts.system")
+    parser.add_argument("--user-prompt", default=PretrainConfig.user_prompt, help="prompts.user")
     parser.add_argument("--n-eval", type=int, default=64, help="held-out rows scored")
     parser.add_argument("--eval-at", default="", help="comma-separated steps at which to log held-out F1")
     parser.add_argument(
@@ -339,17 +362,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.use_deterministic_algorithms(True, warn_only=True)
-    cfg = PretrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+    cfg = PretrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+        system_prompt=args.system_prompt,
+        user_prompt=args.user_prompt,
+    )
     processor = AutoProcessor.from_pretrained(args.model_dir)
     torch.manual_seed(cfg.seed)
     model = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32).to(args.device)
     t0 = time.perf_counter()
-    train = load_split(processor, args.data / "train.jsonl", limit=None if args.steps else 0)
-    held_out = load_split(processor, args.data / "eval.jsonl", limit=args.n_eval)
+    prompts = {"system_prompt": cfg.system_prompt, "user_prompt": cfg.user_prompt}
+    train = load_split(processor, args.data / "train.jsonl", limit=None if args.steps else 0, **prompts)
+    held_out = load_split(processor, args.data / "eval.jsonl", limit=args.n_eval, **prompts)
     logger.info(
-        "encoded %d train / %d eval rows in %.1f s",
+        "encoded %d train / %d eval rows (%d prompt tokens) in %.1f s",
         len(train.samples),
         len(held_out.samples),
+        len(held_out.prompt_ids),
         time.perf_counter() - t0,
     )
     eval_at = {int(s) for s in args.eval_at.split(",") if s} | {cfg.steps}

@@ -8,9 +8,17 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from learner.config import load_run_config
 from learner.data.records import load_records, validate_record
 from learner.data.synthetic import canonical_ring
-from learner.data.synthetic_images import CATEGORIES, ImageDemoConfig, generate_images, write_image_dataset
+from learner.data.synthetic_images import (
+    CATEGORIES,
+    DEMO_SYSTEM_PROMPT,
+    DEMO_USER_PROMPT,
+    ImageDemoConfig,
+    generate_images,
+    write_image_dataset,
+)
 from learner.stage2.coords import bin_to_pixel
 from tests.unit.learner.test_synthetic import _anchor, _bins
 
@@ -115,3 +123,14 @@ def test_write_is_idempotent_and_loads_with_the_learner_reader(tmp_path: Path) -
 def test_config_rejects_boxes_larger_than_the_image() -> None:
     with pytest.raises(ValueError, match="max_side"):
         ImageDemoConfig(size=64, min_side=40, max_side=64)
+
+
+def test_demo_config_prompts_are_the_ones_the_stage1_asset_was_trained_on() -> None:
+    """configs/demo_vlm_cpu.yaml rolls out with the prompts of scripts/vlm_pretrain.py (the shipped asset's)."""
+    repo = Path(__file__).resolve().parents[3]
+    cfg = load_run_config(repo / "configs" / "demo_vlm_cpu.yaml")
+    assert cfg.prompts.system == DEMO_SYSTEM_PROMPT
+    assert cfg.prompts.user == DEMO_USER_PROMPT
+    info = json.loads((repo / "assets" / "tiny-qwen3-vl-demo-stage1" / "pretrain_info.json").read_text())
+    assert info["config"]["system_prompt"] == DEMO_SYSTEM_PROMPT
+    assert info["config"]["user_prompt"] == DEMO_USER_PROMPT
