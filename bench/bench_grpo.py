@@ -97,6 +97,11 @@ def summary_line(
     out: dict[str, Any] = {
         "bench": "grpo",
         "prompts": "image" if vlm else "text",
+        "reference_over_forward_backward": round(
+            sum(r.get("time/reference_s") or 0.0 for r in steps)
+            / max(1e-9, sum(r.get("time/forward_backward_s") or 0.0 for r in steps)),
+            3,
+        ),
         "nproc": nproc,
         "steps": len(steps),
         "reward_start_mean": round(start, 4),

