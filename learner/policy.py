@@ -51,6 +51,7 @@ __all__ = [
     "ensure_vl_imports",
     "is_vl_checkpoint",
     "load_policy",
+    "part_param_groups",
     "vl_parts",
 ]
 
@@ -270,3 +271,37 @@ def _trainable_summary(model: nn.Module) -> str:
         total[0] += param.numel() if param.requires_grad else 0
         total[1] += param.numel()
     return ", ".join(f"{part} {t:,}/{n:,} trainable" for part, (t, n) in counts.items())
+
+
+def part_param_groups(
+    model: nn.Module,
+    *,
+    base_lr: float,
+    part_lrs: dict[str, float],
+    decay_names: set[str],
+    weight_decay: float,
+) -> list[dict[str, Any]]:
+    """Optimizer parameter groups of a VL model with a learning rate per part (GRPO_SUMMARY's `aligner_lr` and
+    `vision_tower_lr`), each split into decayed and not-decayed parameters as HF `Trainer` does.
+
+    Args:
+        model: the (possibly PEFT-wrapped) VL model; only trainable parameters are grouped.
+        base_lr: the rate of parts not in `part_lrs` (the LLM, adapters).
+        part_lrs: `{"vision": lr, "aligner": lr}` (parts of `vl_parts`).
+        decay_names: names that get weight decay (`Trainer.get_decay_parameter_names`).
+        weight_decay: `training.weight_decay`.
+
+    Returns:
+        Non-empty groups `{"params", "lr", "weight_decay"}`.
+    """
+    buckets: dict[tuple[float, bool], list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        part = "adapter" if "lora_" in name else _part_of(name)
+        key = (part_lrs.get(part, base_lr), name in decay_names)
+        buckets.setdefault(key, []).append(param)
+    return [
+        {"params": params, "lr": lr, "weight_decay": weight_decay if decays else 0.0}
+        for (lr, decays), params in buckets.items()
+    ]

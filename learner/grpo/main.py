@@ -32,7 +32,7 @@ from learner.grpo.progress import GrpoProgressCallback
 from learner.grpo.reference import build_reference
 from learner.grpo.rollouts import request_config
 from learner.grpo.trainer import GrpoTrainer
-from learner.policy import load_policy
+from learner.policy import is_vl_checkpoint, load_policy
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
@@ -167,6 +167,24 @@ def _generator(
     )
 
 
+def _model_section(cfg: RunConfig, grpo: Any, model_path: Any) -> Any:
+    """`model:` with GRPO's `grpo.freeze_vision_tower` applied to a VL checkpoint (GRPO_SUMMARY §1 spelling of
+    `model.freeze_vision`; text checkpoints ignore it, as there is no vision tower).
+
+    Raises:
+        ConfigError: both keys are set and disagree.
+    """
+    if not is_vl_checkpoint(model_path):
+        return cfg.model
+    stage2_key = cfg.model.freeze_vision
+    if stage2_key is not None and stage2_key != grpo.freeze_vision_tower:
+        raise ConfigError(
+            f"grpo.freeze_vision_tower {grpo.freeze_vision_tower} and model.freeze_vision {stage2_key} disagree;"
+            " set one of them"
+        )
+    return cfg.model.model_copy(update={"freeze_vision": grpo.freeze_vision_tower})
+
+
 def build_grpo_trainer(
     resolved: ResolvedGrpoRun, cfg: RunConfig, *, source: RolloutSource | None = None
 ) -> GrpoRun:
@@ -189,7 +207,7 @@ def build_grpo_trainer(
             "were started (GRPO_SUMMARY §2.3 rule 7: world size = len(train_gpus)); launch with "
             "scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
         )
-    policy = load_policy(cfg.model, resolved.model_path)
+    policy = load_policy(_model_section(cfg, grpo, resolved.model_path), resolved.model_path)
     model, tokenizer = policy.model, policy.tokenizer
     reference = build_reference(model, grpo.beta)
     encoder = PromptEncoder.for_model(model, tokenizer, policy.processor)
@@ -243,7 +261,7 @@ def build_grpo_trainer(
         args=args,
         train_dataset=dataset,
         data_collator=_identity_collator,
-        processing_class=tokenizer,
+        processing_class=policy.processing_class,
         callbacks=[MetricsJsonlCallback(resolved.output_dir / "metrics.jsonl"), GrpoProgressCallback()],
     )
     trainer.remove_callback(ProgressCallback)

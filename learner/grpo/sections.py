@@ -105,7 +105,8 @@ class GrpoConfig(_Section):
     vision_tower_lr: float = Field(default=1e-8, gt=0.0)
     """Learning rate of the vision tower when it is trained."""
     freeze_vision_tower: bool = True
-    """The server presets keep the vision tower frozen."""
+    """Freeze the vision tower of a VL model (GRPO_SUMMARY §1 spelling of `model.freeze_vision`; the two must
+    agree when both are set). The server presets keep it frozen."""
     reward_preset: Literal["server", "attr_key"] = "server"
     """§5.3 weight preset."""
     reward_weights: dict[str, float] = Field(default_factory=dict)

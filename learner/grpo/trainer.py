@@ -50,6 +50,7 @@ from learner.grpo.metrics import MetricWindow, advantage_metrics, completion_met
 from learner.grpo.reference import ReferencePolicy, threads_beside_rollout_engine
 from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, assemble_window, slot_tags
+from learner.policy import part_param_groups
 from learner.rollout.base import RolloutSource
 from learner.stage2.prompt_encoding import PromptEncoder
 from learner.weights.sync import WeightSyncPolicy
@@ -112,6 +113,26 @@ class GrpoTrainer(Trainer):
         self.add_callback(_ForwardBackwardTimer(self))
 
     # -- one GRPO step ------------------------------------------------------------------------------
+
+    def create_optimizer(self):  # noqa: D401 - HF signature
+        """HF's optimizer; a vision-language model gets `grpo.vision_tower_lr` / `grpo.aligner_lr` for its vision
+        tower and aligner (GRPO_SUMMARY §1), `training.learning_rate` for the rest."""
+        if self.optimizer is None and self._is_vision_language():
+            optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+            groups = part_param_groups(
+                self.model,
+                base_lr=self.args.learning_rate,
+                part_lrs={"vision": self.grpo.vision_tower_lr, "aligner": self.grpo.aligner_lr},
+                decay_names=set(self.get_decay_parameter_names(self.model)),
+                weight_decay=self.args.weight_decay,
+            )
+            self.optimizer = optimizer_cls(groups, **kwargs)
+        return super().create_optimizer()
+
+    def _is_vision_language(self) -> bool:
+        config = getattr(self.model, "config", None)
+        return getattr(config, "vision_config", None) is not None
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
         """Fetch this rank's slots for the step, then generate, score and prepare its micro-batches."""
         raws, _ = super().get_batch_samples(epoch_iterator, num_batches, device)

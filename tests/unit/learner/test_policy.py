@@ -119,3 +119,24 @@ def test_pixel_bounds_must_be_ordered() -> None:
 
     with pytest.raises(ValidationError, match="image_min_pixels 4096 > model.image_max_pixels 1024"):
         ModelConfig(path="x", image_min_pixels=4096, image_max_pixels=1024)
+
+
+def test_part_param_groups_give_each_part_its_rate(vlm_dir: Path) -> None:
+    """GRPO's `vision_tower_lr` / `aligner_lr`: every trainable parameter in exactly one group, at its part's rate."""
+    from learner.policy import part_param_groups
+
+    cfg = ModelConfig(path=str(vlm_dir), adapter="lora", lora_r=4, freeze_vision=False, freeze_aligner=False)
+    model = load_policy(cfg, vlm_dir).model
+    decay = {n for n, _ in model.named_parameters() if n.endswith("weight")}
+    groups = part_param_groups(
+        model, base_lr=1e-5, part_lrs={"vision": 1e-8, "aligner": 1e-6}, decay_names=decay, weight_decay=0.1
+    )
+    by_id = {id(p): g for g in groups for p in g["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert len(by_id) == len(trainable) == sum(len(g["params"]) for g in groups)
+    parts = vl_parts(model)
+    for part, lr in (("vision", 1e-8), ("aligner", 1e-6)):
+        assert {by_id[id(p)]["lr"] for _, p in parts[part]} == {lr}
+    adapters = [p for n, p in trainable if "lora_" in n]
+    assert adapters and {by_id[id(p)]["lr"] for p in adapters} == {1e-5}
+    assert {g["weight_decay"] for g in groups} == {0.0, 0.1}
