@@ -109,7 +109,8 @@ class GrpoTrainer(Trainer):
         self.metric_window = MetricWindow()
         self._prepared_at: float | None = None
         self._reference_s = 0.0
-        self._pad_id = _pad_id(self.processing_class)
+        # A VL policy's processing class is its processor (saved beside checkpoints); padding is its tokenizer's.
+        self._pad_id = _pad_id(getattr(self.processing_class, "tokenizer", self.processing_class))
         self.add_callback(_ForwardBackwardTimer(self))
 
     # -- one GRPO step ------------------------------------------------------------------------------
