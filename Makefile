@@ -1,17 +1,18 @@
-# The two commands of the README: `make demo` (set up + main job) and `make test` (set up + test suite).
+# The two commands of the README: `make demo` (set up + main job: the image demo) and `make test` (set up + test
+# suite); `make demo-text` runs the text stand-in.
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-vlm test test-unit lint
+.PHONY: setup demo demo-text test test-unit lint
 
 setup:
 	./scripts/setup.sh
 
 demo: setup
-	./scripts/demo.sh
-
-demo-vlm: setup
 	./scripts/demo.sh --vlm --config configs/demo_vlm_cpu.yaml
+
+demo-text: setup
+	./scripts/demo.sh
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -5,7 +5,7 @@
 #
 #   scripts/demo.sh [--config configs/demo_tiny_cpu.yaml] [--port N] [--vlm]
 #
-# --vlm also builds the image demo's tiny Qwen3-VL and synthetic image set (make demo-vlm passes it with
+# --vlm also builds the image demo's tiny Qwen3-VL and synthetic image set (make demo passes it with
 # configs/demo_vlm_cpu.yaml).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
