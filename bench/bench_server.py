@@ -195,8 +195,9 @@ def bench_infer(model: Path, tmp: Path, n: int, new_tokens: int) -> None:
     )
 
 
-def build_sync_model(out: Path) -> Path:
-    """A ~27M-parameter random Qwen2 with the tiny tokenizer (built once, kept under .cache/models)."""
+def build_sync_model(out: Path, preset: dict[str, int] | None = None) -> Path:
+    """A random Qwen2 with the tiny tokenizer (default `SYNC_PRESET`, ~27M parameters; built once, kept under
+    .cache/models)."""
     import torch
     from build_tiny_models import build_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -210,7 +211,7 @@ def build_sync_model(out: Path) -> Path:
     eot, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = Qwen2Config(
         vocab_size=-(-len(tok) // 64) * 64, max_position_embeddings=4096, tie_word_embeddings=False,
-        eos_token_id=eot, bos_token_id=eos, pad_token_id=eos, **SYNC_PRESET,
+        eos_token_id=eot, bos_token_id=eos, pad_token_id=eos, **(preset or SYNC_PRESET),
     )  # fmt: skip
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(tmp, safe_serialization=True)

@@ -80,7 +80,8 @@ class ServerState:
             self.staging.sweep()
 
     async def close(self) -> None:
-        """Closes the engine (idempotent)."""
+        """Closes the engine and removes the sync staging files (idempotent)."""
+        self.staging.close()
         engine, self.engine = self.engine, None
         if engine is not None:
             await engine.aclose()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,8 +19,11 @@ import safetensors
 from shared_schemas.sync import DTYPE_NBYTES, BucketSpec, TensorSpec
 
 __all__ = [
+    "DTYPE_NAMES",
     "BucketMismatchError",
     "RawTensor",
+    "bucket_header",
+    "bucket_parts",
     "check_bucket",
     "decode_bucket",
     "encode_bucket",
@@ -31,8 +34,7 @@ __all__ = [
 _MAX_HEADER_BYTES = 100_000_000
 """safetensors' own limit on the JSON header."""
 
-# safetensors >= 0.8 builds its `TensorSpec` from these dtype names; the header uses the codes.
-_DTYPE_NAMES = {
+DTYPE_NAMES = {
     "BOOL": "bool",
     "U8": "uint8",
     "I8": "int8",
@@ -49,6 +51,7 @@ _DTYPE_NAMES = {
     "U64": "uint64",
     "F64": "float64",
 }
+"""safetensors header code → numpy/torch dtype name (safetensors >= 0.8 builds its `TensorSpec` from these)."""
 
 
 class BucketMismatchError(ValueError):
@@ -105,6 +108,26 @@ def _expected_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return DTYPE_NBYTES[dtype] * int(np.prod(shape, dtype=np.int64))
 
 
+def _checked(
+    items: Iterable[RawTensor | tuple[str, str, Sequence[int], Any]],
+) -> Iterator[tuple[str, str, Sequence[int], memoryview]]:
+    """`(name, dtype, shape, byte view)` per tensor, after the codec's checks (dtype, unique name, size)."""
+    seen: set[str] = set()
+    for name, dtype, shape, data in items:
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} given twice")
+        seen.add(name)
+        view = memoryview(data).cast("B")
+        expected = _expected_nbytes(dtype, shape)
+        if view.nbytes != expected:
+            raise ValueError(
+                f"tensor {name!r}: {view.nbytes} bytes of data, expected {expected} for {dtype} {list(shape)}"
+            )
+        yield name, dtype, shape, view
+
+
 def encode_bucket(items: Iterable[RawTensor | tuple[str, str, Sequence[int], Any]]) -> bytes:
     """Encodes tensors as one safetensors blob.
 
@@ -119,38 +142,58 @@ def encode_bucket(items: Iterable[RawTensor | tuple[str, str, Sequence[int], Any
     """
     keep_alive: list[np.ndarray] = []
     flat: dict[str, Any] = {}
-    for name, dtype, shape, data in items:
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(
-                f"tensor {name!r}: unknown dtype {dtype!r}; use one of {', '.join(_DTYPE_NAMES)}"
-            )
-        if name in flat:
-            raise ValueError(f"tensor {name!r} given twice")
-        buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        expected = _expected_nbytes(dtype, shape)
-        if buf.nbytes != expected:
-            raise ValueError(
-                f"tensor {name!r}: {buf.nbytes} bytes of data, expected {expected} for {dtype} {list(shape)}"
-            )
+    for name, dtype, shape, view in _checked(items):
+        buf = np.frombuffer(view, dtype=np.uint8)
         keep_alive.append(buf)
         flat[name] = _tensor_spec(dtype, list(shape), buf)
     return bytes(safetensors.serialize(flat))
 
 
+def bucket_header(items: Sequence[RawTensor]) -> bytes:
+    """The safetensors prefix (8-byte little-endian length + JSON header) of a bucket whose tensor data follow
+    back to back in `items` order: header + each tensor's raw bytes IS the safetensors file, so a bucket can
+    be written or sent straight from the tensors' memory, without assembling it first.
+
+    The JSON is space-padded to a multiple of 8 bytes (safetensors' alignment), so the data start 8-byte
+    aligned and a tensor whose offset is a multiple of its item size can be viewed in place from a mapping.
+
+    Raises:
+        ValueError: unknown dtype, duplicate name, or data length not matching dtype and shape.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, view in _checked(items):
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + view.nbytes]}
+        offset += view.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def bucket_parts(items: Sequence[RawTensor]) -> list[memoryview]:
+    """The bucket as buffers to write or send in order: `bucket_header(items)`, then each tensor's bytes
+    (views of the caller's memory, not copies)."""
+    return [memoryview(bucket_header(items))] + [memoryview(t.data).cast("B") for t in items]
+
+
 def _tensor_spec(dtype: str, shape: list[int], buf: np.ndarray) -> Any:
     if hasattr(safetensors, "TensorSpec"):
         return safetensors.TensorSpec(
-            dtype=_DTYPE_NAMES[dtype], shape=shape, data_ptr=buf.ctypes.data, data_len=buf.nbytes
+            dtype=DTYPE_NAMES[dtype], shape=shape, data_ptr=buf.ctypes.data, data_len=buf.nbytes
         )
     # safetensors < 0.8 took plain dicts with the header dtype code.
     return {"dtype": dtype, "shape": shape, "data": buf.tobytes()}
 
 
-def read_header(data: bytes | bytearray | memoryview | Any) -> dict[str, TensorSpec]:
+def read_header(
+    data: bytes | bytearray | memoryview | Any, total_size: int | None = None
+) -> dict[str, TensorSpec]:
     """Parses and checks a safetensors header without touching tensor data.
 
     Args:
-        data: the whole blob (bytes, or any buffer such as an `mmap`).
+        data: the whole blob (bytes, or any buffer such as an `mmap`), or only its beginning (at least the
+            header) when `total_size` is given.
+        total_size: size of the whole blob when `data` holds only its beginning (a file read in part).
 
     Returns:
         Name → spec, in header order.
@@ -173,7 +216,11 @@ def read_header(data: bytes | bytearray | memoryview | Any) -> dict[str, TensorS
         raise BucketMismatchError(f"safetensors header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise BucketMismatchError("safetensors header is not a JSON object")
-    data_len = len(view) - 8 - header_len
+    data_len = (len(view) if total_size is None else total_size) - 8 - header_len
+    if data_len < 0:
+        raise BucketMismatchError(
+            f"safetensors header length {header_len} does not fit a {total_size}-byte file"
+        )
     specs: dict[str, TensorSpec] = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -196,13 +243,20 @@ def _header_entry(name: str, entry: Any, data_len: int) -> TensorSpec:
     return spec
 
 
-def check_bucket(data: bytes | bytearray | memoryview | Any, expected: BucketSpec) -> None:
+def check_bucket(
+    data: bytes | bytearray | memoryview | Any, expected: BucketSpec, total_size: int | None = None
+) -> None:
     """Verifies that a blob holds exactly the tensors of its manifest entry (names, dtypes, shapes).
+
+    Args:
+        data: the blob, or its beginning (header included) with `total_size` the whole size.
+        expected: the manifest entry.
+        total_size: see `read_header`.
 
     Raises:
         BucketMismatchError: naming the first missing, extra or mismatched tensor.
     """
-    found = read_header(data)
+    found = read_header(data, total_size)
     want = {t.name: t for t in expected.tensors}
     missing = [n for n in want if n not in found]
     if missing:

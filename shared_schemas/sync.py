@@ -244,6 +244,9 @@ class SyncCommitResponse(BaseModel):
     nbytes: int = Field(ge=0)
     apply_s: float = Field(ge=0)
     """Seconds spent in the engine's apply."""
+    stages: dict[str, float] = Field(default_factory=dict)
+    """Server-side seconds per stage of this sync (`receive_s`: bucket bytes in and checked; `apply_s`; and
+    the engine's own split when it reports one, e.g. `workers_stage_s`, `load_s`), for profiling."""
 
 
 class SyncAbortRequest(BaseModel):

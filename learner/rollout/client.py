@@ -43,7 +43,7 @@ from learner.rollout.errors import (
     format_indices,
 )
 from learner.rollout.server_api import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
-from learner.rollout.sync_stream import ShmStager, encoded_buckets, is_loopback_url
+from learner.rollout.sync_stream import BucketParts, ShmStager, bucket_payloads, is_loopback_url, prefetched
 from shared_schemas.buckets import plan_buckets
 from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
@@ -160,6 +160,9 @@ class ServerRolloutSource:
         """Version of the last sync this source committed (None before the first)."""
         self.last_infer = InferStats()
         """Counters of the last `infer` call (metrics: staleness, retries)."""
+        self.last_sync_stages: dict[str, float] = {}
+        """Seconds per stage of the last sync: learner side (`begin_s`, `produce_s` = export + encode,
+        `upload_s`, `commit_s`) and the first server's own split (`server_*`), for profiling."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> ServerRolloutSource:
@@ -324,11 +327,22 @@ class ServerRolloutSource:
             adapter_name=update.adapter_name,
             adapter_config=update.adapter_config,
         )
+        stages = {"begin_s": 0.0, "produce_s": 0.0, "upload_s": 0.0, "commit_s": 0.0}
         try:
             with ExitStack() as stack:
                 sessions = [stack.enter_context(c.weight_sync(manifest)) for c in self._clients]
-                for bucket, blob in encoded_buckets(manifest.buckets, update.iter_tensors()):
-                    self._upload(sessions, bucket.index, update.version, blob)
+                mark = time.perf_counter()
+                stages["begin_s"] = mark - started
+                payloads = prefetched(bucket_payloads(manifest.buckets, update.iter_tensors()))
+                try:
+                    for bucket, parts in payloads:
+                        now = time.perf_counter()
+                        stages["produce_s"] += now - mark  # waiting for the export, net of the overlap
+                        self._upload(sessions, bucket.index, update.version, parts)
+                        mark = time.perf_counter()
+                        stages["upload_s"] += mark - now
+                finally:
+                    payloads.close()
         except SyncError:
             raise
         except (ServerError, ServerUnreachable) as exc:
@@ -338,6 +352,11 @@ class ServerRolloutSource:
             raise SyncError(
                 f"weight sync v{update.version} ({update.mode}) to {exc.url} failed: {exc}{hint}"
             ) from exc
+        stages["commit_s"] = time.perf_counter() - mark
+        committed = sessions[0].committed
+        self.last_sync_stages = stages | {
+            f"server_{k}": v for k, v in (committed.stages if committed else {}).items()
+        }
         self.weight_version = update.version
         return SyncReport(
             mode=update.mode,
@@ -348,12 +367,12 @@ class ServerRolloutSource:
             endpoints=self.endpoints,
         )
 
-    def _upload(self, sessions: list[SyncSession], index: int, version: int, blob: bytes) -> None:
+    def _upload(self, sessions: list[SyncSession], index: int, version: int, parts: BucketParts) -> None:
         """Sends one bucket to every server concurrently; raises the first failure in server order."""
         if self._shm is None:
-            list(self._pool.map(lambda s: s.upload(index, blob), sessions))
+            list(self._pool.map(lambda s: s.upload(index, parts), sessions))
             return
-        with self._shm.staged(version, index, blob) as file_name:
+        with self._shm.staged(version, index, parts) as file_name:
             list(self._pool.map(lambda s: s.upload_shm(index, file_name), sessions))
 
 

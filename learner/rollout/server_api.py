@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +54,18 @@ LAUNCH_HINT = "start it with scripts/start_rollout_server.sh --config <yaml> and
 _HEALTH_POLL_S = 0.5
 """Pause between `/health` probes while waiting for a server."""
 
+_SEND_CHUNK = 4 << 20
+"""Bytes handed to the HTTP stack at a time when a bucket streams from its parts (cache-sized pieces)."""
+
+
+def _chunks(parts: Sequence[memoryview]) -> Iterator[bytes]:
+    # httpx/h11 join each chunk into bytes before the socket write: pieces of a few MiB keep that copy in
+    # cache and the memory bounded.
+    for part in parts:
+        view = part.cast("B") if part.format != "B" else part
+        for start in range(0, view.nbytes, _SEND_CHUNK):
+            yield view[start : start + _SEND_CHUNK]  # type: ignore[misc]
+
 
 def normalize_base_url(base_url: str) -> str:
     """`http(s)://host:port` with the trailing `/` stripped.
@@ -88,8 +100,8 @@ class SyncSession:
         """The id every phase names."""
         return self.begin.sync_id
 
-    def upload(self, index: int, data: bytes) -> BucketAck:
-        """Sends bucket `index` as the HTTP body."""
+    def upload(self, index: int, data: bytes | Sequence[memoryview]) -> BucketAck:
+        """Sends bucket `index` as the HTTP body (one blob, or its parts in order)."""
         return self.client.upload_bucket(self.sync_id, index, data)
 
     def upload_shm(self, index: int, file_name: str) -> BucketAck:
@@ -279,13 +291,20 @@ class RolloutClient:
         response = self._request("POST", SYNC_BEGIN_PATH, json=body.model_dump(mode="json"))
         return SyncBeginResponse.model_validate_json(response.content)
 
-    def upload_bucket(self, sync_id: str, index: int, data: bytes) -> BucketAck:
-        """Sends one safetensors bucket as the request body."""
+    def upload_bucket(self, sync_id: str, index: int, data: bytes | Sequence[memoryview]) -> BucketAck:
+        """Sends one safetensors bucket as the request body: a blob, or its parts (header, then each tensor's
+        bytes), streamed from the caller's memory with an exact `Content-Length` (no assembled copy)."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            content: bytes | Iterator[bytes] = bytes(data)
+            length = len(content)
+        else:
+            content = _chunks(data)
+            length = sum(part.nbytes for part in data)
         response = self._request(
             "PUT",
             BUCKET_PATH.format(sync_id=sync_id, index=index),
-            content=data,
-            headers={"Content-Type": "application/octet-stream"},
+            content=content,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(length)},
         )
         return BucketAck.model_validate_json(response.content)
 

@@ -1,28 +1,38 @@
 """Streaming a weight update as safetensors buckets: bucket assembly, the shm staging file, the host check.
 
-A `WeightUpdate` is consumed once, in manifest order; each bucket is encoded as soon as its last tensor
-arrives (so under ZeRO-3 only one bucket of gathered parameters is alive at a time) and sent to every
-server before the next is built.
+A `WeightUpdate` is consumed once, in manifest order. A bucket is never assembled into one blob: it is its
+safetensors header plus VIEWS of the tensors' own memory (`bucket_parts`), written into the shm file or sent
+as the HTTP body directly from there (the only copy on the learner is the one into the file or the socket).
+`prefetched` builds bucket k+1 (export: merge-time casts, ZeRO-3 gathers, CPU moves) on a helper thread while
+bucket k travels, so at most two buckets of exported tensors are alive at a time.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import queue
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import torch
 
 from learner.rollout.base import SyncError
 from learner.weights.codec import raw_tensor
-from shared_schemas.buckets import RawTensor, encode_bucket
+from shared_schemas.buckets import RawTensor, bucket_parts
 from shared_schemas.sync import BucketSpec
 
-__all__ = ["ShmStager", "encoded_buckets", "is_loopback_url"]
+__all__ = ["BucketParts", "ShmStager", "bucket_payloads", "is_loopback_url", "prefetched"]
+
+BucketParts = list[memoryview]
+"""One bucket as buffers to write or send in order: safetensors header, then each tensor's raw bytes."""
+
+_T = TypeVar("_T")
 
 
 def is_loopback_url(base_url: str) -> bool:
@@ -36,17 +46,18 @@ def is_loopback_url(base_url: str) -> bool:
         return False
 
 
-def encoded_buckets(
+def bucket_payloads(
     buckets: Sequence[BucketSpec], items: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[BucketSpec, bytes]]:
-    """Groups `items` (in manifest order) into the planned buckets and encodes each as safetensors.
+) -> Iterator[tuple[BucketSpec, BucketParts]]:
+    """Groups `items` (in manifest order) into the planned buckets, each as safetensors parts (no copy).
 
     Args:
         buckets: the manifest's buckets; their tensors concatenated are the order of `items`.
         items: `(name, tensor)` pairs, already checked against the manifest (`WeightUpdate.iter_tensors`).
 
     Yields:
-        `(bucket, safetensors bytes)`, one per bucket, as soon as its last tensor has arrived.
+        `(bucket, parts)`, one per bucket, as soon as its last tensor has arrived; the parts view the
+        tensors (or their CPU copies), valid until the consumer drops them.
 
     Raises:
         SyncError: a tensor name that is not the next one the manifest expects.
@@ -59,10 +70,56 @@ def encoded_buckets(
             if name != spec.name or tensor is None:
                 raise SyncError(f"bucket {bucket.index}: expected tensor {spec.name!r}, got {name!r}")
             raws.append(raw_tensor(name, tensor))
-        yield bucket, encode_bucket(raws)
+        yield bucket, bucket_parts(raws)
     leftover = next(iterator, None)
     if leftover is not None:
         raise SyncError(f"tensor {leftover[0]!r} is not in the sync manifest")
+
+
+_DONE = object()
+
+
+def prefetched(items: Iterator[_T], depth: int = 1) -> Iterator[_T]:
+    """Yields `items`, produced `depth` ahead on a helper thread (bucket k+1 is built while k travels).
+
+    An exception of the producer is raised at the consumer, in order. Closing the generator early (the
+    consumer failed) stops the producer after the item it is building; nothing is left running.
+    """
+    slots: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        slots.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            slots.put(exc)
+
+    thread = threading.Thread(target=produce, name="sync-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                slots.get_nowait()
+            except queue.Empty:
+                thread.join(0.1)
 
 
 class ShmStager:
@@ -81,19 +138,21 @@ class ShmStager:
         self._tag = uuid.uuid4().hex[:12]
 
     @contextmanager
-    def staged(self, version: int, index: int, data: bytes) -> Iterator[str]:
-        """Writes one bucket, yields its plain file name, and removes the file on exit.
+    def staged(self, version: int, index: int, parts: BucketParts) -> Iterator[str]:
+        """Writes one bucket (its parts, in order), yields its plain file name, and removes the name on exit.
 
-        The servers copy a bucket before acknowledging it, so the file may go as soon as every server
-        has acknowledged.
+        The servers take the file over (a hard link of their own) before acknowledging it, so the name may
+        go as soon as every server has acknowledged; the file is never written again after the rename.
         """
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         name = f"rollmatch-{self._tag}-v{version}-b{index}.safetensors"
         final = self.shm_dir / name
         tmp = self.shm_dir / f".{name}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            with open(tmp, "wb", buffering=0) as f:
+                for part in parts:
+                    while part:  # a raw write may be partial
+                        part = part[f.write(part) :]
             os.replace(tmp, final)
         except OSError as exc:
             tmp.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from rollout_server.errors import (
@@ -48,19 +49,20 @@ class FullUpdate:
 
     Attributes:
         version: target weight version (> the engine's current version).
-        buckets: safetensors-encoded buckets in manifest order; names are the base model's parameter
-            names, dtypes and shapes already checked against `Engine.parameter_specs()`. Bytes (not
-            tensors) because vLLM workers receive them through `collective_rpc`.
+        buckets: safetensors buckets in manifest order; names are the base model's parameter names, dtypes
+            and shapes already checked against `Engine.parameter_specs()`. Each is the encoded bytes, or the
+            path of a staged safetensors file (the server's staging: engine workers map it by name, so the
+            bytes never travel through an RPC; it stays unchanged until `apply_update` returns).
     """
 
     version: int
-    buckets: tuple[bytes, ...]
+    buckets: tuple[bytes | Path, ...]
     mode: Literal["full"] = field(default="full", init=False)
 
     @property
     def nbytes(self) -> int:
         """Total encoded size of the buckets in bytes."""
-        return sum(len(b) for b in self.buckets)
+        return sum(b.stat().st_size if isinstance(b, Path) else len(b) for b in self.buckets)
 
 
 @dataclass(frozen=True)

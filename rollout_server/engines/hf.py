@@ -11,10 +11,12 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import (
@@ -202,7 +204,8 @@ class HfEngine:
     def _apply_full(self, update: FullUpdate) -> None:
         staged: dict[str, torch.Tensor] = {}
         for bucket in update.buckets:
-            for name, tensor in load_safetensors(bucket).items():
+            tensors = load_file(str(bucket)) if isinstance(bucket, Path) else load_safetensors(bucket)
+            for name, tensor in tensors.items():
                 spec = self._specs.get(name)
                 if spec is None or (torch_dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
                     raise SyncValidationError(f"tensor {name!r} does not match the served parameter table")

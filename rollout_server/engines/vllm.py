@@ -192,6 +192,11 @@ class VllmEngine:
         """Names of the adapters synced so far."""
         return self._updates.adapters.names
 
+    @property
+    def last_update_stages(self) -> Mapping[str, float]:
+        """Seconds per phase of the last full update (profiling; `SyncCommitResponse.stages`)."""
+        return self._updates.last_stages
+
     def parameter_specs(self) -> Mapping[str, ParamSpec]:
         """Checkpoint (HF) parameter names → (served dtype code, shape); a tied head is listed too."""
         return self._specs

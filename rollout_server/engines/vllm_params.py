@@ -263,8 +263,10 @@ def incomplete_load_groups(staged: set[str], all_names: set[str]) -> dict[str, l
     }
 
 
-def safetensors_names(data: bytes) -> list[str]:
-    """Tensor names in a safetensors blob, read from its header only."""
+def safetensors_names(data: bytes | Path) -> list[str]:
+    """Tensor names in a safetensors blob or file, read from its header only."""
+    if isinstance(data, Path):
+        return list(_read_header(data))
     (size,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + size])
     return [key for key in header if key != "__metadata__"]

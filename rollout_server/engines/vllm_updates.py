@@ -1,8 +1,8 @@
 """Weight updates of one vLLM engine: two-phase (stage, then commit) so a data-parallel group can apply an
 update to all its members or to none (DESIGN.md §3 `/sync_weights/`).
 
-Staging happens while generations go on and changes nothing served: full weights are decoded by every
-worker (`vllm_worker`), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit
+Staging happens while generations go on and changes nothing served: every worker maps the staged bucket
+files by name (`vllm_worker`; bytes are sent through the RPC only for in-memory buckets), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit
 closes the `UpdateGate` (new batches wait, running ones finish on the old weights), swaps the update in,
 resets the prefix and encoder caches and sets the version. A full sync may leave whole layers out, but a
 layer sent in part is refused before anything is staged (vLLM rebuilds every layer it touches).
@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from rollout_server.engines.base import AdapterUpdate, ParamSpec, StagedUpdate
 from rollout_server.engines.gate import UpdateGate
 from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
 from rollout_server.engines.vllm_params import incomplete_load_groups, safetensors_names
-from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
+from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_FILES_METHOD, STAGE_METHOD
 from rollout_server.errors import EngineError, LoraDisabledError, StaleVersionError, SyncValidationError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class WeightUpdater:
         self.lock = asyncio.Lock()
         """Serializes whole updates (`apply_update`)."""
         self._pending: tuple[StagedUpdate, Any] | None = None  # staged update and its LoRARequest (adapters)
+        self.last_stages: dict[str, float] = {}
+        """Seconds per phase of the last full update (`workers_stage_s`, `load_s`), for profiling."""
 
     async def prepare(self, update: StagedUpdate) -> None:
         """Phase 1 of an update, while generations go on: nothing served changes.
@@ -86,10 +90,15 @@ class WeightUpdater:
             self._pending = (update, await self._load_adapter(update))
             return
         await asyncio.to_thread(self._check_whole_layers, update.buckets)
+        started = time.perf_counter()
         try:
             await self._llm.collective_rpc(DISCARD_METHOD)
             for bucket in update.buckets:
-                await self._llm.collective_rpc(STAGE_METHOD, args=([bucket],))
+                if isinstance(bucket, Path):
+                    await self._llm.collective_rpc(STAGE_FILES_METHOD, args=([str(bucket)],))
+                else:
+                    await self._llm.collective_rpc(STAGE_METHOD, args=([bucket],))
+            self.last_stages = {"workers_stage_s": time.perf_counter() - started}
         except Exception as exc:
             await self._discard_worker_stage()
             raise EngineError(
@@ -136,7 +145,7 @@ class WeightUpdater:
             await self._llm.remove_lora(lora.lora_int_id)
         self.adapters.delete(lora)
 
-    def _check_whole_layers(self, buckets: Sequence[bytes]) -> None:
+    def _check_whole_layers(self, buckets: Sequence[bytes | Path]) -> None:
         staged = {name for bucket in buckets for name in safetensors_names(bucket)}
         partial = incomplete_load_groups(staged, set(self._specs))
         if partial:
@@ -149,8 +158,10 @@ class WeightUpdater:
             )
 
     async def _commit_full(self, version: int) -> None:
+        started = time.perf_counter()
         try:
             counts = await self._llm.collective_rpc(COMMIT_METHOD)
+            self.last_stages["load_s"] = time.perf_counter() - started
         except Exception as exc:
             self.failure = (
                 f"weight version {version} failed to load ({type(exc).__name__}); restart the server"

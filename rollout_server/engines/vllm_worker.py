@@ -1,10 +1,12 @@
 """Worker-side half of the vLLM weight update: mixed into vLLM's worker class (`worker_extension_cls`).
 
 It runs inside every vLLM worker process (one per tensor-parallel rank), reached through
-`AsyncLLM.collective_rpc`. Tensors travel as safetensors bytes (DESIGN.md §6: plain tensors would arrive as
-lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or
-nothing: `STAGE_METHOD` decodes buckets and keeps their tensors (the served weights are untouched, a corrupt
-bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
+`AsyncLLM.collective_rpc`. The RPC carries only the NAMES of the server's staged safetensors files:
+`STAGE_FILES_METHOD` maps each file read-only (shared, pre-faulted) and keeps tensor views of the mapping, so
+bucket bytes are never pickled, queued or copied on their way into a worker; `STAGE_METHOD` still takes
+safetensors bytes for in-memory buckets (DESIGN.md §6: plain tensors would arrive as lists, and pickle is never
+used). An update is two-phase so that a data-parallel group can apply it all or nothing: staging keeps the
+tensors aside (the served weights are untouched, a malformed bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
 which maps checkpoint names (fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as
 loading the checkpoint from disk does — and `DISCARD_METHOD` drops a staged update.
 
@@ -18,13 +20,16 @@ from typing import Any
 __all__ = [
     "COMMIT_METHOD",
     "DISCARD_METHOD",
+    "STAGE_FILES_METHOD",
     "STAGE_METHOD",
     "WORKER_EXTENSION",
     "WeightLoadExtension",
+    "map_safetensors",
     "refresh_cpu_gemm",
 ]
 
 STAGE_METHOD = "rollmatch_stage_weights"
+STAGE_FILES_METHOD = "rollmatch_stage_files"
 COMMIT_METHOD = "rollmatch_commit_weights"
 DISCARD_METHOD = "rollmatch_discard_weights"
 WORKER_EXTENSION = f"{__name__}.WeightLoadExtension"
@@ -56,6 +61,62 @@ def refresh_cpu_gemm(model: Any) -> int:
     return count
 
 
+def map_safetensors(path: str) -> list[tuple[str, Any]]:
+    """`(name, tensor)` views of a safetensors file mapped read-only (`MAP_SHARED | MAP_POPULATE`: page-cache
+    pages mapped up front, nothing copied). The views must only be read; they keep the mapping alive.
+
+    Raises:
+        ValueError: a malformed header, or offsets that do not hold a tensor's dtype and shape.
+    """
+    import json
+    import math
+    import mmap
+    import os
+    import struct
+    import warnings
+
+    import torch
+
+    from shared_schemas.buckets import DTYPE_NAMES
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise ValueError(f"{path}: {size} bytes is not a safetensors file")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    (header_len,) = struct.unpack_from("<Q", mapped, 0)
+    if 8 + header_len > size:
+        raise ValueError(f"{path}: header length {header_len} does not fit {size} bytes")
+    header = json.loads(mapped[8 : 8 + header_len])
+    base, data_len = 8 + header_len, size - 8 - header_len
+    out: list[tuple[str, Any]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": the views are only read
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = getattr(torch, DTYPE_NAMES[info["dtype"]])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not 0 <= begin <= end <= data_len or end - begin != nbytes:
+                raise ValueError(
+                    f"{path}: tensor {name!r} offsets [{begin}, {end}) do not hold {dtype} {shape}"
+                )
+            if nbytes == 0:
+                out.append((name, torch.empty(shape, dtype=dtype)))
+                continue
+            raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=base + begin)
+            if (base + begin) % dtype.itemsize:
+                raw = raw.clone()  # unaligned for its dtype: one copy of this tensor only
+            out.append((name, raw.view(dtype).reshape(shape)))
+    return out
+
+
 class WeightLoadExtension:
     """Adds the staged weight-update methods to the vLLM worker (uses the worker's `model_runner`)."""
 
@@ -77,6 +138,26 @@ class WeightLoadExtension:
         staged = self._rollmatch_staged if self._rollmatch_staged is not None else []
         for bucket in buckets:
             staged.extend(load(bytes(bucket)).items())
+        self._rollmatch_staged = staged
+        return len(staged)
+
+    def rollmatch_stage_files(self, paths: list[str]) -> int:
+        """Maps staged safetensors files and adds views of their tensors to the staged update (no copy: the
+        load at commit reads straight from the page cache).
+
+        Args:
+            paths: files of the server's staging directory (checked against the manifest there); the server
+                keeps them unchanged until the update is committed or dropped.
+
+        Returns:
+            The number of tensors staged so far.
+
+        Raises:
+            ValueError: a header whose offsets do not hold its dtypes and shapes.
+        """
+        staged = self._rollmatch_staged if self._rollmatch_staged is not None else []
+        for path in paths:
+            staged.extend(map_safetensors(path))
         self._rollmatch_staged = staged
         return len(staged)
 

@@ -45,9 +45,9 @@ async def begin(body: SyncBeginRequest, state: StateDep, engine: EngineDep) -> S
 
 @router.put(BUCKET_PATH, response_model=BucketAck, responses=_ERRORS, dependencies=[Depends(get_engine)])
 async def put_bucket(sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep) -> BucketAck:
-    """Stages one bucket sent as the safetensors body (`application/octet-stream`)."""
-    data = await request.body()
-    return await state.staging.put_bucket(sync_id, index, data)
+    """Stages one bucket sent as the safetensors body (`application/octet-stream`), streamed into its
+    staging file as it arrives."""
+    return await state.staging.put_bucket(sync_id, index, request.stream())
 
 
 @router.post(BUCKET_SHM_PATH, response_model=BucketAck, responses=_ERRORS, dependencies=[Depends(get_engine)])

@@ -5,8 +5,15 @@ mid-sync never blocks the next. Every phase runs under one lock, so a commit nev
 rejected bucket or commit discards the staged sync: nothing reaches the engine until every bucket has
 arrived and matched the manifest, and the engine's `apply_update` is itself all or nothing.
 
-Buckets arrive as HTTP body bytes or as the NAME of a file inside the configured staging directory; such
-a file is memory-mapped, checked from its header, then copied, so the learner may reuse it after the ack.
+Every staged bucket is a FILE in a server-private directory (`<server.shm_dir>/.rollmatch-staged/`, or a
+private temporary directory on `/dev/shm` when no shm dir is configured), never bytes in the server's heap:
+the engine's worker processes map it by name at commit and load from the mapping (`vllm_worker`), so bucket
+bytes never travel through the engine's RPC. An HTTP body streams into its file as it arrives (no
+whole-body buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened
+without following links, checked to be a regular file, and taken over with a hard link of the server's own
+(the learner's name may go after the ack; with several servers each keeps its own link to the one file).
+Each bucket's header is checked against the manifest before its ack; the files of a discarded, superseded,
+timed-out or finished sync are removed.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import stat
+import struct
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +46,7 @@ from rollout_server.weights.validate import check_manifest
 from shared_schemas.buckets import BucketMismatchError, check_bucket, decode_bucket, encode_bucket
 from shared_schemas.sync import (
     BucketAck,
+    BucketSpec,
     ShmBucketRef,
     SyncAbortResponse,
     SyncBeginRequest,
@@ -46,7 +57,16 @@ from shared_schemas.sync import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SyncStaging", "read_shm_bucket"]
+__all__ = ["STAGED_DIR_PREFIX", "SyncStaging", "adopt_shm_bucket", "read_shm_bucket"]
+
+STAGED_DIR_PREFIX = ".rollmatch-staged-"
+"""Prefix of the private directory (in `server.shm_dir`) that holds one sync's staged bucket files."""
+
+_MAX_HEADER_READ = 100_000_000
+"""Largest safetensors header read from a staged file (safetensors' own limit)."""
+
+_WRITE_BATCH = 8 << 20
+"""Bytes of HTTP body gathered before one `writev` into the staging file."""
 
 
 @dataclass
@@ -55,18 +75,18 @@ class _Pending:
     manifest: SyncManifest
     timeout_s: float
     deadline: float
-    buckets: dict[int, bytes] = field(default_factory=dict)
+    buckets: dict[int, Path] = field(default_factory=dict)
+    dir: Path | None = None
+    """Private directory of this sync's staged bucket files (created with the first bucket)."""
+    receive_s: float = 0.0
+    """Seconds spent taking buckets in (body or file read, header check)."""
 
 
-def read_shm_bucket(shm_dir: Path, file_name: str) -> bytes:
-    """Reads a bucket file by NAME from the staging directory, refusing anything outside it.
-
-    Args:
-        shm_dir: the configured staging directory.
-        file_name: a plain file name (already checked to hold no separator).
+def _open_shm(shm_dir: Path, file_name: str) -> tuple[int, os.stat_result]:
+    """Opens a bucket file by NAME inside the staging directory, refusing anything outside it.
 
     Returns:
-        The file's bytes (memory-mapped, then copied).
+        An open read-only descriptor (the caller closes it) and its `fstat`.
 
     Raises:
         SyncValidationError: the name escapes the directory, is a symlink or not a regular file.
@@ -92,16 +112,92 @@ def read_shm_bucket(shm_dir: Path, file_name: str) -> bytes:
             " not a symlink",
             type="bad_shm_name",
         ) from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise SyncValidationError(f"shm bucket {file_name!r} is not a regular file", type="bad_shm_name")
+    return fd, info
+
+
+def read_shm_bucket(shm_dir: Path, file_name: str) -> bytes:
+    """A bucket file's bytes, read by NAME from the staging directory (see `_open_shm` for the checks)."""
+    fd, info = _open_shm(shm_dir, file_name)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SyncValidationError(f"shm bucket {file_name!r} is not a regular file", type="bad_shm_name")
         if info.st_size == 0:
             return b""
         with mmap.mmap(fd, info.st_size, access=mmap.ACCESS_READ) as mapped:
             return bytes(mapped)
     finally:
         os.close(fd)
+
+
+def adopt_shm_bucket(shm_dir: Path, file_name: str, dest: Path) -> None:
+    """Takes a learner-written bucket file over without copying it: a hard link `dest` to the SAME inode that
+    was opened (without following links) and checked, so a name swapped in between is never adopted.
+
+    Falls back to a copy where the filesystem has no hard links.
+
+    Raises:
+        SyncValidationError / NotFoundError: as `_open_shm`.
+    """
+    fd, info = _open_shm(shm_dir, file_name)
+    try:
+        try:
+            os.link(shm_dir.resolve() / file_name, dest, follow_symlinks=False)
+            linked = os.stat(dest, follow_symlinks=False)
+            same = stat.S_ISREG(linked.st_mode) and (linked.st_dev, linked.st_ino) == (
+                info.st_dev,
+                info.st_ino,
+            )
+        except OSError:
+            same = False  # no hard links here (or the name vanished): copy from the descriptor instead
+        if not same:
+            dest.unlink(missing_ok=True)
+            with os.fdopen(os.dup(fd), "rb") as src, open(dest, "xb") as out:
+                shutil.copyfileobj(src, out, 16 << 20)
+    finally:
+        os.close(fd)
+
+
+def _check_file(path: Path, expected: BucketSpec) -> None:
+    """`check_bucket` on a staged file from its header alone (reads 8 bytes + the header, never the data)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) == 8:
+            (header_len,) = struct.unpack("<Q", prefix)
+            prefix += f.read(min(header_len, _MAX_HEADER_READ))
+    check_bucket(prefix, expected, total_size=size)
+
+
+async def _write_stream(path: Path, chunks: AsyncIterator[bytes]) -> None:
+    """Streams an HTTP body into a new file, `writev` per ~8 MiB on a worker thread (the loop stays free)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        batch: list[bytes] = []
+        size = 0
+        async for chunk in chunks:
+            if chunk:
+                batch.append(chunk)
+                size += len(chunk)
+            if size >= _WRITE_BATCH:
+                await asyncio.to_thread(_write_all, fd, batch)
+                batch, size = [], 0
+        if batch:
+            await asyncio.to_thread(_write_all, fd, batch)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, chunks: list[bytes]) -> None:
+    views = [memoryview(c) for c in chunks]
+    while views:
+        written = os.writev(fd, views[:1024])
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
 
 
 class SyncStaging:
@@ -122,6 +218,26 @@ class SyncStaging:
         self._pending: _Pending | None = None
         self._lock = asyncio.Lock()
 
+    def _new_file(self, pending: _Pending, index: int) -> Path:
+        """A fresh file name in the sync's private directory (created on first use, on the filesystem of
+        `server.shm_dir` so learner files are adopted by hard link; removed with the sync)."""
+        if pending.dir is None:
+            if self._shm_dir is not None:
+                self._shm_dir.mkdir(parents=True, exist_ok=True)
+                parent: str | None = str(self._shm_dir)
+            else:
+                parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            pending.dir = Path(
+                tempfile.mkdtemp(prefix=f"{STAGED_DIR_PREFIX}{pending.sync_id[:8]}-", dir=parent)
+            )
+        return pending.dir / f"b{index}-{secrets.token_hex(4)}.safetensors"
+
+    def close(self) -> None:
+        """Drops the staged sync and its files (server shutdown)."""
+        if self._pending is not None:
+            _remove_files(self._pending)
+            self._pending = None
+
     @property
     def active_sync_id(self) -> str | None:
         """Id of the staged sync, if any (expired ones included until the next sweep)."""
@@ -137,6 +253,7 @@ class SyncStaging:
                 pending.manifest.version,
                 pending.timeout_s,
             )
+            _remove_files(pending)
             self._pending = None
 
     def _get(self, sync_id: str) -> _Pending:
@@ -153,6 +270,7 @@ class SyncStaging:
     def _discard(self, pending: _Pending, reason: str) -> None:
         if self._pending is pending:
             self._pending = None
+            _remove_files(pending)
             logger.warning("sync %s discarded: %s", pending.sync_id, reason)
 
     async def begin(self, request: SyncBeginRequest, engine: Engine) -> SyncBeginResponse:
@@ -192,14 +310,46 @@ class SyncStaging:
                 expires_in_s=timeout_s,
             )
 
-    async def put_bucket(self, sync_id: str, index: int, data: bytes) -> BucketAck:
-        """Stages one bucket received as HTTP body bytes."""
+    async def put_bucket(self, sync_id: str, index: int, body: bytes | AsyncIterator[bytes]) -> BucketAck:
+        """Stages one bucket received as the HTTP body, streamed into its staging file as it arrives.
+
+        The body is written outside the lock (other phases go on); a sync superseded or aborted meanwhile
+        loses the file and answers 404.
+        """
+        try:
+            async with self._lock:
+                pending = self._get(sync_id)
+                self._check_index(pending, index)
+                path = self._new_file(pending, index)
+        except RolloutServerError:
+            if not isinstance(body, bytes | bytearray | memoryview):
+                async for _ in body:  # read the body out: an oversize one answers 413 first, as before
+                    pass
+            raise
+        started = time.perf_counter()
+        try:
+            if isinstance(body, bytes | bytearray | memoryview):
+                await asyncio.to_thread(path.write_bytes, bytes(body))
+            else:
+                await _write_stream(path, body)
+        except OSError:
+            path.unlink(missing_ok=True)
+            async with self._lock:
+                self._get(sync_id)  # 404 when the sync was discarded (its directory removed) meanwhile
+            raise
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         async with self._lock:
-            pending = self._get(sync_id)
-            return await self._stage(pending, index, data)
+            try:
+                pending = self._get(sync_id)
+            except UnknownSyncError:
+                path.unlink(missing_ok=True)
+                raise
+            return await self._stage(pending, index, path, started)
 
     async def put_shm_bucket(self, sync_id: str, index: int, ref: ShmBucketRef) -> BucketAck:
-        """Stages one bucket named by file inside the staging directory."""
+        """Stages one bucket named by file inside the staging directory (taken over by hard link, no copy)."""
         async with self._lock:
             if self._shm_dir is None:
                 raise ConflictError(
@@ -209,8 +359,14 @@ class SyncStaging:
                 )
             pending = self._get(sync_id)
             self._check_index(pending, index)
-            data = await asyncio.to_thread(read_shm_bucket, self._shm_dir, ref.file_name)
-            return await self._stage(pending, index, data)
+            started = time.perf_counter()
+            path = self._new_file(pending, index)
+            try:
+                await asyncio.to_thread(adopt_shm_bucket, self._shm_dir, ref.file_name, path)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            return await self._stage(pending, index, path, started)
 
     def _check_index(self, pending: _Pending, index: int) -> None:
         count = len(pending.manifest.buckets)
@@ -221,18 +377,25 @@ class SyncStaging:
                 type="bucket_out_of_range",
             )
 
-    async def _stage(self, pending: _Pending, index: int, data: bytes) -> BucketAck:
-        self._check_index(pending, index)
+    async def _stage(self, pending: _Pending, index: int, path: Path, started: float) -> BucketAck:
         try:
-            await asyncio.to_thread(check_bucket, data, pending.manifest.buckets[index])
+            self._check_index(pending, index)
+            await asyncio.to_thread(_check_file, path, pending.manifest.buckets[index])
         except BucketMismatchError as exc:
+            path.unlink(missing_ok=True)
             self._discard(pending, f"bucket {index} rejected")
             raise SyncValidationError(
                 f"{exc}; sync {pending.sync_id} discarded, begin again", type="bucket_mismatch"
             ) from exc
-        if index in pending.buckets:
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        previous = pending.buckets.get(index)
+        if previous is not None:
             logger.warning("sync %s: bucket %d received again; keeping the latest", pending.sync_id, index)
-        pending.buckets[index] = data
+            previous.unlink(missing_ok=True)
+        pending.buckets[index] = path
+        pending.receive_s += time.perf_counter() - started
         return BucketAck(
             sync_id=pending.sync_id,
             index=index,
@@ -249,6 +412,7 @@ class SyncStaging:
             self._pending = None
             missing = [i for i in range(len(manifest.buckets)) if i not in pending.buckets]
             if missing:
+                _remove_files(pending)
                 logger.warning("sync %s discarded at commit: buckets %s missing", sync_id, missing)
                 raise SyncValidationError(
                     f"sync {sync_id} is missing buckets {missing[:10]} of {len(manifest.buckets)}; nothing"
@@ -257,13 +421,14 @@ class SyncStaging:
                     detail={"missing": missing[:100]},
                 )
             if manifest.version <= engine.weight_version:
+                _remove_files(pending)
                 raise StaleVersionError(
                     f"sync version {manifest.version} <= current weight_version {engine.weight_version}"
                     " (another sync committed first); nothing applied"
                 )
-            update = await asyncio.to_thread(_staged_update, manifest, pending.buckets)
             started = time.perf_counter()
             try:
+                update = await asyncio.to_thread(_staged_update, manifest, pending.buckets)
                 await engine.apply_update(update)
             except RolloutServerError:
                 raise
@@ -273,6 +438,8 @@ class SyncStaging:
                     f"engine failed to apply sync version {manifest.version} ({type(exc).__name__});"
                     " the previous weights are still served"
                 ) from exc
+            finally:
+                _remove_files(pending)  # the workers keep their mappings until they have loaded
             apply_s = time.perf_counter() - started
             logger.info(
                 "sync %s committed: version %d (%s) in %.2f s",
@@ -281,6 +448,8 @@ class SyncStaging:
                 manifest.mode,
                 apply_s,
             )
+            stages = {"receive_s": pending.receive_s, "apply_s": apply_s}
+            stages.update(getattr(engine, "last_update_stages", None) or {})
             return SyncCommitResponse(
                 sync_id=sync_id,
                 mode=manifest.mode,
@@ -288,6 +457,7 @@ class SyncStaging:
                 num_tensors=len(manifest.tensors),
                 nbytes=manifest.nbytes,
                 apply_s=apply_s,
+                stages=stages,
             )
 
     async def abort(self, sync_id: str) -> SyncAbortResponse:
@@ -300,17 +470,24 @@ class SyncStaging:
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
 
 
-def _staged_update(manifest: SyncManifest, buckets: dict[int, bytes]) -> StagedUpdate:
+def _remove_files(pending: _Pending) -> None:
+    if pending.dir is not None:
+        shutil.rmtree(pending.dir, ignore_errors=True)
+
+
+def _staged_update(manifest: SyncManifest, buckets: dict[int, Path]) -> StagedUpdate:
     ordered = tuple(buckets[i] for i in range(len(manifest.buckets)))
     if manifest.mode == "full":
         return FullUpdate(version=manifest.version, buckets=ordered)
     assert manifest.adapter_name is not None and manifest.adapter_config is not None
     if len(ordered) == 1:
-        blob = ordered[0]
+        blob = ordered[0].read_bytes()
     else:
         # Adapters are small; one blob keeps the engine side simple.
         tensors = [
-            t for spec, data in zip(manifest.buckets, ordered, strict=True) for t in decode_bucket(data, spec)
+            t
+            for spec, path in zip(manifest.buckets, ordered, strict=True)
+            for t in decode_bucket(path.read_bytes(), spec)
         ]
         blob = encode_bucket(tensors)
     return AdapterUpdate(

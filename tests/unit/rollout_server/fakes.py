@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 
 from rollout_server.engines.base import (
     AdapterUpdate,
@@ -92,7 +93,8 @@ class FakeEngine:
             self.adapters[update.adapter_name] = update.adapter_config
         else:
             assert isinstance(update, FullUpdate)
-            staged = {t.name: bytes(t.data) for b in update.buckets for t in decode_bucket(b)}
+            blobs = [b.read_bytes() if isinstance(b, Path) else b for b in update.buckets]
+            staged = {t.name: bytes(t.data) for b in blobs for t in decode_bucket(b)}
             self.weights.update(staged)
         self.applied.append(update)
         self.version = update.version

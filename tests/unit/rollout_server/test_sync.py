@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from rollout_server.app import create_app
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import AdapterUpdate, FullUpdate
-from rollout_server.weights.staging import SyncStaging
-from shared_schemas.buckets import RawTensor, encode_bucket, plan_buckets
+from rollout_server.weights.staging import STAGED_DIR_PREFIX, SyncStaging
+from shared_schemas.buckets import RawTensor, bucket_parts, encode_bucket, plan_buckets
 from shared_schemas.sync import TensorSpec
 from tests.unit.rollout_server.fakes import SPECS, FakeEngine
 
@@ -305,3 +305,72 @@ def test_engine_apply_failure_is_500_and_keeps_old_weights(client: TestClient, e
     engine.fail_apply = False
     assert full_sync(client, tensors(seed=3), 1).status_code == 200  # the same version can be retried
     assert engine.version == 1
+
+
+def staged_dirs(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.name.startswith(STAGED_DIR_PREFIX)]
+
+
+@pytest.mark.parametrize("outcome", ["commit", "abort", "reject", "supersede"])
+def test_staged_files_are_removed_whatever_the_outcome(
+    client: TestClient, engine: FakeEngine, shm_dir: Path, outcome: str
+) -> None:
+    items = tensors(seed=2)
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    blobs = bucket_blobs(items, manifest)
+    assert client.put(f"{SYNC}/{sync_id}/buckets/0", content=blobs[0]).status_code == 200
+    (shm_dir / "b1.safetensors").write_bytes(blobs[1])
+    assert (
+        client.post(f"{SYNC}/{sync_id}/buckets/1/shm", json={"file_name": "b1.safetensors"}).status_code
+        == 200
+    )
+    (dir_,) = staged_dirs(shm_dir)
+    assert len(list(dir_.iterdir())) == 2  # one HTTP body, one adopted shm file
+    if outcome == "commit":
+        assert client.put(f"{SYNC}/{sync_id}/buckets/2", content=blobs[2]).status_code == 200
+        assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
+    elif outcome == "abort":
+        assert client.post(f"{SYNC}/abort", json={"sync_id": sync_id}).json()["aborted"] is True
+    elif outcome == "reject":
+        assert client.put(f"{SYNC}/{sync_id}/buckets/2", content=blobs[0]).status_code == 400
+    else:
+        assert begin(client, manifest_for(items, 2)).status_code == 200
+    assert staged_dirs(shm_dir) == []
+
+
+def test_shm_bucket_is_adopted_not_copied(client: TestClient, engine: FakeEngine, shm_dir: Path) -> None:
+    """The server keeps its own link to the learner's file: the learner's name may go or be replaced."""
+    items = tensors(seed=3)
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    for i, blob in enumerate(bucket_blobs(items, manifest)):
+        learner_file = shm_dir / f"b{i}.safetensors"
+        learner_file.write_bytes(blob)
+        assert (
+            client.post(
+                f"{SYNC}/{sync_id}/buckets/{i}/shm", json={"file_name": learner_file.name}
+            ).status_code
+            == 200
+        )
+        (staged,) = [p for p in staged_dirs(shm_dir)[0].iterdir() if p.name.startswith(f"b{i}-")]
+        assert os.stat(staged).st_ino == os.stat(learner_file).st_ino  # the same inode, no copy
+        replacement = shm_dir / ".next.tmp"
+        replacement.write_bytes(b"x" * len(blob))
+        os.replace(replacement, learner_file)  # what the learner's next write of that name does
+    assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
+    assert engine.weights == {t.name: bytes(t.data) for t in items}
+
+
+def test_bucket_streamed_from_parts(client: TestClient, engine: FakeEngine) -> None:
+    """A body sent as header + tensor views (the learner's zero-copy form) stages like one blob."""
+    items = tensors(seed=4)
+    manifest = manifest_for(items, 1)
+    by_name = {t.name: t for t in items}
+    sync_id = begin(client, manifest).json()["sync_id"]
+    for i, bucket in enumerate(manifest["buckets"]):
+        parts = bucket_parts([by_name[t["name"]] for t in bucket["tensors"]])
+        body = (bytes(p) for p in parts)
+        assert client.put(f"{SYNC}/{sync_id}/buckets/{i}", content=body).status_code == 200
+    assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
+    assert engine.weights == {t.name: bytes(t.data) for t in items}

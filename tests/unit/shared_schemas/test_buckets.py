@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from shared_schemas.buckets import (
     BucketMismatchError,
     RawTensor,
+    bucket_header,
+    bucket_parts,
     check_bucket,
     decode_bucket,
     encode_bucket,
@@ -194,3 +196,27 @@ def test_manifest_bucket_rules() -> None:
 def test_shm_ref_refuses_paths(name: str) -> None:
     with pytest.raises(ValidationError):
         ShmBucketRef(file_name=name)
+
+
+def test_bucket_parts_form_a_valid_aligned_safetensors_file() -> None:
+    items = [raw("a", "F32", (3, 2)), raw("odd", "U8", (3,)), raw("b", "BF16", (4,), seed=1)]
+    blob = b"".join(bytes(p) for p in bucket_parts(items))
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    assert header_len % 8 == 0
+    expected = BucketSpec(
+        index=0,
+        tensors=tuple(spec(t.name, t.dtype, *t.shape) for t in items),
+        nbytes=sum(len(t.data) for t in items),
+    )
+    check_bucket(blob, expected)
+    assert [(t.name, bytes(t.data)) for t in decode_bucket(blob, expected)] == [
+        (t.name, t.data) for t in items
+    ]
+    check_bucket(blob[: 8 + header_len], expected, total_size=len(blob))  # header alone + the file size
+    with pytest.raises(BucketMismatchError):
+        check_bucket(blob[: 8 + header_len], expected, total_size=len(blob) - 1)
+
+
+def test_bucket_header_refuses_wrong_sizes() -> None:
+    with pytest.raises(ValueError, match="expected 24"):
+        bucket_header([RawTensor("a", "F32", (3, 2), b"\0" * 20)])
