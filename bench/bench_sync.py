@@ -83,7 +83,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
     rates: dict[str, float] = {}
     with running(cmd, f"{base}/health", tmp / "sync.log"):
         step = 0
-        for transport in ("http", "shm"):
+        for transport in args.transports:
             config = SyncConfig(transport=transport, bucket_mb=args.bucket_mb, shm_dir=str(shm))
             policy = WeightSyncPolicy(config)
             with ServerRolloutSource(
@@ -111,6 +111,8 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
                     **cores,
                 }
             )
+    if set(rates) != {"http", "shm"}:
+        return
     emit(
         {
             "measure": "sync_vs_memcpy",
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bucket-mb", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transports", nargs="+", default=["http", "shm"], choices=["http", "shm"])
     parser.add_argument("--server-cpus", default=None, help="taskset -c list for the server, e.g. 1")
     parser.add_argument("--learner-cpus", default=None, help="cores this (learner) process pins to, e.g. 0")
     args = parser.parse_args(argv)

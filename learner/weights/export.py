@@ -13,6 +13,13 @@ only: the engines tie it back, and the vocabulary matrix is often the largest te
 - a `modules_to_save` wrapper contributes its ACTIVE trained copy under the wrapper's name, never the
   frozen `original_module` (PEFT's `get_base_model_state_dict` keeps the latter, which the spec forbids).
 
+`exported_state(model)` is what a full sync uses: for plain LoRA (`Linear`/`Embedding` layers, one active
+adapter, no DoRA, no LoRA bias, not ZeRO-3) it merges ON THE FLY, tensor by tensor — each adapted weight is
+yielded as `W + get_delta_weight()` (the value PEFT's own merge writes, computed the same way) while the model
+is never touched, so nothing is materialised twice (no CPU snapshot of the adapted layers, no merge/unmerge
+pass over the model) and at most the tensors of the buckets in flight exist as merged copies. Any other
+adapter setup falls back to `merged_adapters` (merge in place, snapshot, unmerge, restore).
+
 Adapter sync: `adapter_state` returns the PEFT adapter config and `get_peft_model_state_dict`.
 
 DeepSpeed ZeRO-3 (optional; deepspeed is not a dependency and is imported only when a parameter carries
@@ -47,6 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Gather",
     "adapter_state",
+    "exported_state",
     "full_state_items",
     "full_state_specs",
     "is_peft_model",
@@ -140,8 +148,9 @@ def _snapshot_base_weights(tuners: Sequence[BaseTunerLayer]) -> list[tuple[torch
     return saved
 
 
-def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields `(base name, tensor)` for the state-dict entries of `module`, adapter wrappers resolved."""
+def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:
+    """Yields `(base name, tensor)` for the state-dict entries of `module`, adapter wrappers resolved (an
+    adapted layer's weight as a `_Merged`, so the export can add the delta)."""
     if isinstance(module, ModulesToSaveWrapper):
         active = module.active_adapters[0] if module.active_adapters else None
         if active is not None and not module.disable_adapters and active in module.modules_to_save:
@@ -154,7 +163,8 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from _walk(module.original_module, prefix)
         return
     if isinstance(module, BaseTunerLayer):
-        yield from _walk(module.base_layer, prefix)
+        for name, tensor in _walk(module.base_layer, prefix):
+            yield name, _Merged(tensor, module) if name == f"{prefix}weight" else tensor
         return
     for name, param in module._parameters.items():
         if param is not None:
@@ -167,16 +177,91 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _walk(child, f"{prefix}{name}.")
 
 
-def _base_entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+class _Merged:
+    """A base-layer weight whose tuner layer's delta is added when it is exported with `merge=True`."""
+
+    __slots__ = ("tensor", "tuner")
+
+    def __init__(self, tensor: torch.Tensor, tuner: BaseTunerLayer) -> None:
+        self.tensor = tensor
+        self.tuner = tuner
+
+    def value(self, merge: bool) -> torch.Tensor:
+        tensor = self.tensor
+        if not merge:
+            return tensor
+        adapter = _active_adapter(self.tuner)
+        if adapter is None:
+            return tensor
+        with torch.no_grad():
+            # Exactly PEFT's unsafe merge, `weight.data += get_delta_weight(adapter)`, into a new tensor.
+            return (tensor.detach() + self.tuner.get_delta_weight(adapter)).to(tensor.dtype)
+
+
+def _active_adapter(tuner: BaseTunerLayer) -> str | None:
+    """The adapter a merge would add for this layer (None: the layer does not carry the active adapter)."""
+    if tuner.disable_adapters or not tuner.active_adapters:
+        return None
+    adapter = tuner.active_adapters[0]
+    weights = getattr(tuner, "lora_A", {}) or {}
+    embeddings = getattr(tuner, "lora_embedding_A", {}) or {}
+    return adapter if adapter in weights or adapter in embeddings else None
+
+
+def _streamable(model: nn.Module) -> bool:
+    """Whether the adapters can be merged on the fly (see the module docstring), exactly as PEFT merges."""
+    from peft.tuners.lora import layer as lora
+
+    if not is_peft_model(model) or is_zero3(model):
+        return False
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if (
+            type(module) not in (lora.Linear, lora.Embedding)
+            or module.merged
+            or len(module.active_adapters) > 1
+        ):
+            return False
+        adapter = _active_adapter(module)
+        if adapter is not None and (adapter in module.lora_variant or module.lora_bias.get(adapter, False)):
+            return False  # DoRA and other variants, LoRA biases: merge in place
+    return True
+
+
+@contextmanager
+def exported_state(
+    model: nn.Module, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
+) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The full-sync export: `(base name, merged tensor)` items, adapters merged on the fly when possible,
+    else inside `merged_adapters` (the block then holds the merge; consume the items inside it).
+
+    Args:
+        model: the policy.
+        dtype: see `full_state_items`.
+        bucket_bytes: see `full_state_items`.
+
+    Yields:
+        The items, in `full_state_specs` order.
+    """
+    if _streamable(model):
+        yield full_state_items(model, dtype, bucket_bytes=bucket_bytes, merge=True)
+        return
+    with merged_adapters(model):
+        yield full_state_items(model, dtype, bucket_bytes=bucket_bytes)
+
+
+def _base_entries(model: nn.Module) -> list[tuple[str, Any]]:
     """State-dict entries under base names, each tensor once: a tied duplicate (`lm_head.weight` sharing
     `model.embed_tokens.weight`) is left out, as engines load tied weights from the first name (vLLM skips
     `lm_head.weight` of a tied model), and sending it would double the bytes of the vocabulary matrix."""
     root = model.base_model.model if is_peft_model(model) else model
     seen: set[int] = set()
-    entries = []
+    entries: list[tuple[str, Any]] = []
     for name, tensor in _walk(root, ""):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
+        key = id(tensor.tensor if isinstance(tensor, _Merged) else tensor)
+        if key not in seen:
+            seen.add(key)
             entries.append((name, tensor))
     return entries
 
@@ -194,8 +279,12 @@ def full_state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> tupl
     """Names, dtype codes and shapes `full_state_items` will yield, in order, without reading data."""
     return tuple(
         TensorSpec(name=name, dtype=dtype_code(_cast_dtype(t, dtype)), shape=_full_shape(t))
-        for name, t in _base_entries(model)
+        for name, t in _plain_entries(model)
     )
+
+
+def _plain_entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t.tensor if isinstance(t, _Merged) else t) for name, t in _base_entries(model)]
 
 
 def full_state_items(
@@ -204,6 +293,7 @@ def full_state_items(
     *,
     bucket_bytes: int = 512 * 2**20,
     gather: Gather | None = None,
+    merge: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `(base-model name, tensor)` for a full sync, in `base_model.state_dict()` order.
 
@@ -217,16 +307,23 @@ def full_state_items(
         bucket_bytes: ZeRO-3 only: gather at most about this many bytes at a time.
         gather: ZeRO-3 gather (default: DeepSpeed's when the model is partitioned, else none). Under a
             gather, yielded tensors are copies, valid after the group is released.
+        merge: add each adapted layer's LoRA delta to its weight on the fly (`exported_state` decides when
+            that is exact); the model is not modified. Not with a gather.
 
     Yields:
         One pair per base-model state-dict entry; a tied duplicate only under its first name.
     """
-    entries = _base_entries(model)
     gather = _default_gather(model, gather)
     if gather is None:
-        for name, tensor in entries:
+        for name, entry in _base_entries(model):
+            tensor = entry.value(merge) if isinstance(entry, _Merged) else entry
             yield name, tensor.detach().to(_cast_dtype(tensor, dtype))
         return
+    if merge:
+        raise ValueError(
+            "merging adapters on the fly is not supported with a ZeRO-3 gather; use merged_adapters"
+        )
+    entries = _plain_entries(model)
     for group in _size_groups(entries, bucket_bytes):
         params = [t for _, t in group if isinstance(t, nn.Parameter)]
         with gather(params):

@@ -34,11 +34,11 @@ from learner.rollout.base import RolloutSource, SyncError, SyncReport, WeightUpd
 from learner.stage2.seeds import MICRO_STRIDE, STEP_STRIDE, request_seed
 from learner.weights.export import (
     adapter_state,
+    exported_state,
     full_state_items,
     full_state_specs,
     is_peft_model,
     is_zero3,
-    merged_adapters,
 )
 
 logger = logging.getLogger(__name__)
@@ -237,8 +237,7 @@ class WeightSyncPolicy:
 
     def _send_full(self, model: nn.Module, source: RolloutSource) -> SyncReport:
         started = time.perf_counter()
-        with merged_adapters(model):
-            items = self._full_items(model)
+        with exported_state(model, self._dtype, bucket_bytes=self.config.bucket_mb * 2**20) as items:
             try:
                 update = WeightUpdate(
                     mode="full",

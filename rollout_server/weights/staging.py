@@ -171,8 +171,10 @@ def _check_file(path: Path, expected: BucketSpec) -> None:
 
 
 async def _write_stream(path: Path, chunks: AsyncIterator[bytes]) -> None:
-    """Streams an HTTP body into a new file, `writev` per ~8 MiB on a worker thread (the loop stays free)."""
+    """Streams an HTTP body into a new file: `writev` per ~8 MiB on a worker thread, overlapped with receiving
+    the next ~8 MiB (one write in flight, in order), so the loop stays free and the socket keeps flowing."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    writing: asyncio.Future[None] | None = None
     try:
         batch: list[bytes] = []
         size = 0
@@ -181,11 +183,18 @@ async def _write_stream(path: Path, chunks: AsyncIterator[bytes]) -> None:
                 batch.append(chunk)
                 size += len(chunk)
             if size >= _WRITE_BATCH:
-                await asyncio.to_thread(_write_all, fd, batch)
+                if writing is not None:
+                    await writing
+                writing = asyncio.ensure_future(asyncio.to_thread(_write_all, fd, batch))
                 batch, size = [], 0
+        if writing is not None:
+            await writing
+            writing = None
         if batch:
             await asyncio.to_thread(_write_all, fd, batch)
     finally:
+        if writing is not None:  # the body failed mid-way: let the write in flight finish before closing
+            await asyncio.gather(writing, return_exceptions=True)
         os.close(fd)
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from learner.weights.codec import dtype_code
 from learner.weights.export import (
     adapter_state,
+    exported_state,
     full_state_items,
     full_state_specs,
     merged_adapters,
@@ -175,3 +176,32 @@ def test_adapter_state(tiny_model_dir: Path) -> None:
     assert all(k.startswith("base_model.model.") for k in state)
     with pytest.raises(ValueError, match="PEFT"):
         adapter_state(load_base(tiny_model_dir))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_streamed_merge_equals_the_in_place_merge_and_never_touches_the_model(
+    tiny_model_dir: Path, dtype: torch.dtype
+) -> None:
+    """Plain LoRA merges on the fly: the same bits as PEFT's merge, no snapshot, no merge of the live model."""
+    model = lora_model(tiny_model_dir, modules_to_save=["lm_head"]).to(dtype)
+    before = weights_snapshot(model)
+    with merged_adapters(model):
+        reference = {name: t.clone() for name, t in full_state_items(model)}
+    with exported_state(model) as items:
+        streamed = {}
+        for name, tensor in items:
+            assert not any(getattr(m, "merged", False) for m in model.modules())
+            streamed[name] = tensor
+    assert list(streamed) == list(reference)
+    assert all(torch.equal(streamed[n], reference[n]) for n in reference)
+    after = weights_snapshot(model)
+    assert all(torch.equal(after[n], v) for n, v in before.items())
+
+
+def test_dora_falls_back_to_the_in_place_merge(tiny_model_dir: Path) -> None:
+    model = lora_model(tiny_model_dir, use_dora=True)
+    with exported_state(model) as items:
+        assert any(getattr(m, "merged", False) for m in model.modules())  # merged inside the block
+        names = [n for n, _ in items]
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    assert names == [s.name for s in full_state_specs(model)]
