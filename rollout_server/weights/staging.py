@@ -5,11 +5,13 @@ mid-sync never blocks the next. Every phase runs under one lock, so a commit nev
 rejected bucket or commit discards the staged sync: nothing reaches the engine until every bucket has
 arrived and matched the manifest, and the engine's `apply_update` is itself all or nothing.
 
-Every staged bucket is a FILE in a server-private directory (`<server.shm_dir>/.rollmatch-staged/`, or a
-private temporary directory on `/dev/shm` when no shm dir is configured), never bytes in the server's heap:
+Every staged bucket is a FILE, never bytes in the server's heap: an HTTP body streams into a file of the
+server's private pool directory (on `/dev/shm`; after a committed sync its files are kept and overwritten by
+the next sync's bodies, so their tmpfs pages are not allocated and zeroed again — steady-state cost: one
+model's worth of tmpfs per server, which a sync needs anyway), an shm bucket is adopted into a per-sync private
+directory inside `server.shm_dir` (`.rollmatch-staged-*`, removed with the sync). Either way
 the engine's worker processes map it by name at commit and load from the mapping (`vllm_worker`), so bucket
-bytes never travel through the engine's RPC. An HTTP body streams into its file as it arrives (no
-whole-body buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened
+bytes never travel through the engine's RPC. An HTTP body is written as it arrives (no whole-body buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened
 without following links, checked to be a regular file, and taken over with a hard link of the server's own
 (the learner's name may go after the ack; with several servers each keeps its own link to the one file).
 Each bucket's header is checked against the manifest before its ack; the files of a discarded, superseded,
@@ -78,6 +80,8 @@ class _Pending:
     buckets: dict[int, Path] = field(default_factory=dict)
     dir: Path | None = None
     """Private directory of this sync's staged bucket files (created with the first bucket)."""
+    owned: set[Path] = field(default_factory=set)
+    """Pool files holding this sync's HTTP bodies (recycled after a successful commit, else removed)."""
     receive_s: float = 0.0
     """Seconds spent taking buckets in (body or file read, header check)."""
 
@@ -171,17 +175,18 @@ def _check_file(path: Path, expected: BucketSpec) -> None:
 
 
 async def _write_stream(path: Path, chunks: AsyncIterator[bytes]) -> None:
-    """Streams an HTTP body into a new file: `writev` per ~8 MiB on a worker thread, overlapped with receiving
+    """Streams an HTTP body into a (new or reused) file: `writev` per ~8 MiB on a worker thread, overlapped with receiving
     the next ~8 MiB (one write in flight, in order), so the loop stays free and the socket keeps flowing."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # a pool file is overwritten in place
     writing: asyncio.Future[None] | None = None
     try:
         batch: list[bytes] = []
-        size = 0
+        size = total = 0
         async for chunk in chunks:
             if chunk:
                 batch.append(chunk)
                 size += len(chunk)
+                total += len(chunk)
             if size >= _WRITE_BATCH:
                 if writing is not None:
                     await writing
@@ -192,6 +197,7 @@ async def _write_stream(path: Path, chunks: AsyncIterator[bytes]) -> None:
             writing = None
         if batch:
             await asyncio.to_thread(_write_all, fd, batch)
+        os.ftruncate(fd, total)  # a reused pool file may have been longer
     finally:
         if writing is not None:  # the body failed mid-way: let the write in flight finish before closing
             await asyncio.gather(writing, return_exceptions=True)
@@ -226,6 +232,8 @@ class SyncStaging:
         self._clock = clock
         self._pending: _Pending | None = None
         self._lock = asyncio.Lock()
+        self._pool: Path | None = None
+        self._spare: list[Path] = []
 
     def _new_file(self, pending: _Pending, index: int) -> Path:
         """A fresh file name in the sync's private directory (created on first use, on the filesystem of
@@ -241,11 +249,41 @@ class SyncStaging:
             )
         return pending.dir / f"b{index}-{secrets.token_hex(4)}.safetensors"
 
+    def _body_file(self, pending: _Pending) -> Path:
+        """A pool file for one HTTP body: a spare one from the last committed sync (its pages already
+        allocated), else a new name in the pool directory."""
+        if self._spare:
+            path = self._spare.pop()
+        else:
+            if self._pool is None:
+                parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+                self._pool = Path(tempfile.mkdtemp(prefix="rollmatch-sync-pool-", dir=parent))
+            path = self._pool / f"body-{secrets.token_hex(8)}.safetensors"
+        pending.owned.add(path)
+        return path
+
+    def _finish(self, pending: _Pending, *, recycle: bool) -> None:
+        """Removes a finished sync's files; after a successful commit its pool files become the spares."""
+        if pending.dir is not None:
+            shutil.rmtree(pending.dir, ignore_errors=True)
+        if recycle:
+            for path in self._spare:
+                path.unlink(missing_ok=True)
+            self._spare = [path for path in pending.owned if path.exists()]
+        else:
+            for path in pending.owned:
+                path.unlink(missing_ok=True)
+        pending.owned = set()
+
     def close(self) -> None:
-        """Drops the staged sync and its files (server shutdown)."""
+        """Drops the staged sync and every staging file (server shutdown)."""
         if self._pending is not None:
-            _remove_files(self._pending)
+            self._finish(self._pending, recycle=False)
             self._pending = None
+        self._spare = []
+        if self._pool is not None:
+            shutil.rmtree(self._pool, ignore_errors=True)
+            self._pool = None
 
     @property
     def active_sync_id(self) -> str | None:
@@ -262,7 +300,7 @@ class SyncStaging:
                 pending.manifest.version,
                 pending.timeout_s,
             )
-            _remove_files(pending)
+            self._finish(pending, recycle=False)
             self._pending = None
 
     def _get(self, sync_id: str) -> _Pending:
@@ -279,7 +317,7 @@ class SyncStaging:
     def _discard(self, pending: _Pending, reason: str) -> None:
         if self._pending is pending:
             self._pending = None
-            _remove_files(pending)
+            self._finish(pending, recycle=False)
             logger.warning("sync %s discarded: %s", pending.sync_id, reason)
 
     async def begin(self, request: SyncBeginRequest, engine: Engine) -> SyncBeginResponse:
@@ -329,7 +367,7 @@ class SyncStaging:
             async with self._lock:
                 pending = self._get(sync_id)
                 self._check_index(pending, index)
-                path = self._new_file(pending, index)
+                path = self._body_file(pending)
         except RolloutServerError:
             if not isinstance(body, bytes | bytearray | memoryview):
                 async for _ in body:  # read the body out: an oversize one answers 413 first, as before
@@ -392,6 +430,7 @@ class SyncStaging:
             await asyncio.to_thread(_check_file, path, pending.manifest.buckets[index])
         except BucketMismatchError as exc:
             path.unlink(missing_ok=True)
+            pending.owned.discard(path)
             self._discard(pending, f"bucket {index} rejected")
             raise SyncValidationError(
                 f"{exc}; sync {pending.sync_id} discarded, begin again", type="bucket_mismatch"
@@ -403,6 +442,7 @@ class SyncStaging:
         if previous is not None:
             logger.warning("sync %s: bucket %d received again; keeping the latest", pending.sync_id, index)
             previous.unlink(missing_ok=True)
+            pending.owned.discard(previous)
         pending.buckets[index] = path
         pending.receive_s += time.perf_counter() - started
         return BucketAck(
@@ -421,7 +461,7 @@ class SyncStaging:
             self._pending = None
             missing = [i for i in range(len(manifest.buckets)) if i not in pending.buckets]
             if missing:
-                _remove_files(pending)
+                self._finish(pending, recycle=False)
                 logger.warning("sync %s discarded at commit: buckets %s missing", sync_id, missing)
                 raise SyncValidationError(
                     f"sync {sync_id} is missing buckets {missing[:10]} of {len(manifest.buckets)}; nothing"
@@ -430,15 +470,17 @@ class SyncStaging:
                     detail={"missing": missing[:100]},
                 )
             if manifest.version <= engine.weight_version:
-                _remove_files(pending)
+                self._finish(pending, recycle=False)
                 raise StaleVersionError(
                     f"sync version {manifest.version} <= current weight_version {engine.weight_version}"
                     " (another sync committed first); nothing applied"
                 )
             started = time.perf_counter()
+            applied = False
             try:
                 update = await asyncio.to_thread(_staged_update, manifest, pending.buckets)
                 await engine.apply_update(update)
+                applied = True
             except RolloutServerError:
                 raise
             except Exception as exc:
@@ -448,7 +490,8 @@ class SyncStaging:
                     " the previous weights are still served"
                 ) from exc
             finally:
-                _remove_files(pending)  # the workers keep their mappings until they have loaded
+                # Applied: the workers have loaded and dropped their mappings, so the pool files may be reused.
+                self._finish(pending, recycle=applied)
             apply_s = time.perf_counter() - started
             logger.info(
                 "sync %s committed: version %d (%s) in %.2f s",
@@ -477,11 +520,6 @@ class SyncStaging:
                 self._discard(pending, "aborted by the client")
                 return SyncAbortResponse(sync_id=sync_id, aborted=True)
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
-
-
-def _remove_files(pending: _Pending) -> None:
-    if pending.dir is not None:
-        shutil.rmtree(pending.dir, ignore_errors=True)
 
 
 def _staged_update(manifest: SyncManifest, buckets: dict[int, Path]) -> StagedUpdate:

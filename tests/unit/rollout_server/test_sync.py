@@ -311,10 +311,16 @@ def staged_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.name.startswith(STAGED_DIR_PREFIX)]
 
 
+def pool_files(client: TestClient) -> list[Path]:
+    pool = client.app.state.server.staging._pool  # type: ignore[attr-defined]
+    return sorted(pool.iterdir()) if pool is not None else []
+
+
 @pytest.mark.parametrize("outcome", ["commit", "abort", "reject", "supersede"])
 def test_staged_files_are_removed_whatever_the_outcome(
     client: TestClient, engine: FakeEngine, shm_dir: Path, outcome: str
 ) -> None:
+    """Adopted shm files go with their sync; HTTP bodies' pool files are kept only after a commit (reused)."""
     items = tensors(seed=2)
     manifest = manifest_for(items, 1)
     sync_id = begin(client, manifest).json()["sync_id"]
@@ -326,7 +332,7 @@ def test_staged_files_are_removed_whatever_the_outcome(
         == 200
     )
     (dir_,) = staged_dirs(shm_dir)
-    assert len(list(dir_.iterdir())) == 2  # one HTTP body, one adopted shm file
+    assert len(list(dir_.iterdir())) == 1 and len(pool_files(client)) == 1
     if outcome == "commit":
         assert client.put(f"{SYNC}/{sync_id}/buckets/2", content=blobs[2]).status_code == 200
         assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
@@ -337,6 +343,16 @@ def test_staged_files_are_removed_whatever_the_outcome(
     else:
         assert begin(client, manifest_for(items, 2)).status_code == 200
     assert staged_dirs(shm_dir) == []
+    assert len(pool_files(client)) == (2 if outcome == "commit" else 0)
+
+
+def test_pool_files_are_reused_and_hold_exactly_the_new_body(client: TestClient, engine: FakeEngine) -> None:
+    assert full_sync(client, tensors(seed=5), 1).status_code == 200
+    first = pool_files(client)
+    items = tensors(seed=6)
+    assert full_sync(client, items, 2).status_code == 200
+    assert pool_files(client) == first  # the same files, overwritten (a shorter body truncates)
+    assert engine.weights == {t.name: bytes(t.data) for t in items}
 
 
 def test_shm_bucket_is_adopted_not_copied(client: TestClient, engine: FakeEngine, shm_dir: Path) -> None:
