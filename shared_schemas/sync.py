@@ -14,6 +14,9 @@ Routes (`{sync_id}` from `SyncBeginResponse`, `{index}` the bucket's index in th
 | bucket (shm) | `POST /sync_weights/{sync_id}/buckets/{index}/shm` | `ShmBucketRef` → `BucketAck` |
 | commit | `POST /sync_weights/commit` | `SyncCommitRequest` → `SyncCommitResponse` |
 | abort | `POST /sync_weights/abort` | `SyncAbortRequest` → `SyncAbortResponse` |
+
+With `SyncBeginRequest.collective` the bucket phase is not HTTP at all: one broadcast per bucket over the
+learner's process group (`CollectiveSpec`), between begin and commit.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "SYNC_COMMIT_PATH",
     "BucketAck",
     "BucketSpec",
+    "CollectiveSpec",
     "ShmBucketRef",
     "SyncAbortRequest",
     "SyncAbortResponse",
@@ -174,6 +178,29 @@ class SyncManifest(BaseModel):
         return sum(b.nbytes for b in self.buckets)
 
 
+class CollectiveSpec(BaseModel):
+    """Collective transport of a full sync: the bytes travel over a process group the learner hosts, not HTTP.
+
+    The server's receivers (every worker of every engine) join the group `group` at `master_address:master_port`
+    as ranks 1..n (the begin answer says n), the learner is rank 0; each manifest bucket is then ONE broadcast
+    from rank 0 of its tensors' raw bytes back to back, in manifest order (exactly `BucketSpec.nbytes`, no
+    header). A server keeps its group for the next sync that names the same `group`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
+
+    backend: Literal["gloo", "nccl"]
+    """`gloo` (CPU hosts) or `nccl` (GPUs)."""
+    master_address: str = Field(min_length=1, max_length=255)
+    """Address of the learner's rendezvous store, as the server reaches it."""
+    master_port: int = Field(ge=1, le=65_535)
+    """Port of the learner's rendezvous store."""
+    group: str = Field(pattern=r"^[0-9a-f]{8,64}$")
+    """Group token: the same token reuses the group joined by an earlier sync, a new one joins anew."""
+    timeout_s: float = Field(default=120.0, gt=0, le=3_600)
+    """Limit of the rendezvous and of each broadcast; a peer silent for longer fails the sync."""
+
+
 class SyncBeginRequest(BaseModel):
     """Opens a sync. A new begin supersedes (aborts) a sync still staged on the server."""
 
@@ -182,6 +209,8 @@ class SyncBeginRequest(BaseModel):
     manifest: SyncManifest
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     """Idle seconds after which the staged sync is discarded (server default when None)."""
+    collective: CollectiveSpec | None = None
+    """Send the buckets over a collective group instead of HTTP/shm (full syncs only)."""
 
 
 class SyncBeginResponse(BaseModel):
@@ -193,6 +222,11 @@ class SyncBeginResponse(BaseModel):
     current_version: int = Field(ge=0)
     num_buckets: int = Field(ge=1)
     expires_in_s: float = Field(gt=0)
+    collective_ranks: int = Field(default=0, ge=0)
+    """Collective syncs: how many receivers of this server are in the group (its world size is this + 1)."""
+    collective_joining: bool = False
+    """Collective syncs: the server joins the group now (a new token, or it lost the previous group); when
+    False it reuses the group it joined before under the same token."""
 
 
 class ShmBucketRef(BaseModel):

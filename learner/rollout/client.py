@@ -33,6 +33,7 @@ from learner.rollout.base import (
     check_results,
     staleness,
 )
+from learner.rollout.collective import CollectiveSender, flat_bucket
 from learner.rollout.errors import (
     InferFailed,
     RolloutClientError,
@@ -132,9 +133,11 @@ class ServerRolloutSource:
         timeout_s: float = 240.0,
         infer_timeout_s: float | None = None,
         auth_token: str | None = None,
-        transport: Literal["http", "shm"] = "http",
+        transport: Literal["http", "shm", "gloo", "nccl"] = "http",
         shm_dir: str | Path | None = None,
         bucket_mb: float = 512,
+        collective_address: str | None = None,
+        collective_timeout_s: float = 120.0,
         transport_factory: Callable[[], httpx.BaseTransport] | None = None,
     ) -> None:
         if not servers:
@@ -143,6 +146,7 @@ class ServerRolloutSource:
             raise ValueError(f"rollout.sync.bucket_mb must be > 0, got {bucket_mb}")
         urls = [normalize_base_url(url) for url in servers]
         self._shm = _shm_stager(transport, shm_dir, urls)
+        self._collective = _collective_sender(transport, collective_address, collective_timeout_s, urls)
         self.transport = transport
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._clients = [
@@ -175,6 +179,8 @@ class ServerRolloutSource:
             transport=rollout.sync.transport,
             shm_dir=rollout.sync.shm_dir,
             bucket_mb=rollout.sync.bucket_mb,
+            collective_address=rollout.sync.collective_address,
+            collective_timeout_s=rollout.sync.collective_timeout_s,
         )
 
     @property
@@ -185,6 +191,8 @@ class ServerRolloutSource:
     def close(self) -> None:
         """Closes every connection pool and the worker threads; idempotent."""
         self._pool.shutdown(wait=True)
+        if self._collective is not None:
+            self._collective.close()
         for client in self._clients:
             client.close()
 
@@ -328,9 +336,22 @@ class ServerRolloutSource:
             adapter_config=update.adapter_config,
         )
         stages = {"begin_s": 0.0, "produce_s": 0.0, "upload_s": 0.0, "commit_s": 0.0}
+        collective = (
+            self._collective if update.mode == "full" else None
+        )  # adapters are small: HTTP carries them
+        urls = [c.base_url for c in self._clients]
         try:
             with ExitStack() as stack:
-                sessions = [stack.enter_context(c.weight_sync(manifest)) for c in self._clients]
+                sessions = [
+                    stack.enter_context(
+                        c.weight_sync(
+                            manifest, collective=collective.spec(c.base_url) if collective else None
+                        )
+                    )
+                    for c in self._clients
+                ]
+                if collective is not None:
+                    collective.connect(urls, [session.begin for session in sessions])
                 mark = time.perf_counter()
                 stages["begin_s"] = mark - started
                 payloads = prefetched(bucket_payloads(manifest.buckets, update.iter_tensors()))
@@ -338,14 +359,24 @@ class ServerRolloutSource:
                     for bucket, parts in payloads:
                         now = time.perf_counter()
                         stages["produce_s"] += now - mark  # waiting for the export, net of the overlap
-                        self._upload(sessions, bucket.index, update.version, parts)
+                        if collective is not None:
+                            flat = flat_bucket(parts, bucket.nbytes, collective.device)
+                            collective.broadcast(urls, flat, bucket.index)
+                        else:
+                            self._upload(sessions, bucket.index, update.version, parts)
                         mark = time.perf_counter()
                         stages["upload_s"] += mark - now
                 finally:
                     payloads.close()
         except SyncError:
+            if collective is not None:
+                for url in urls:  # a group may be out of step with its server now: form new ones next time
+                    collective.drop(url)
             raise
         except (ServerError, ServerUnreachable) as exc:
+            if collective is not None:
+                for url in urls:
+                    collective.drop(url)
             hint = ""
             if isinstance(exc, ServerError) and exc.type == "shm_file_not_found":
                 hint = "; rollout.sync.shm_dir must equal the server's server.shm_dir"
@@ -376,12 +407,29 @@ class ServerRolloutSource:
             list(self._pool.map(lambda s: s.upload_shm(index, file_name), sessions))
 
 
+def _collective_sender(
+    transport: str, address: str | None, timeout_s: float, urls: Sequence[str]
+) -> CollectiveSender | None:
+    """The group sender when `transport` is `gloo` or `nccl` (checked: an address the servers can reach)."""
+    if transport not in ("gloo", "nccl"):
+        return None
+    if address is None:
+        remote = [url for url in urls if not is_loopback_url(url)]
+        if remote:
+            raise ValueError(
+                f"rollout.sync.transport {transport!r} with server {remote[0]} on another host needs"
+                " rollout.sync.collective_address: this host's address as the servers reach it"
+            )
+        address = "127.0.0.1"
+    return CollectiveSender(transport, address, timeout_s)  # type: ignore[arg-type]
+
+
 def _shm_stager(transport: str, shm_dir: str | Path | None, urls: Sequence[str]) -> ShmStager | None:
     """The shm stager when `transport == "shm"` (checked: a dir is given, every server is local)."""
-    if transport == "http":
+    if transport in ("http", "gloo", "nccl"):
         return None
     if transport != "shm":
-        raise ValueError(f"rollout.sync.transport must be 'http' or 'shm', got {transport!r}")
+        raise ValueError(f"rollout.sync.transport must be 'http', 'shm', 'gloo' or 'nccl', got {transport!r}")
     if shm_dir is None:
         raise ValueError(
             "rollout.sync.transport 'shm' needs rollout.sync.shm_dir, the servers' server.shm_dir"

@@ -34,6 +34,7 @@ from shared_schemas.sync import (
     SYNC_BEGIN_PATH,
     SYNC_COMMIT_PATH,
     BucketAck,
+    CollectiveSpec,
     ShmBucketRef,
     SyncAbortRequest,
     SyncAbortResponse,
@@ -280,14 +281,21 @@ class RolloutClient:
         return check_results(batch, InferResponse.model_validate_json(response.content).results)
 
     # -- /sync_weights/ --------------------------------------------------------------------------
-    def sync_begin(self, manifest: SyncManifest, *, timeout_s: float | None = None) -> SyncBeginResponse:
-        """Opens a sync: the server validates names, dtypes, shapes, version and LoRA up front.
+    def sync_begin(
+        self,
+        manifest: SyncManifest,
+        *,
+        timeout_s: float | None = None,
+        collective: CollectiveSpec | None = None,
+    ) -> SyncBeginResponse:
+        """Opens a sync: the server validates names, dtypes, shapes, version and LoRA up front. With
+        `collective`, its receivers start joining that group (the buckets are then broadcast, not uploaded).
 
         Raises:
             ServerConflict: 409 (`lora_disabled` for an adapter sync without LoRA, `stale_version`).
             ServerError: 400 (`unknown_parameter`, `parameter_mismatch`) and others.
         """
-        body = SyncBeginRequest(manifest=manifest, timeout_s=timeout_s)
+        body = SyncBeginRequest(manifest=manifest, timeout_s=timeout_s, collective=collective)
         response = self._request("POST", SYNC_BEGIN_PATH, json=body.model_dump(mode="json"))
         return SyncBeginResponse.model_validate_json(response.content)
 
@@ -329,7 +337,13 @@ class RolloutClient:
         return SyncAbortResponse.model_validate_json(response.content)
 
     @contextmanager
-    def weight_sync(self, manifest: SyncManifest, *, timeout_s: float | None = None) -> Iterator[SyncSession]:
+    def weight_sync(
+        self,
+        manifest: SyncManifest,
+        *,
+        timeout_s: float | None = None,
+        collective: CollectiveSpec | None = None,
+    ) -> Iterator[SyncSession]:
         """Groups one sync: begin on entry, commit on a clean exit, abort when the body raises.
 
         Committing only on a clean exit (never in `finally`) is what keeps a half-sent update from ever
@@ -340,7 +354,9 @@ class RolloutClient:
             ...     for spec, blob in buckets:
             ...         session.upload(spec.index, blob)
         """
-        session = SyncSession(self, self.sync_begin(manifest, timeout_s=timeout_s), manifest)
+        session = SyncSession(
+            self, self.sync_begin(manifest, timeout_s=timeout_s, collective=collective), manifest
+        )
         try:
             yield session
         except BaseException:

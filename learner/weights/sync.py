@@ -59,12 +59,19 @@ class SyncConfig(BaseModel):
     LoRA and the model is a PEFT model, else full."""
     fallback_to_full: bool = True
     """On any adapter-sync failure: warn once, sync full now and for the rest of the run."""
-    transport: Literal["http", "shm"] = "http"
-    """Server mode: buckets as HTTP bodies, or as files in the shared staging dir (same host only)."""
+    transport: Literal["http", "shm", "gloo", "nccl"] = "http"
+    """Server mode: buckets as HTTP bodies; as files in the shared staging dir (same host only); or broadcast
+    over a process group with each server (`gloo` on CPU hosts, `nccl` on GPUs: HTTP then carries only the
+    control; full syncs only, adapter syncs stay on HTTP)."""
     bucket_mb: int = Field(default=512, ge=1)
     """Upper bound of one safetensors bucket, MiB."""
     shm_dir: str | None = None
     """`shm` transport: the servers' `server.shm_dir` (`/health` does not expose it)."""
+    collective_address: str | None = None
+    """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens there);
+    None = `127.0.0.1`, allowed only when every server is on this host."""
+    collective_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """`gloo`/`nccl`: limit of each group rendezvous and each bucket broadcast, seconds."""
 
 
 class WeightSyncPolicy:

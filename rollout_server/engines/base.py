@@ -10,6 +10,7 @@ Dtypes are named with safetensors header codes (`"F32"`, `"BF16"`, …) everywhe
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +27,20 @@ from shared_schemas.infer import InferBatch, InferRequest, InferResult
 
 __all__ = [
     "AdapterUpdate",
+    "BucketLayout",
+    "CollectiveEngine",
     "Engine",
     "EngineHealth",
     "FullUpdate",
     "ParamSpec",
+    "ReceivedUpdate",
+    "Rendezvous",
     "StagedUpdate",
     "check_adapter_request",
     "check_prompt_lengths",
     "check_results",
     "encode_chat_prompt",
+    "gather_or_cancel",
     "render_chat_prompt",
     "request_prompt_ids",
 ]
@@ -84,8 +90,48 @@ class AdapterUpdate:
     mode: Literal["adapter"] = field(default="adapter", init=False)
 
 
-StagedUpdate = FullUpdate | AdapterUpdate
+@dataclass(frozen=True)
+class ReceivedUpdate:
+    """A full sync whose tensors the engine already holds: received over the collective transport
+    (`CollectiveEngine.receive_collective`) and staged aside, not yet served.
+
+    Attributes:
+        version: target weight version.
+        names: the tensors' names (the manifest's, already checked against `Engine.parameter_specs()`).
+    """
+
+    version: int
+    names: tuple[str, ...]
+    mode: Literal["full"] = field(default="full", init=False)
+
+
+StagedUpdate = FullUpdate | AdapterUpdate | ReceivedUpdate
 """What `Engine.apply_update` receives at commit."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how an engine's receivers join the learner's weight-sync group (`engines.collective`).
+
+    Attributes:
+        backend: `gloo` or `nccl`.
+        master_address: the learner's rendezvous store.
+        master_port: its port.
+        group: group token (a new token means a new group).
+        world_size: learner + every receiver of this server.
+        timeout_s: limit of the rendezvous and of each broadcast.
+    """
+
+    backend: Literal["gloo", "nccl"]
+    master_address: str
+    master_port: int
+    group: str
+    world_size: int
+    timeout_s: float
+
+
+BucketLayout = list[list[tuple[str, str, tuple[int, ...]]]]
+"""Per manifest bucket, its tensors as `(name, safetensors dtype code, shape)` in order."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +159,31 @@ class EngineHealth:
     lora_enabled: bool
     max_model_len: int
     detail: str | None = None
+
+
+@runtime_checkable
+class CollectiveEngine(Protocol):
+    """An engine that can receive a full sync over the collective transport (vLLM and HF engines)."""
+
+    @property
+    def collective_ranks(self) -> int:
+        """Receivers this engine brings into a weight-sync group (its workers)."""
+        ...
+
+    def holds_group(self, group: str) -> bool:
+        """Whether every receiver is in the group `group` already (joined by an earlier sync)."""
+        ...
+
+    async def receive_collective(
+        self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout
+    ) -> None:
+        """Joins the group when needed (receivers as ranks `first_rank`...), then receives every bucket and
+        stages it aside (served at `apply_update(ReceivedUpdate)`); nothing served changes.
+
+        Raises:
+            EngineError: the rendezvous or a broadcast failed or timed out (the group is dropped).
+        """
+        ...
 
 
 @runtime_checkable
@@ -284,3 +355,15 @@ def check_results(batch: InferBatch, results: Sequence[InferResult]) -> list[Inf
         if len(result.choices) != n:
             raise EngineError(f"engine result {result.index} has {len(result.choices)} choices, expected {n}")
     return list(results)
+
+
+async def gather_or_cancel(jobs: Sequence[Any]) -> list[Any]:
+    """Runs coroutines concurrently; on the first failure cancels the rest and raises that failure."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -23,7 +23,17 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from rollout_server.config import ServerConfig
-from rollout_server.engines.base import Engine, EngineHealth, ParamSpec, StagedUpdate, check_results
+from rollout_server.engines.base import (
+    BucketLayout,
+    CollectiveEngine,
+    Engine,
+    EngineHealth,
+    ParamSpec,
+    Rendezvous,
+    StagedUpdate,
+    check_results,
+    gather_or_cancel,
+)
 from rollout_server.engines.gate import UpdateGate
 from rollout_server.errors import EngineError
 from shared_schemas.chunking import plan_chunks
@@ -136,6 +146,35 @@ class EngineGroup:
         """The members' (identical) parameter table."""
         return self._members[0].parameter_specs()
 
+    @property
+    def collective_ranks(self) -> int:
+        """Every member's receivers: one weight-sync group holds the whole server."""
+        return sum(m.collective_ranks for m in self._collective_members())
+
+    def holds_group(self, group: str) -> bool:
+        """Whether every member joined weight-sync group `group` at an earlier sync."""
+        return all(m.holds_group(group) for m in self._collective_members())
+
+    async def receive_collective(
+        self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout
+    ) -> None:
+        """Every member receives the same broadcasts concurrently, member k's workers as the ranks after
+        member k-1's (a broadcast needs every rank in it at once)."""
+        members = self._collective_members()
+        offsets = [first_rank + sum(m.collective_ranks for m in members[:k]) for k in range(len(members))]
+        await gather_or_cancel(
+            [
+                m.receive_collective(rendezvous, offset, buckets)
+                for m, offset in zip(members, offsets, strict=True)
+            ]
+        )
+
+    def _collective_members(self) -> list[CollectiveEngine]:
+        members = [m for m in self._members if isinstance(m, CollectiveEngine)]
+        if len(members) != len(self._members):
+            raise EngineError("this server's engines cannot receive weights over a collective transport")
+        return members
+
     async def health(self) -> EngineHealth:
         """The first member's view with `dp` set; `error` when any member or a past commit failed."""
         healths = await asyncio.gather(*(m.health() for m in self._members))
@@ -163,17 +202,9 @@ class EngineGroup:
             return await self._members[0].generate(batch)
         chunks = [c for c in plan_chunks(len(batch.infer_requests), len(self._members)) if not c.empty]
         async with self._gate.generation():
-            tasks = [
-                asyncio.ensure_future(self._members[c.part].generate(batch.slice(c.start, c.stop)))
-                for c in chunks
-            ]
-            try:
-                parts = await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            parts = await gather_or_cancel(
+                [self._members[c.part].generate(batch.slice(c.start, c.stop)) for c in chunks]
+            )
         return check_results(batch, [result for part in parts for result in part])
 
     async def apply_update(self, update: StagedUpdate) -> None:

@@ -21,14 +21,18 @@ from safetensors.torch import load_file
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import (
     AdapterUpdate,
+    BucketLayout,
     EngineHealth,
     FullUpdate,
     ParamSpec,
+    ReceivedUpdate,
+    Rendezvous,
     StagedUpdate,
     check_adapter_request,
     check_prompt_lengths,
     request_prompt_ids,
 )
+from rollout_server.engines.collective import open_receiver_group, receive_buckets
 from rollout_server.engines.hf_decode import RowOutput, decode_requests
 from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
@@ -91,6 +95,11 @@ class HfEngine:
         self._default_seed = default_seed
         self._version = 0
         self._closed = False
+        self._group: Any = (
+            None  # collective weight-sync group (`engines.collective`), joined at a sync's begin
+        )
+        self._group_token: str | None = None
+        self._received: dict[str, torch.Tensor] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._eos_ids = _eos_ids(model, tokenizer)
         self._end_of_turn_id = _end_of_turn_id(tokenizer, self._eos_ids)
@@ -195,21 +204,65 @@ class HfEngine:
             token_ids=row.token_ids, text=text, finish_reason=row.finish_reason, logprobs=row.logprobs
         )
 
+    @property
+    def collective_ranks(self) -> int:
+        """One receiver: this server process."""
+        return 1
+
+    def holds_group(self, group: str) -> bool:
+        """Whether this process joined weight-sync group `group` at an earlier sync."""
+        return self._group_token == group
+
+    async def receive_collective(
+        self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout
+    ) -> None:
+        """Collective transport: receives every bucket on a thread of its own (generation goes on) into the
+        model's device and keeps it for `apply_update(ReceivedUpdate)`; the same receiver as the vLLM workers'.
+        """
+        try:
+            await asyncio.to_thread(self._receive, rendezvous, first_rank, buckets)
+        except Exception as exc:
+            self._group = self._group_token = None
+            raise EngineError(
+                f"receiving weights over the {rendezvous.backend} group at {rendezvous.master_address}:"
+                f"{rendezvous.master_port} failed ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _receive(self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout) -> None:
+        self._received = {}
+        if self._group_token != rendezvous.group:
+            self._group = open_receiver_group(rendezvous, first_rank)
+            self._group_token = rendezvous.group
+        device = next(self._model.parameters()).device
+        received = receive_buckets(self._group, buckets, device=device, timeout_s=rendezvous.timeout_s)
+        self._received = dict(received)
+
     async def apply_update(self, update: StagedUpdate) -> None:
         """Loads full weights atomically on the worker thread (after any running generation)."""
         if isinstance(update, AdapterUpdate):
             raise LoraDisabledError("the hf backend serves no adapters; sync full weights")
         await self._run(self._apply_full, update)
 
-    def _apply_full(self, update: FullUpdate) -> None:
+    def _staged_tensors(self, update: FullUpdate | ReceivedUpdate) -> dict[str, torch.Tensor]:
+        if isinstance(update, ReceivedUpdate):
+            received, self._received = self._received, {}
+            if set(received) != set(update.names):
+                raise SyncValidationError(
+                    "the tensors received over the collective transport are not the manifest's"
+                )
+            return received
         staged: dict[str, torch.Tensor] = {}
         for bucket in update.buckets:
             tensors = load_file(str(bucket)) if isinstance(bucket, Path) else load_safetensors(bucket)
-            for name, tensor in tensors.items():
-                spec = self._specs.get(name)
-                if spec is None or (torch_dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
-                    raise SyncValidationError(f"tensor {name!r} does not match the served parameter table")
-                staged[name] = tensor
+            staged.update(tensors)
+        return staged
+
+    def _apply_full(self, update: FullUpdate | ReceivedUpdate) -> None:
+        staged = self._staged_tensors(update)
+        for name, tensor in staged.items():
+            spec = self._specs.get(name)
+            if spec is None or (torch_dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
+                raise SyncValidationError(f"tensor {name!r} does not match the served parameter table")
         state = self._model.state_dict()
         # Everything is decoded and checked before the first copy: a bad bucket leaves the model untouched.
         with torch.no_grad():

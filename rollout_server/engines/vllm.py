@@ -35,11 +35,14 @@ from typing import Any
 
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import (
+    BucketLayout,
     EngineHealth,
     ParamSpec,
+    Rendezvous,
     StagedUpdate,
     check_adapter_request,
     check_prompt_lengths,
+    gather_or_cancel,
 )
 from rollout_server.engines.vllm_completion import Completion, run_completion
 from rollout_server.engines.vllm_inputs import IMAGE_PLACEHOLDER, PreparedPrompt, prepare_prompt
@@ -238,7 +241,7 @@ class VllmEngine:
                 for i in range(len(prompts))
                 for j in range(cfg.n)
             ]
-            completions = await _gather_or_cancel(jobs)
+            completions = await gather_or_cancel(jobs)
         completions = await asyncio.to_thread(self._with_text, completions)
         return [
             self._result(batch, i, completions[i * cfg.n : (i + 1) * cfg.n], version)
@@ -345,6 +348,23 @@ class VllmEngine:
 
     # ---- updates (two-phase, see `vllm_updates`) -----------------------------------------------------------
 
+    @property
+    def collective_ranks(self) -> int:
+        """One receiver per worker (tensor-parallel rank)."""
+        return self._tp
+
+    def holds_group(self, group: str) -> bool:
+        """Whether the workers joined weight-sync group `group` at an earlier sync."""
+        return self._updates.group == group
+
+    async def receive_collective(
+        self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout
+    ) -> None:
+        """Collective transport: the workers receive and stage every bucket (see `WeightUpdater.receive`)."""
+        if self._unavailable():
+            raise EngineError(f"engine cannot be updated: {self._unavailable()}")
+        await self._updates.receive(rendezvous, first_rank, buckets)
+
     async def prepare_update(self, update: StagedUpdate) -> None:
         """Phase 1, while generations go on: stages the update; nothing served changes."""
         if self._unavailable():
@@ -358,18 +378,6 @@ class VllmEngine:
     async def abort_update(self) -> None:
         """Drops a staged update (no-op when none)."""
         await self._updates.abort()
-
-
-async def _gather_or_cancel(jobs: Sequence[Any]) -> list[Any]:
-    """Runs coroutines concurrently; on the first failure cancels the rest and raises that failure."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 class _ClosedLlm:

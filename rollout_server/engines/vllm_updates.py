@@ -14,15 +14,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollout_server.engines.base import AdapterUpdate, ParamSpec, StagedUpdate
+from rollout_server.engines.base import (
+    AdapterUpdate,
+    BucketLayout,
+    ParamSpec,
+    ReceivedUpdate,
+    Rendezvous,
+    StagedUpdate,
+)
 from rollout_server.engines.gate import UpdateGate
 from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
 from rollout_server.engines.vllm_params import incomplete_load_groups, safetensors_names
-from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_FILES_METHOD, STAGE_METHOD
+from rollout_server.engines.vllm_worker import (
+    COMMIT_METHOD,
+    DISCARD_METHOD,
+    STAGE_FILES_METHOD,
+    STAGE_METHOD,
+    STAGE_RECEIVED_METHOD,
+)
 from rollout_server.errors import EngineError, LoraDisabledError, StaleVersionError, SyncValidationError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +73,50 @@ class WeightUpdater:
         self._pending: tuple[StagedUpdate, Any] | None = None  # staged update and its LoRARequest (adapters)
         self.last_stages: dict[str, float] = {}
         """Seconds per phase of the last full update (`workers_stage_s`, `load_s`), for profiling."""
+        self.group: str | None = None
+        """Token of the collective weight-sync group the workers are in (None: none)."""
+        self._received_s = 0.0
+
+    async def receive(self, rendezvous: Rendezvous, rank_offset: int, buckets: BucketLayout) -> None:
+        """Collective transport: every worker joins the group (new token) and receives the buckets into its
+        staging (`vllm_transfer.CollectiveTransferEngine`, vLLM's `update_weights` path); nothing served changes.
+
+        Raises:
+            EngineError: the rendezvous or a broadcast failed (the group is dropped; the next sync joins anew).
+        """
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        if self.failure:
+            raise EngineError(f"engine cannot be updated: {self.failure}")
+        started = time.perf_counter()
+        try:
+            if self.group != rendezvous.group:
+                self.group = None
+                init = {
+                    "backend": rendezvous.backend,
+                    "master_address": rendezvous.master_address,
+                    "master_port": rendezvous.master_port,
+                    "group": rendezvous.group,
+                    "rank_offset": rank_offset,
+                    "world_size": rendezvous.world_size,
+                    "timeout_s": rendezvous.timeout_s,
+                }
+                await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
+                self.group = rendezvous.group
+            update = {"buckets": [[list(t) for t in b] for b in buckets], "timeout_s": rendezvous.timeout_s}
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update))
+            await self._llm.finish_weight_update()
+        except Exception as exc:
+            self.group = None
+            raise EngineError(
+                f"receiving weights over the {rendezvous.backend} group at {rendezvous.master_address}:"
+                f"{rendezvous.master_port} failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        self._received_s = time.perf_counter() - started
 
     async def prepare(self, update: StagedUpdate) -> None:
         """Phase 1 of an update, while generations go on: nothing served changes.
@@ -89,16 +146,25 @@ class WeightUpdater:
         if isinstance(update, AdapterUpdate):
             self._pending = (update, await self._load_adapter(update))
             return
-        await asyncio.to_thread(self._check_whole_layers, update.buckets)
+        if isinstance(update, ReceivedUpdate):
+            self._check_whole_layers(set(update.names))
+        else:
+            await asyncio.to_thread(
+                lambda: self._check_whole_layers({n for b in update.buckets for n in safetensors_names(b)})
+            )
         started = time.perf_counter()
         try:
             await self._llm.collective_rpc(DISCARD_METHOD)
-            for bucket in update.buckets:
+            if isinstance(update, ReceivedUpdate):
+                await self._llm.collective_rpc(STAGE_RECEIVED_METHOD)
+            for bucket in getattr(update, "buckets", ()):
                 if isinstance(bucket, Path):
                     await self._llm.collective_rpc(STAGE_FILES_METHOD, args=([str(bucket)],))
                 else:
                     await self._llm.collective_rpc(STAGE_METHOD, args=([bucket],))
             self.last_stages = {"workers_stage_s": time.perf_counter() - started}
+            if isinstance(update, ReceivedUpdate):
+                self.last_stages["workers_receive_s"] = self._received_s
         except Exception as exc:
             await self._discard_worker_stage()
             raise EngineError(
@@ -145,8 +211,7 @@ class WeightUpdater:
             await self._llm.remove_lora(lora.lora_int_id)
         self.adapters.delete(lora)
 
-    def _check_whole_layers(self, buckets: Sequence[bytes | Path]) -> None:
-        staged = {name for bucket in buckets for name in safetensors_names(bucket)}
+    def _check_whole_layers(self, staged: set[str]) -> None:
         partial = incomplete_load_groups(staged, set(self._specs))
         if partial:
             layer, missing = next(iter(partial.items()))

@@ -22,6 +22,7 @@ __all__ = [
     "DISCARD_METHOD",
     "STAGE_FILES_METHOD",
     "STAGE_METHOD",
+    "STAGE_RECEIVED_METHOD",
     "WORKER_EXTENSION",
     "WeightLoadExtension",
     "map_safetensors",
@@ -29,11 +30,30 @@ __all__ = [
 ]
 
 STAGE_METHOD = "rollmatch_stage_weights"
+STAGE_RECEIVED_METHOD = "rollmatch_stage_received"
 STAGE_FILES_METHOD = "rollmatch_stage_files"
 COMMIT_METHOD = "rollmatch_commit_weights"
 DISCARD_METHOD = "rollmatch_discard_weights"
 WORKER_EXTENSION = f"{__name__}.WeightLoadExtension"
 """Qualified name passed to vLLM as `worker_extension_cls`."""
+COLLECTIVE_BACKEND = "rollmatch"
+"""`weight_transfer_config.backend` of the collective transport (`vllm_transfer.CollectiveTransferEngine`)."""
+
+
+def _register_collective_engine() -> None:
+    """Registers the collective transport's engine in vLLM's factory, lazily (imported when an engine is built);
+    this module is imported in every worker before the worker builds its weight-transfer engine."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # no vLLM here (HF-only host): nothing to register
+        return
+    if COLLECTIVE_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            COLLECTIVE_BACKEND, "rollout_server.engines.vllm_transfer", "CollectiveTransferEngine"
+        )
+
+
+_register_collective_engine()
 
 
 def refresh_cpu_gemm(model: Any) -> int:
@@ -158,6 +178,24 @@ class WeightLoadExtension:
         staged = self._rollmatch_staged if self._rollmatch_staged is not None else []
         for path in paths:
             staged.extend(map_safetensors(path))
+        self._rollmatch_staged = staged
+        return len(staged)
+
+    def rollmatch_stage_received(self) -> int:
+        """Adds the tensors the collective transport received (`vllm_transfer`) to the staged update.
+
+        Returns:
+            The number of tensors staged so far.
+
+        Raises:
+            RuntimeError: the worker has no collective engine, or it received nothing.
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        received = engine.take_received() if engine is not None else []
+        if not received:
+            raise RuntimeError("no weights were received over the collective transport for this sync")
+        staged = self._rollmatch_staged if self._rollmatch_staged is not None else []
+        staged.extend(received)
         self._rollmatch_staged = staged
         return len(staged)
 

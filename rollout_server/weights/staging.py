@@ -34,7 +34,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout_server.engines.base import AdapterUpdate, Engine, FullUpdate, StagedUpdate
+from rollout_server.engines.base import (
+    AdapterUpdate,
+    CollectiveEngine,
+    Engine,
+    FullUpdate,
+    ReceivedUpdate,
+    Rendezvous,
+    StagedUpdate,
+)
 from rollout_server.errors import (
     ConflictError,
     EngineError,
@@ -84,6 +92,10 @@ class _Pending:
     """Pool files holding this sync's HTTP bodies (recycled after a successful commit, else removed)."""
     receive_s: float = 0.0
     """Seconds spent taking buckets in (body or file read, header check)."""
+    collective: Rendezvous | None = None
+    """Collective transport: the group the buckets are broadcast over (no HTTP/shm buckets then)."""
+    receiving: asyncio.Task[None] | None = None
+    """Collective transport: the engine receiving the broadcasts, started at begin, awaited at commit."""
 
 
 def _open_shm(shm_dir: Path, file_name: str) -> tuple[int, os.stat_result]:
@@ -263,7 +275,11 @@ class SyncStaging:
         return path
 
     def _finish(self, pending: _Pending, *, recycle: bool) -> None:
-        """Removes a finished sync's files; after a successful commit its pool files become the spares."""
+        """Removes a finished sync's files; after a successful commit its pool files become the spares.
+        A collective receive still running is cancelled here (its engine drops the group when the learner's
+        side goes quiet past the group's timeout; the next sync joins a new one)."""
+        if pending.receiving is not None and not pending.receiving.done():
+            pending.receiving.cancel()
         if pending.dir is not None:
             shutil.rmtree(pending.dir, ignore_errors=True)
         if recycle:
@@ -331,6 +347,7 @@ class SyncStaging:
                 lora_enabled=engine.lora_enabled,
                 specs=engine.parameter_specs() if manifest.mode == "full" else {},
             )
+            rendezvous = _rendezvous(request, engine)
             if self._pending is not None:
                 self._discard(self._pending, "superseded by a new begin")
             timeout_s = request.timeout_s or self._default_timeout_s
@@ -339,7 +356,15 @@ class SyncStaging:
                 manifest=manifest,
                 timeout_s=timeout_s,
                 deadline=self._clock() + timeout_s,
+                collective=rendezvous,
             )
+            joining = False
+            if rendezvous is not None:
+                assert isinstance(engine, CollectiveEngine)
+                joining = not engine.holds_group(rendezvous.group)
+                layout = [[(t.name, t.dtype, t.shape) for t in b.tensors] for b in manifest.buckets]
+                pending.receiving = asyncio.create_task(engine.receive_collective(rendezvous, 1, layout))
+                pending.receiving.add_done_callback(_retrieve)
             self._pending = pending
             logger.info(
                 "sync %s begun: mode %s, version %d, %d buckets, %d tensors, %.1f MiB",
@@ -355,6 +380,8 @@ class SyncStaging:
                 current_version=engine.weight_version,
                 num_buckets=len(manifest.buckets),
                 expires_in_s=timeout_s,
+                collective_ranks=rendezvous.world_size - 1 if rendezvous else 0,
+                collective_joining=joining,
             )
 
     async def put_bucket(self, sync_id: str, index: int, body: bytes | AsyncIterator[bytes]) -> BucketAck:
@@ -416,6 +443,12 @@ class SyncStaging:
             return await self._stage(pending, index, path, started)
 
     def _check_index(self, pending: _Pending, index: int) -> None:
+        if pending.collective is not None:
+            raise ConflictError(
+                f"sync {pending.sync_id} sends its buckets over the {pending.collective.backend} group, not as"
+                " HTTP or shm buckets; broadcast them, then commit",
+                type="collective_sync",
+            )
         count = len(pending.manifest.buckets)
         if not 0 <= index < count:
             raise SyncValidationError(
@@ -459,7 +492,13 @@ class SyncStaging:
             manifest = pending.manifest
             # Whatever happens below, this sync is finished: applied, or rejected and discarded.
             self._pending = None
-            missing = [i for i in range(len(manifest.buckets)) if i not in pending.buckets]
+            if pending.receiving is not None:
+                await self._await_receive(pending)
+            missing = [
+                i
+                for i in range(len(manifest.buckets))
+                if i not in pending.buckets and pending.collective is None
+            ]
             if missing:
                 self._finish(pending, recycle=False)
                 logger.warning("sync %s discarded at commit: buckets %s missing", sync_id, missing)
@@ -478,7 +517,11 @@ class SyncStaging:
             started = time.perf_counter()
             applied = False
             try:
-                update = await asyncio.to_thread(_staged_update, manifest, pending.buckets)
+                update = (
+                    ReceivedUpdate(version=manifest.version, names=tuple(t.name for t in manifest.tensors))
+                    if pending.collective is not None
+                    else await asyncio.to_thread(_staged_update, manifest, pending.buckets)
+                )
                 await engine.apply_update(update)
                 applied = True
             except RolloutServerError:
@@ -512,6 +555,26 @@ class SyncStaging:
                 stages=stages,
             )
 
+    async def _await_receive(self, pending: _Pending) -> None:
+        """Waits (bounded by the group's timeout) for the engine to have received every broadcast."""
+        assert pending.receiving is not None and pending.collective is not None
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(asyncio.shield(pending.receiving), pending.collective.timeout_s)
+        except Exception as exc:
+            self._finish(pending, recycle=False)
+            reason = (
+                f"not every broadcast arrived within {pending.collective.timeout_s:.0f} s"
+                if isinstance(exc, TimeoutError)
+                else str(exc)
+            )
+            raise SyncValidationError(
+                f"sync {pending.sync_id}: receiving over the {pending.collective.backend} group failed ({reason});"
+                " nothing applied, begin again",
+                type="collective_failed",
+            ) from exc
+        pending.receive_s = time.perf_counter() - started
+
     async def abort(self, sync_id: str) -> SyncAbortResponse:
         """Discards the staged sync `sync_id`; aborting an unknown id is not an error."""
         async with self._lock:
@@ -520,6 +583,40 @@ class SyncStaging:
                 self._discard(pending, "aborted by the client")
                 return SyncAbortResponse(sync_id=sync_id, aborted=True)
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
+
+
+def _rendezvous(request: SyncBeginRequest, engine: Engine) -> Rendezvous | None:
+    """The collective group of a begin (None for HTTP/shm), checked against the manifest and the engine."""
+    spec = request.collective
+    if spec is None:
+        return None
+    if request.manifest.mode != "full":
+        raise SyncValidationError(
+            "the collective transport carries full syncs only; send adapters over http",
+            type="collective_adapter",
+        )
+    try:
+        if not isinstance(engine, CollectiveEngine):
+            raise EngineError(
+                f"this server's engine cannot receive over {spec.backend}; use transport http or shm"
+            )
+        ranks = engine.collective_ranks
+    except EngineError as exc:
+        raise SyncValidationError(str(exc), type="collective_unsupported") from exc
+    return Rendezvous(
+        backend=spec.backend,
+        master_address=spec.master_address,
+        master_port=spec.master_port,
+        group=spec.group,
+        world_size=1 + ranks,
+        timeout_s=spec.timeout_s,
+    )
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Marks a finished receive's failure as seen (the commit or the discard reports it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _staged_update(manifest: SyncManifest, buckets: dict[int, Path]) -> StagedUpdate:

@@ -3,8 +3,9 @@
 The sync tests use the session's seed-0 vLLM server (`vllm_server`, no LoRA); the kill test adds a
 throw-away HF-backend server (no second vLLM engine) that it kills.
 
-- a full sync of the seed-1 tiny model through `WeightSyncPolicy` + `ServerRolloutSource`, over http and
-  shm, makes the server answer like the seed-1 model;
+- a full sync of the seed-1 tiny model through `WeightSyncPolicy` + `ServerRolloutSource`, over http, shm
+  and gloo (the collective transport: vLLM's weight-transfer engine in the workers), makes the server answer
+  like the seed-1 model;
 - an adapter sync against a LoRA-less server raises `SyncRejected`, and the policy falls back to full once
   (the merged LoRA weights are then served);
 - killing a server makes the next `infer` fail fast, naming that server (no hang).
@@ -28,6 +29,7 @@ from learner.rollout.base import SyncRejected, WeightUpdate
 from learner.rollout.client import InferFailed, ServerRolloutSource
 from learner.weights.export import adapter_state
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
+from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.conftest import ServerProcess
 from tests.integration.learner_fixtures import start_server
@@ -92,11 +94,11 @@ def same_model(served: list[Answer], expected: list[Answer], atol: float = 1e-4)
     )
 
 
-def restore_seed0(source: ServerRolloutSource, tiny_model_dir: Path) -> None:
-    WeightSyncPolicy(SyncConfig()).maybe_sync(load_lm(tiny_model_dir), 0, source)
+def restore_seed0(source: ServerRolloutSource, tiny_model_dir: Path, transport: str = "http") -> None:
+    WeightSyncPolicy(SyncConfig(transport=transport)).maybe_sync(load_lm(tiny_model_dir), 0, source)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("transport", ["http", "shm"])
+@pytest.mark.parametrize("transport", ["http", "shm", "gloo"])
 def test_full_sync_serves_the_seed1_model(
     vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, transport: str
 ) -> None:
@@ -120,7 +122,8 @@ def test_full_sync_serves_the_seed1_model(
             assert source.last_infer.staleness == [0, 0, 0]
             assert policy.maybe_sync(seed1, 0, source) == 0.0  # same step: no second sync
         finally:
-            restore_seed0(source, tiny_model_dir)
+            # Through the same source: a gloo restore reuses the group the first sync formed.
+            restore_seed0(source, tiny_model_dir, transport)
         assert same_model(rollout(source), before, atol=0.0)
     if transport == "shm":
         assert list(vllm_server.shm_dir.iterdir()) == [], "bucket files are removed after the sync"
@@ -182,3 +185,36 @@ def test_killed_server_fails_fast_naming_it(
     assert elapsed < infer_timeout_s
     assert info.value.url == doomed.base_url and doomed.base_url in str(info.value)
     assert info.value.indices == [2]  # 3 requests over 2 servers: the second server held index 2
+
+
+def test_gloo_sync_reaches_a_vllm_and_an_hf_server_at_once(
+    vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path
+) -> None:
+    """One group per server, both fed by the same broadcasts: the vLLM workers (vLLM's weight-transfer engine)
+    and the HF engine (in its process) receive, stage and serve the seed-1 weights; the restore reuses both
+    groups."""
+    seed1 = load_lm(tiny_model_dir_seed1)
+    hf_server = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
+    try:
+        with ServerRolloutSource(
+            [vllm_server.base_url, hf_server.base_url], timeout_s=30, transport="gloo", bucket_mb=0.1
+        ) as source:
+            policy = WeightSyncPolicy(SyncConfig(transport="gloo"))
+            try:
+                policy.maybe_sync(seed1, 0, source)
+                assert {
+                    h.weight_version for h in map(_health_of, [vllm_server.base_url, hf_server.base_url])
+                } == {policy.version}
+                after = rollout(source)  # request 2 runs on the HF server
+                assert same_model(after, reference(seed1, after))
+                assert "server_workers_receive_s" in source.last_sync_stages
+            finally:
+                restore_seed0(source, tiny_model_dir, "gloo")
+            assert same_model(rollout(source), reference(load_lm(tiny_model_dir), after))
+    finally:
+        hf_server.stop()
+
+
+def _health_of(base_url: str) -> Health:
+    with ServerRolloutSource([base_url], timeout_s=10) as source:
+        return source.health()

@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
+from learner.rollout.errors import ServerError
 from tests.integration.conftest import ServerProcess
 from tests.integration.vllm_helpers import (
     SyncFailed,
@@ -208,3 +210,58 @@ def test_adapter_sync_on_a_lora_less_server_is_409(vllm_server: ServerProcess, t
     assert vllm_server.health()["weight_version"] == version
     adapter_request = infer_raw(vllm_server.base_url, _body("policy"))
     assert adapter_request.status_code == 409
+
+
+def test_collective_sync_whose_learner_goes_silent_changes_nothing(
+    vllm_server: ServerProcess, tiny_model_dir_seed1: Path, seed0_restored: list[Any]
+) -> None:
+    """gloo transport, learner side driven by hand: the group forms, the first of several buckets is broadcast,
+    then the learner goes silent (killed mid-sync). The commit fails once the group's timeout has passed,
+    naming the transport; nothing is applied; a bucket PUT on a collective sync is refused; the next gloo sync
+    forms a new group and serves the new weights."""
+    from learner.rollout.collective import CollectiveSender, flat_bucket
+    from learner.rollout.server_api import RolloutClient
+    from shared_schemas.sync import SyncManifest
+
+    tensors = checkpoint_tensors(tiny_model_dir_seed1)
+    buckets, blobs = encode_tensors(tensors, 1 << 16)
+    assert len(buckets) >= 3
+    version = vllm_server.health()["weight_version"]
+    manifest = SyncManifest.model_validate({"mode": "full", "version": version + 1, "buckets": buckets})
+    sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=3.0)
+    with RolloutClient(vllm_server.base_url, timeout_s=60) as client:
+        begin = client.sync_begin(manifest, collective=sender.spec(client.base_url))
+        assert begin.collective_ranks == 1 and begin.collective_joining
+        refused = httpx.put(
+            f"{vllm_server.base_url}/sync_weights/{begin.sync_id}/buckets/0", content=blobs[0], timeout=30
+        )
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "collective_sync"
+        sender.connect([client.base_url], [begin])
+        parts = _parts(blobs[0])
+        sender.broadcast([client.base_url], flat_bucket(parts, manifest.buckets[0].nbytes), 0)
+        with pytest.raises(ServerError) as failed:  # buckets 1.. never come
+            client.sync_commit(begin.sync_id)
+        assert failed.value.type == "collective_failed" and "gloo" in str(failed.value)
+        assert vllm_server.health()["weight_version"] == version
+        assert _answers(vllm_server) == seed0_restored
+        sender.close()
+
+        sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=30.0)
+        begin = client.sync_begin(manifest, collective=sender.spec(client.base_url))
+        assert begin.collective_joining, "the failed group was dropped: a new one is formed"
+        sender.connect([client.base_url], [begin])
+        for spec, blob in zip(manifest.buckets, blobs, strict=True):
+            sender.broadcast([client.base_url], flat_bucket(_parts(blob), spec.nbytes), spec.index)
+        committed = client.sync_commit(begin.sync_id)
+        sender.close()
+    assert committed.weight_version == version + 1 and "workers_receive_s" in committed.stages
+    assert (
+        _answers(vllm_server) != seed0_restored
+    )  # the seed-1 weights are served (the fixture restores seed 0)
+
+
+def _parts(blob: bytes) -> list[memoryview]:
+    """A safetensors blob as (header, data) parts, the shape `flat_bucket` takes."""
+    (header_len,) = np.frombuffer(blob[:8], dtype="<u8")
+    view = memoryview(blob)
+    return [view[: 8 + int(header_len)], view[8 + int(header_len) :]]

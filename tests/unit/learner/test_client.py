@@ -541,3 +541,27 @@ def test_shm_needs_loopback_servers_and_a_dir(tmp_path: Path) -> None:
     ServerRolloutSource(
         ["http://localhost:8000", "http://[::1]:8001"], transport="shm", shm_dir=tmp_path
     ).close()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_collective_transport_needs_an_address_for_remote_servers(transport: str) -> None:
+    with pytest.raises(ValueError, match="rollout.sync.collective_address"):
+        ServerRolloutSource([URLS[0], "http://10.1.2.3:8000"], transport=transport)  # type: ignore[arg-type]
+    ServerRolloutSource(
+        [URLS[0], "http://10.1.2.3:8000"], transport=transport, collective_address="10.1.2.9"
+    ).close()  # type: ignore[arg-type]
+    ServerRolloutSource(["http://localhost:8000"], transport=transport).close()  # type: ignore[arg-type]
+
+
+def test_flat_bucket_is_the_tensor_bytes_back_to_back() -> None:
+    from learner.rollout.collective import flat_bucket
+    from learner.weights.codec import raw_tensor
+    from shared_schemas.buckets import bucket_parts
+
+    items = {"a": torch.arange(3, dtype=torch.bfloat16), "b": torch.ones(2, 2), "c": torch.zeros(0)}
+    parts = bucket_parts([raw_tensor(n, t) for n, t in items.items()])
+    flat = flat_bucket(parts, 3 * 2 + 4 * 4)
+    assert flat.dtype == torch.uint8 and flat[:6].view(torch.bfloat16).tolist() == [0.0, 1.0, 2.0]
+    assert flat[6:].clone().view(torch.float32).tolist() == [1.0] * 4  # unaligned: receivers copy such a tensor
+    with pytest.raises(SyncError, match="manifest says 99"):
+        flat_bucket(parts, 99)

@@ -250,7 +250,13 @@ def test_sync_config_is_strict() -> None:
         "transport": "http",
         "bucket_mb": 512,
         "shm_dir": None,
+        "collective_address": None,
+        "collective_timeout_s": 120.0,
     }
+    with pytest.raises(ValidationError):
+        SyncConfig(transport="mpi")
+    with pytest.raises(ValidationError):
+        SyncConfig(collective_timeout_s=0)
     with pytest.raises(ValidationError, match="extra"):
         SyncConfig(bukcet_mb=1)
     with pytest.raises(ValidationError):

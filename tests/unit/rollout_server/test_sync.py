@@ -390,3 +390,26 @@ def test_bucket_streamed_from_parts(client: TestClient, engine: FakeEngine) -> N
         assert client.put(f"{SYNC}/{sync_id}/buckets/{i}", content=body).status_code == 200
     assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
     assert engine.weights == {t.name: bytes(t.data) for t in items}
+
+
+COLLECTIVE = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": 29999, "group": "ab12cd34"}
+
+
+@pytest.mark.parametrize(
+    ("collective", "status", "kind"),
+    [
+        (COLLECTIVE, 400, "collective_unsupported"),  # the fake engine has no receivers
+        (COLLECTIVE | {"backend": "mpi"}, 422, None),
+        (COLLECTIVE | {"master_port": 0}, 422, None),
+        (COLLECTIVE | {"group": "../x"}, 422, None),
+        (COLLECTIVE | {"timeout_s": 0}, 422, None),
+    ],
+)
+def test_collective_begin_is_validated_and_changes_nothing(
+    client: TestClient, engine: FakeEngine, collective: dict[str, Any], status: int, kind: str | None
+) -> None:
+    resp = begin(client, manifest_for(tensors(), 1), collective=collective)
+    assert resp.status_code == status, resp.text
+    if kind is not None:
+        assert resp.json()["error"]["type"] == kind and "http or shm" in resp.json()["error"]["message"]
+    assert engine.weight_version == 0 and client.app.state.server.staging.active_sync_id is None  # type: ignore[attr-defined]
