@@ -29,6 +29,7 @@ from learner.yaml_loader import ConfigError, deep_merge, format_validation_error
 
 __all__ = [
     "REPO_ROOT",
+    "AsyncRolloutConfig",
     "ConfigError",
     "DecodingConfig",
     "RolloutConfig",
@@ -197,8 +198,31 @@ class ColocateVllmConfig(_Section):
     """vLLM-CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
 
 
+class AsyncRolloutConfig(_Section):
+    """`rollout.async:` — overlapped rollouts (server mode): the servers generate the next window while the learner
+    trains on this one, from weights at most `max_staleness` optimizer steps old."""
+
+    enabled: bool = False
+    """After the sync of step v commits, request the next window's rollouts in the background (same chunking and
+    per-request seeds as a synchronous run) and train on the current window meanwhile. Server mode only."""
+    max_staleness: int = Field(default=1, ge=1, le=16)
+    """Most optimizer steps a trained rollout may lag the weights it updates; an older one is regenerated, never
+    trained on. With the rollout buffer, the next E-step's window is requested this many steps ahead at most."""
+    wait_timeout_s: float | None = Field(default=None, gt=0.0)
+    """Longest wait for a background rollout once the step needs it (default: 4 x rollout.infer_timeout_s)."""
+
+
 class RolloutConfig(_Section):
     """`rollout:` — where rollouts come from and how weights reach them (DESIGN.md §2, §5; STAGE2 §5)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
 
     backend: Literal["vllm", "hf"] = "vllm"
     """Engine kind."""
@@ -218,9 +242,17 @@ class RolloutConfig(_Section):
     """Colocated engine knobs."""
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     """Decoding knobs."""
+    async_: AsyncRolloutConfig = Field(default_factory=AsyncRolloutConfig, alias="async")
+    """Overlapped rollouts (YAML key `rollout.async`)."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        if self.async_.enabled and self.mode != "server":
+            raise ValueError(
+                f"rollout.async.enabled: true needs rollout.mode 'server', got {self.mode!r} (a colocated engine "
+                "runs in the learner's own process and cannot generate while it trains); set "
+                "rollout.async.enabled: false or use rollout.mode: server"
+            )
         if self.mode == "server" and not self.servers:
             raise ValueError("rollout.servers must list at least one {base_url} in server mode")
         if self.decoding.decode_mode == "beam" and self.backend != "hf":
@@ -231,6 +263,12 @@ class RolloutConfig(_Section):
     def read_timeout_s(self) -> float:
         """Effective read timeout of one generate call."""
         return self.infer_timeout_s if self.infer_timeout_s is not None else self.timeout_s
+
+    @property
+    def async_wait_timeout_s(self) -> float:
+        """Effective limit of one wait for a background rollout (`rollout.async.wait_timeout_s`)."""
+        wait = self.async_.wait_timeout_s
+        return wait if wait is not None else 4.0 * self.read_timeout_s
 
 
 class ParseConfig(_Section):

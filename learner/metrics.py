@@ -116,6 +116,10 @@ _PACKING_SUMS = (
     "count_staleness",
 )
 
+_STALENESS_SUMS = ("staleness_sum", "staleness_count", "prefetched", "regenerated")
+"""Overlapped rollouts (`rollout.async`): per trained rollout, optimizer steps between its weights and the update
+(summed and counted), rollouts that came from a background request, and stale ones regenerated."""
+
 TIME_KEYS: tuple[str, ...] = tuple(
     f"time/{k}"
     for k in (
@@ -128,6 +132,7 @@ TIME_KEYS: tuple[str, ...] = tuple(
         "mask_build_s",
         "forward_s",
         "backward_s",
+        "rollout_wait_s",
     )
 )
 
@@ -147,8 +152,9 @@ SUM_KEYS: frozenset[str] = frozenset(
     + [f"loss/{k}" for k in _LOSS_SUMS]
     + [f"packing/{k}" for k in _PACKING_SUMS]
     + ["train/micro_steps"]
+    + [f"rollout/{k}" for k in _STALENESS_SUMS]
 )
-MAX_KEYS: frozenset[str] = frozenset([*TIME_KEYS, "packing/segment_staleness_max"])
+MAX_KEYS: frozenset[str] = frozenset([*TIME_KEYS, "packing/segment_staleness_max", "rollout/staleness_max"])
 GAUGE_KEYS: frozenset[str] = frozenset(
     [
         "packing/post_rollout_buffer",
@@ -279,6 +285,7 @@ class StepMetrics:
         else:
             out.pop("packing/segment_staleness_max", None)
         out.update(self._gauges)
+        out.update(self._staleness(s, out))
         if "rollout/gen_new_tokens_total" in out and mx["time/rollout_generate_s"] > 0:
             out["rollout/gen_tokens_per_s"] = (
                 out["rollout/gen_new_tokens_total"] / mx["time/rollout_generate_s"]
@@ -293,6 +300,18 @@ class StepMetrics:
             out[key] = s[key]
         self.reset()
         return out
+
+    @staticmethod
+    def _staleness(s: Mapping[str, float], out: dict[str, float]) -> dict[str, float]:
+        """`rollout/staleness_{mean,max}` (steps with rollouts only), `rollout/{prefetched,regenerated}`."""
+        if s["rollout/staleness_count"] <= 0:
+            out.pop("rollout/staleness_max", None)
+            return {}
+        return {
+            "rollout/staleness_mean": s["rollout/staleness_sum"] / s["rollout/staleness_count"],
+            "rollout/prefetched": s["rollout/prefetched"],
+            "rollout/regenerated": s["rollout/regenerated"],
+        }
 
     @staticmethod
     def _loss(s: Mapping[str, float]) -> dict[str, float]:

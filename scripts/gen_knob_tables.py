@@ -152,6 +152,7 @@ def iter_sections(model: type[BaseModel], key: str, doc: str | None = None) -> I
     rows: list[KnobRow] = []
     subs: list[tuple[str, type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
+        name = field.alias or name  # the YAML key (`rollout.async` is the field `async_`)
         dotted = f"{key}.{name}" if key else name
         if _is_model(field.annotation):
             sub_doc = field.description or field.annotation.__doc__  # type: ignore[union-attr]

@@ -26,6 +26,7 @@ from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
 from learner.stage2.prompt_encoding import PromptEncoder
 from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallback
+from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
 from learner.weights.sync import WeightSyncPolicy
@@ -252,8 +253,15 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         pad_id=int(tokenizer.pad_token_id),
         adapter_name=lambda: sync.request_adapter,
     )
+    overlap = RolloutOverlap(
+        lambda batch: source.infer(batch),  # looked up per call: tests instrument the instance
+        endpoints=source.endpoints,
+        max_staleness=cfg.rollout.async_.max_staleness,
+        wait_timeout_s=cfg.rollout.async_wait_timeout_s,
+    )
     trainer = RolloutMatchingTrainer(
         planner=planner,
+        overlap=overlap,
         weight_sync=sync,
         rollout_buffer=RolloutBuffer(m_steps=m_steps, gas=gas, enabled=buffer_cfg.enabled),
         run_cfg=cfg,

@@ -11,7 +11,18 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-__all__ = ["LiveProgressCallback", "MetricsJsonlCallback"]
+__all__ = ["LiveProgressCallback", "MetricsJsonlCallback", "OverlapCallback"]
+
+
+class OverlapCallback(TrainerCallback):
+    """Drops the background rollout still outstanding when training ends (`rollout.async`): no step will train
+    it, and a resumed run requests that window again with the same seeds."""
+
+    def __init__(self, overlap: Any) -> None:
+        self.overlap = overlap
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.overlap.close()
 
 
 class MetricsJsonlCallback(TrainerCallback):

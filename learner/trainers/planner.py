@@ -21,6 +21,7 @@ from learner.stage2.packed_batch import pack_segments, pad_segments
 from learner.stage2.packing import CarryBuffer
 from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
 from learner.stage2.seeds import request_seed
+from learner.trainers.overlap import Rollouts
 from shared_schemas.infer import (
     Choice,
     InferBatch,
@@ -128,41 +129,55 @@ class StepPlanner:
         ]
 
     # -- training step --------------------------------------------------------------------------
-    def plan(
+    def step_batch(self, raws: Sequence[Sequence[dict[str, Any]]], global_step: int) -> InferBatch | None:
+        """The one rollout call of the optimizer step `global_step` over `raws` (§5.3 seeds, §17), or None when
+        the step rolls out nothing (stage-1 warm-up, or no samples).
+
+        A synchronous run asks for it when the step starts; an overlapped one (`rollout.async`) a step or more
+        ahead — the same requests, seeds and chunking either way, so the server returns the same tokens.
+        """
+        flat = [s for raw in raws for s in raw]
+        if not flat or global_step < self.stage2.sft_warmup_steps:
+            return None
+        requests = [
+            InferRequest(messages=self.ctx.rollout_messages(s), request_id=f"{s['sample_id']}:{i}")
+            for i, s in enumerate(flat)
+        ]
+        return InferBatch(
+            infer_requests=requests,
+            request_config=build_request_config(self.decoding, adapter=self.adapter_name()),
+            first_index=self.rank * self.per_device_batch_size * max(len(raws), 1),
+            seeds=self.step_seeds(raws, global_step),
+        )
+
+    def build(
         self,
         raws: Sequence[Sequence[dict[str, Any]]],
+        rollouts: Rollouts | None,
         *,
         global_step: int,
         metrics: StepMetrics,
-        before_rollout: Callable[[], float] | None = None,
     ) -> PlannedStep:
-        """Rollout, parse, match, encode and pack every micro-batch of one optimizer step (§17).
+        """Parse, match, encode and pack every micro-batch of one optimizer step (§17) from its rollouts.
 
         Args:
             raws: the step's raw micro-batches (lists of sample dicts).
-            global_step: optimizer step about to run (seeds, staleness).
+            rollouts: the results of `step_batch(raws, global_step)`, with their staleness; None on a step
+                without requests (stage-1 warm-up: an empty rollout makes Y_train the whole GT).
+            global_step: optimizer step about to run.
             metrics: the step's accumulator (rollout counters, lengths, timers, packing telemetry).
-            before_rollout: called right before the rollout iff there is at least one request — the lazy
-                weight sync of §5.6; returns the seconds it took.
         """
         flat = [s for raw in raws for s in raw]
         # A new rollout-buffer window: prompts (decoded images) are encoded once for its rollout and teacher
         # forcing; its M-steps replay the prepared batches and encode nothing.
         self.ctx.encoder.new_window()
-        warmup = global_step < self.stage2.sft_warmup_steps
-        if warmup:
-            # Stage-1 warm-up: an empty rollout makes Y_train the whole GT (§6.4 fallback) — plain SFT with the
-            # stage-2 loss; no request, so no weight sync either.
-            results, gen_s, sync_s = [self._empty_result(s, i) for i, s in enumerate(flat)], 0.0, 0.0
+        warmup = rollouts is None
+        if rollouts is None:
+            # Stage-1 warm-up: plain SFT with the stage-2 loss; no request, so no weight sync either.
+            results, lags = [self._empty_result(s, i) for i, s in enumerate(flat)], [0] * len(flat)
         else:
-            sync_s = before_rollout() if (flat and before_rollout is not None) else 0.0
-            request_config = build_request_config(self.decoding, adapter=self.adapter_name())
-            first_index = self.rank * self.per_device_batch_size * max(len(raws), 1)
-            results, gen_s = self.rollout(
-                flat, self.step_seeds(raws, global_step), request_config, first_index
-            )
-        metrics.add_time("time/weight_sync_s", sync_s)
-        metrics.add_time("time/rollout_generate_s", gen_s)
+            results, lags = rollouts.results, rollouts.staleness
+            rollouts.add_metrics(metrics)
         metrics.add(
             {
                 "rollout/decode_greedy": float(self.decoding.decode_mode == "greedy"),
@@ -179,7 +194,10 @@ class StepPlanner:
             t0 = time.perf_counter()
             segments = []
             for sample in raw:
-                seg, outcome = prepare_segment(sample, results[cursor], self.ctx, rollout_step=global_step)
+                # The generating policy's step: packing staleness (§15.4) counts from it.
+                seg, outcome = prepare_segment(
+                    sample, results[cursor], self.ctx, rollout_step=global_step - lags[cursor]
+                )
                 cursor += 1
                 if not warmup:  # an empty warm-up rollout says nothing about the policy
                     metrics.add_rollout_counters(outcome.counters)

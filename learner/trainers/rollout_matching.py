@@ -3,8 +3,9 @@
 Extension points used, and why:
 - `get_batch_samples` — HF fetches the whole accumulation window here before the first forward; that is
   exactly where §13.3 needs the step planned (all rollouts, all packs, the step-global `(N_ce, N_coord)`)
-  before any backward. We call `super()` to fetch the raw micro-batches, then plan (E-step) or replay the
-  rollout buffer's cache (M-step) and return prepared micro-batches.
+  before any backward. We read the raw micro-batches from HF's epoch iterator as `super()` would (through a
+  `WindowLookahead`, so that `rollout.async` can request the next window's rollouts ahead), then plan (E-step)
+  or replay the rollout buffer's cache (M-step) and return prepared micro-batches.
 - `compute_loss` — one forward per prepared micro-batch, sum-form CE + coordinate losses, token-weighted
   normalisation; `loss_is_scaled_for_ga = True` because the loss is already normalised for the window.
 - `evaluate` — rollout-only evaluation (no teacher forcing, no loss), reporting `eval_rollout_*`.
@@ -29,6 +30,8 @@ from learner.stage2.buffer import RolloutBuffer, TaggedBatch
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.stage2.offload import offload_context
 from learner.stage2.pipeline import eval_metrics
+from learner.trainers.callbacks import OverlapCallback
+from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
 from learner.trainers.packed_attention import packed_attention
 from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
@@ -47,6 +50,7 @@ class RolloutMatchingTrainer(Trainer):
         rollout_buffer: E/M-step state machine.
         run_cfg: the validated `RunConfig` (stage2 knobs, eval decoding overrides).
         eval_samples: held-out sample dicts for the rollout-only evaluation.
+        overlap: where each step's rollouts come from (background or now; `rollout.async`); default synchronous.
         **kwargs: passed to `Trainer` (model, args, train_dataset, data_collator, callbacks, ...).
     """
 
@@ -60,9 +64,13 @@ class RolloutMatchingTrainer(Trainer):
         rollout_buffer: RolloutBuffer,
         run_cfg: Any,
         eval_samples: list[dict[str, Any]] | None = None,
+        overlap: RolloutOverlap | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.overlap = overlap or RolloutOverlap(lambda batch: planner.source.infer(batch), endpoints=())
+        self.lookahead = WindowLookahead()
+        self.add_callback(OverlapCallback(self.overlap))
         self.planner = planner
         self.weight_sync = weight_sync
         self.rollout_buffer = rollout_buffer
@@ -74,34 +82,35 @@ class RolloutMatchingTrainer(Trainer):
 
     # -- step planning ------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
-        """Fetch the window's raw micro-batches, then plan or replay the whole optimizer step."""
-        raws, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        """Fetch the window's raw micro-batches, then plan or replay the whole optimizer step.
+
+        Order within a step (one code path; `rollout.async` only adds the launch): this step's rollouts (the
+        background results requested a step or more ago, or — after this step's lazy §5.6 sync — generated
+        now), then, with async on, this step's sync (right after the previous optimizer step) and the next
+        window's background request, which waits for its commit; then parse/match/pack and train.
+        """
+        raws = self.lookahead.next(epoch_iterator, num_batches)
         tagged = [_tag(raw) for raw in raws]
         decision = self.rollout_buffer.begin_step(tagged, training=True)
         step = self.state.global_step
+        launch = self._next_launch(epoch_iterator, step, decision)
+        rollouts = None if decision.reuse else self._fetch([t.batch for t in tagged], step)
+        if launch is not None:
+            # The sync of this step (a no-op when this step's own rollouts needed it already), then the next
+            # window's request, which the server serves only after that commit.
+            self.step_metrics.add_time("time/weight_sync_s", self._sync_now())
+            window, target = launch
+            batch = self.planner.step_batch(window, target)  # after the sync: adapter mode names the adapter
+            if batch is not None:
+                self.overlap.launch(batch, target)
         if decision.reuse:
             cached = self.rollout_buffer.reuse(decision, tagged)
             prepared, n_ce, n_coord = cached.prepared, cached.n_ce, cached.n_coord
             self.step_metrics.add(cached.metrics())
         else:
-            offload = self.run_cfg.stage2.offload
-            rollout = self.run_cfg.rollout
-            # Offload only helps a colocated vLLM engine; hf generates with these very parameters (STAGE2 §16).
-            offload_on = offload.enabled and rollout.mode == "colocate" and rollout.backend == "vllm"
-            with offload_context(
-                self.model,
-                self.optimizer,
-                offload_model=offload.model,
-                offload_optimizer=offload.optimizer,
-                enabled=offload_on,
-            ) as report:
-                planned = self.planner.plan(
-                    [t.batch for t in tagged],
-                    global_step=step,
-                    metrics=self.step_metrics,
-                    before_rollout=self._sync_now,
-                )
-            self.step_metrics.add_time("time/offload_s", getattr(report, "seconds", 0.0))
+            planned = self.planner.build(
+                [t.batch for t in tagged], rollouts, global_step=step, metrics=self.step_metrics
+            )
             prepared = planned.prepared
             n_ce, n_coord = self._all_reduce_counts(planned.n_ce, planned.n_coord)
             self.rollout_buffer.store(decision, tagged, prepared, n_ce, n_coord, global_step=step)
@@ -111,9 +120,67 @@ class RolloutMatchingTrainer(Trainer):
         self.step_metrics.add({"train/micro_steps": float(len(prepared))})
         return prepared, None
 
+    def _fetch(self, raws: list[list[dict[str, Any]]], step: int) -> Rollouts | None:
+        """This step's rollouts (None on a step without requests), inside the colocate offload context."""
+        batch = self.planner.step_batch(raws, step)
+        if batch is None:
+            return None
+        offload = self.run_cfg.stage2.offload
+        rollout = self.run_cfg.rollout
+        # Offload only helps a colocated vLLM engine; hf generates with these very parameters (STAGE2 §16).
+        offload_on = offload.enabled and rollout.mode == "colocate" and rollout.backend == "vllm"
+        with offload_context(
+            self.model,
+            self.optimizer,
+            offload_model=offload.model,
+            offload_optimizer=offload.optimizer,
+            enabled=offload_on,
+        ) as report:
+            rollouts = self.overlap.fetch(batch, step, sync=self._sync_now)
+        self.step_metrics.add_time("time/offload_s", getattr(report, "seconds", 0.0))
+        return rollouts
+
+    def _next_launch(self, epoch_iterator, step: int, decision: Any) -> tuple[list[Any], int] | None:
+        """`(raw micro-batches, target step)` of the next window that rolls out, when async is on and it is at most
+        `rollout.async.max_staleness` steps ahead (the E/M buffer's M-steps in between roll out nothing)."""
+        cfg = self.run_cfg.rollout.async_
+        if not cfg.enabled or self.overlap.pending_step not in (None, step):  # one request ahead at a time
+            return None
+        gas = self.args.gradient_accumulation_steps
+        for distance in range(1, cfg.max_staleness + 1):
+            target = step + distance
+            if self.state.max_steps > 0 and target >= self.state.max_steps:
+                return None
+            window = self.lookahead.peek(epoch_iterator, distance, gas)
+            if window is None:
+                return None
+            tagged = [_tag(raw) for raw in window]
+            if target < self.run_cfg.stage2.sft_warmup_steps or self._replays(tagged, decision):
+                continue
+            return [t.batch for t in tagged], target
+        return None
+
+    def _replays(self, tagged: list[TaggedBatch], decision: Any) -> bool:
+        """Whether a future window is an M-step of the window this step trains (§15.3): nothing to roll out."""
+        window_ids = {t.window_id for t in tagged}
+        return (
+            self.rollout_buffer.enabled
+            and len(tagged) == self.args.gradient_accumulation_steps
+            and window_ids == {decision.window_id}
+            and all(t.repetition > 0 for t in tagged)
+            and (decision.cache or decision.reuse)
+        )
+
     def _sync_now(self) -> float:
-        """The lazy §5.6 sync: runs only when this step has at least one rollout request."""
-        return self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
+        """The lazy §5.6 sync of this step (a no-op when it already ran); records the weight version it made."""
+        before = self.weight_sync.last_synced_step
+        seconds = self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
+        if self.weight_sync.last_synced_step != before:
+            version = self.weight_sync.version
+            if self.args.world_size > 1:  # only the sending rank knows it; every rank checks its own results
+                version = int(self._reduce_metrics([float(version)], "max")[0])
+            self.overlap.ledger.record(version, self.state.global_step)
+        return seconds
 
     def _reduce_metrics(self, values: list[float], op: str) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.args.device)
@@ -187,7 +254,7 @@ class RolloutMatchingTrainer(Trainer):
         if not samples:
             return {}
         t0 = time.perf_counter()
-        self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
+        self._sync_now()
         eval_cfg = self.run_cfg.stage2.eval
         was_training = self.model.training
         self.model.eval()

@@ -345,26 +345,30 @@ def test_adapter_sync_falls_back_to_full_once(
 
 
 # -- 5. a server killed mid-run ----------------------------------------------------------------------------------
-def test_killed_server_fails_next_rollout_fast_naming_it(tiny_model_dir, demo_data, tmp_path):
-    server = start_server(tiny_model_dir, tmp_path / "hf_server", backend="hf")
+def train_until_server_killed(
+    model_dir: Path, data: Path, tmp: Path, *, kill_at_call: int, **rollout: Any
+) -> tuple[Recorded, str, pytest.ExceptionInfo[InferFailed], float]:
+    """Trains 3 steps against a fresh HF-backend server that is SIGKILLed right before `infer` call
+    `kill_at_call`; returns the run, the server's URL, the raised `InferFailed` and seconds from kill to raise."""
+    server = start_server(model_dir, tmp / "hf_server", backend="hf")
     try:
         cfg = server_cfg(
-            tiny_model_dir,
-            demo_data,
-            tmp_path / "run",
+            model_dir,
+            data,
+            tmp / "run",
             [server],
-            rollout={"infer_timeout_s": 20, "timeout_s": 20},
+            rollout={"infer_timeout_s": 20, "timeout_s": 20, **rollout},
             training={"max_steps": 3},
         )
         rec = build_recorded(cfg)
         killed_at: list[float] = []
 
-        def kill_before_second_rollout(call: int) -> None:
-            if call == 2:  # after step 1's sync went through: the rollout is the first call to a dead server
+        def kill(call: int) -> None:
+            if call == kill_at_call:
                 server.kill()
                 killed_at.append(time.monotonic())
 
-        rec.before_infer = kill_before_second_rollout
+        rec.before_infer = kill
         try:
             with pytest.raises(InferFailed) as info:
                 rec.trainer.train()
@@ -373,8 +377,16 @@ def test_killed_server_fails_next_rollout_fast_naming_it(tiny_model_dir, demo_da
             rec.close()
     finally:
         server.stop()
+    return rec, server.base_url, info, failed_after
+
+
+def test_killed_server_fails_next_rollout_fast_naming_it(tiny_model_dir, demo_data, tmp_path):
+    # Call 2 comes after step 1's sync went through: the rollout is the first call to a dead server.
+    rec, url, info, failed_after = train_until_server_killed(
+        tiny_model_dir, demo_data, tmp_path, kill_at_call=2
+    )
     assert failed_after < 20
-    assert server.base_url in str(info.value)
+    assert url in str(info.value)
     assert len(rec.rollouts) == 1 and rec.trainer.state.global_step == 1
 
 

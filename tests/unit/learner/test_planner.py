@@ -8,6 +8,7 @@ from learner.config import RunConfig
 from learner.metrics import StepMetrics
 from learner.stage2.seeds import request_seed
 from learner.trainers.build import _sample_context
+from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from shared_schemas.infer import Choice, InferResult
 
@@ -57,6 +58,14 @@ def _sample(i: int) -> dict:
     }
 
 
+def plan(planner, raws, *, global_step, metrics, before_rollout):
+    """The trainer's synchronous step: the step's one batch, fetched now (sync first), then built."""
+    batch = planner.step_batch(raws, global_step)
+    overlap = RolloutOverlap(planner.source.infer, endpoints=planner.source.endpoints)
+    rollouts = None if batch is None else overlap.fetch(batch, global_step, sync=before_rollout)
+    return planner.build(raws, rollouts, global_step=global_step, metrics=metrics)
+
+
 @pytest.fixture()
 def planner_parts(tiny_model_dir, tiny_tokenizer):
     def make(warmup: int) -> tuple[StepPlanner, RecordingSource]:
@@ -92,7 +101,7 @@ def test_one_batched_call_with_spec_seeds_and_a_sync_before_it(planner_parts):
     syncs = []
     raws = [[_sample(0), _sample(1)], [_sample(2), _sample(3)]]
     metrics = StepMetrics()
-    step = planner.plan(raws, global_step=10, metrics=metrics, before_rollout=lambda: syncs.append(1) or 0.0)
+    step = plan(planner, raws, global_step=10, metrics=metrics, before_rollout=lambda: syncs.append(1) or 0.0)
     assert len(source.batches) == 1 and len(source.batches[0].infer_requests) == 4
     # §5.3: micro 0 → requests 0, 1; micro 1 → requests 0, 1 again (request index restarts per micro-batch).
     assert source.batches[0].seeds == [request_seed(17, 10, m, i) for m in (0, 1) for i in (0, 1)]
@@ -106,7 +115,8 @@ def test_warmup_steps_make_no_request_and_no_sync(planner_parts):
     planner, source = planner_parts(warmup=5)
     syncs = []
     metrics = StepMetrics()
-    step = planner.plan(
+    step = plan(
+        planner,
         [[_sample(0), _sample(1)]],
         global_step=4,
         metrics=metrics,
@@ -115,7 +125,8 @@ def test_warmup_steps_make_no_request_and_no_sync(planner_parts):
     assert source.batches == [] and syncs == []
     # The empty rollout falls back to "{" + the whole GT: every coordinate is supervised in the tail.
     assert step.n_coord == 8 and step.n_ce > 0
-    planner.plan(
+    plan(
+        planner,
         [[_sample(2), _sample(3)]],
         global_step=5,
         metrics=metrics,
