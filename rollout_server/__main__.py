@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from rollout_server.config import REPO_ROOT, ConfigError, ServerConfig, load_server_config
@@ -22,6 +24,7 @@ logger = logging.getLogger("rollout_server")
 
 EXIT_CONFIG = 2
 EXIT_LOAD_FAILED = 1
+EXIT_PORT_IN_USE = 100
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -121,12 +124,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(cfg, on_load_failure=on_load_failure)
+    listener = None
+    if cfg.health_port is not None:
+        from rollout_server.health_listener import HealthListener
+
+        try:
+            listener = HealthListener(cfg.host, cfg.health_port, time.monotonic())
+        except OSError as exc:
+            print(
+                f"server.health_port {cfg.health_port} on {cfg.host} cannot be bound ({exc}); choose another port",
+                file=sys.stderr,
+            )
+            return EXIT_PORT_IN_USE
+        listener.start()  # liveness answers while the engine loads
+    app = create_app(cfg, on_load_failure=on_load_failure, health_listener=listener)
+    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish for drain_timeout_s, then cancels
+    # them (a cancelled /infer/ aborts its engine requests); the lifespan closes the engine; exit 0.
     server = uvicorn.Server(
-        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower())
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=int(max(1, round(cfg.drain_timeout_s))),
+        )
     )
     logger.info("rollout server on http://%s:%d (%s, %s)", cfg.host, cfg.port, cfg.backend, cfg.model_path)
-    server.run()
+    # uvicorn re-raises the captured signal after its graceful shutdown, into the handler that was installed
+    # before it ran; a no-op handler there makes a drained shutdown exit 0 (what orchestrators expect).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        if listener is not None:
+            listener.stop()
     return EXIT_LOAD_FAILED if failed else 0
 
 

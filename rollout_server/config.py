@@ -127,6 +127,12 @@ class ServerConfig(_Section):
     """Bind address; non-loopback needs `allow_non_loopback: true`."""
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port."""
+    health_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of the probe listener (`/health/live`, `/health/ready`, `/health` on a thread of its own, so probes
+    never wait behind generation; `rollout_server.health_listener`); None: probes on the main port only."""
+    drain_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """On SIGTERM/SIGINT: stop accepting, give in-flight requests this long to finish, then abort the rest,
+    close the engine and exit 0."""
     gpus: GpuList = None
     """GPU indices for `CUDA_VISIBLE_DEVICES` (None: leave it as it is, e.g. on CPU)."""
     allow_non_loopback: bool = False
@@ -159,6 +165,11 @@ class ServerConfig(_Section):
                 "host",
                 f"{self.host!r} is not loopback (127.0.0.1, localhost, ::1); bind loopback or set"
                 " server.allow_non_loopback: true",
+            )
+        if self.health_port is not None and self.health_port == self.port:
+            raise _rule_error(
+                "health_port",
+                f"{self.health_port} is server.port too; give the probe listener a port of its own",
             )
         if self.gpus is not None:
             need = self.vllm.tensor_parallel_size * self.vllm.data_parallel_size

@@ -1,4 +1,4 @@
-"""The one typed object a server app keeps: config, engine (once loaded), load error, sync staging."""
+"""The one typed object a server app keeps: config, engine (once loaded), load error, sync staging, metrics."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from pathlib import Path
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import Engine
 from rollout_server.errors import EngineNotReadyError
+from rollout_server.health_listener import HealthListener, HealthSnapshot
+from rollout_server.metrics import ServerMetrics
 from rollout_server.weights.staging import SyncStaging
+from shared_schemas.health import Health
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +36,62 @@ class ServerState:
         self.started = time.monotonic()
         self.engine = engine
         self.load_error: str | None = None
+        self.metrics = ServerMetrics()
         self.staging = SyncStaging(
-            Path(cfg.shm_dir).expanduser() if cfg.shm_dir else None, default_timeout_s=cfg.sync_timeout_s
+            Path(cfg.shm_dir).expanduser() if cfg.shm_dir else None,
+            default_timeout_s=cfg.sync_timeout_s,
+            on_finish=self.metrics.sync_finished,
         )
 
     @property
     def uptime_s(self) -> float:
         """Seconds since the app was created."""
         return time.monotonic() - self.started
+
+    async def health(self) -> Health:
+        """The `/health` body: the engine's own view when loaded, else the config's with `loading`/`error`."""
+        cfg = self.cfg
+        if self.engine is None:
+            return Health(
+                status="error" if self.load_error else "loading",
+                engine=cfg.backend,
+                model=str(cfg.model_path),
+                weight_version=0,
+                dp=cfg.vllm.data_parallel_size if cfg.backend == "vllm" else 1,
+                tp=cfg.vllm.tensor_parallel_size if cfg.backend == "vllm" else 1,
+                lora_enabled=cfg.vllm.enable_lora if cfg.backend == "vllm" else False,
+                max_model_len=cfg.vllm.max_model_len,
+                dtype=cfg.served_dtype,
+                uptime_s=self.uptime_s,
+                detail=self.load_error,
+            )
+        engine_health = await self.engine.health()
+        return Health(
+            status=engine_health.status,
+            engine=engine_health.engine,
+            model=engine_health.model,
+            weight_version=engine_health.weight_version,
+            dp=engine_health.dp,
+            tp=engine_health.tp,
+            lora_enabled=engine_health.lora_enabled,
+            max_model_len=engine_health.max_model_len,
+            dtype=cfg.served_dtype,
+            uptime_s=self.uptime_s,
+            detail=engine_health.detail,
+        )
+
+    async def snapshot(self) -> HealthSnapshot:
+        """What the probes answer from (`health_listener`)."""
+        return HealthSnapshot(await self.health(), self.staging.applying, time.monotonic())
+
+    async def publish_health_forever(self, listener: HealthListener, interval_s: float = 0.2) -> None:
+        """Keeps the probe listener's snapshot fresh (a failed refresh keeps the last one and logs)."""
+        while True:
+            try:
+                listener.snapshot = await self.snapshot()
+            except Exception:
+                logger.exception("health snapshot failed; the probe listener keeps the previous one")
+            await asyncio.sleep(interval_s)
 
     def require_engine(self) -> Engine:
         """The engine, or 503 while loading / after a failed load."""

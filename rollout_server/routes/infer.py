@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from starlette.responses import Response
 
-from rollout_server.deps import EngineDep
-from rollout_server.engines.base import check_results
+from rollout_server.deps import EngineDep, StateDep
+from rollout_server.engines.base import Engine, check_results
+from rollout_server.state import ServerState
 from shared_schemas.errors import ErrorEnvelope
-from shared_schemas.infer import InferBatch, InferResponse, Timing
+from shared_schemas.infer import InferBatch, InferResponse, InferResult, Timing
 
 logger = logging.getLogger(__name__)
 
@@ -23,14 +26,28 @@ _ERRORS = {code: {"model": ErrorEnvelope} for code in (400, 401, 404, 409, 413, 
 
 @router.post("/infer/", response_model=InferResponse, responses=_ERRORS)
 @router.post("/infer", response_model=InferResponse, responses=_ERRORS, include_in_schema=False)
-async def infer(batch: InferBatch, engine: EngineDep) -> InferResponse:
+async def infer(
+    batch: InferBatch, engine: EngineDep, state: StateDep, request: Request
+) -> InferResponse | Response:
     """Results in request order: `results[i].index == first_index + i`; an empty batch never reaches the engine."""
     started = time.perf_counter()
     if not batch.infer_requests:
         return InferResponse(
             results=[], weight_version=engine.weight_version, timing=Timing(total_s=0.0, engine_s=0.0)
         )
-    results = check_results(batch, await engine.generate(batch))
+    samples = len(batch.infer_requests) * batch.request_config.n
+    metrics = state.metrics
+    metrics.calls_in_flight.inc()
+    metrics.samples_in_flight.inc(samples)
+    try:
+        generated = await _unless_disconnected(batch, engine, request, state)
+    finally:
+        metrics.calls_in_flight.dec()
+        metrics.samples_in_flight.dec(samples)
+    if generated is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; keeps the access log honest
+    results = check_results(batch, generated)
+    metrics.infer_done(results)
     engine_s = time.perf_counter() - started
     logger.debug("infer: %d requests from index %d in %.3f s", len(results), batch.first_index, engine_s)
     return InferResponse(
@@ -38,3 +55,43 @@ async def infer(batch: InferBatch, engine: EngineDep) -> InferResponse:
         weight_version=engine.weight_version,
         timing=Timing(total_s=time.perf_counter() - started, engine_s=engine_s),
     )
+
+
+CLIENT_CLOSED_REQUEST = 499
+"""Status logged for an `/infer/` whose client went away (nginx's convention; never read by the client)."""
+
+
+async def _unless_disconnected(
+    batch: InferBatch, engine: Engine, request: Request, state: ServerState
+) -> list[InferResult] | None:
+    """Generates `batch`, or returns None when the client disconnects first: then it cancels the generation,
+    which aborts the engine's requests (vLLM aborts a request whose output stream is closed), so a client that gave up stops
+    costing at once instead of after its whole batch. A cancelled handler (graceful-shutdown timeout) cancels
+    the generation the same way."""
+    task = asyncio.ensure_future(engine.generate(batch))
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        state.metrics.disconnects.inc()
+        logger.warning(
+            "infer: client %s went away; %d requests from index %d aborted",
+            request.client.host if request.client else "?",
+            len(batch.infer_requests),
+            batch.first_index,
+        )
+        return None
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already, so `receive` only waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

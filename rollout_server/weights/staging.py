@@ -92,6 +92,10 @@ class _Pending:
     """Pool files holding this sync's HTTP bodies (recycled after a successful commit, else removed)."""
     receive_s: float = 0.0
     """Seconds spent taking buckets in (body or file read, header check)."""
+    began: float = 0.0
+    """Clock reading at begin (for the sync's duration)."""
+    transport: str = "http"
+    """How the buckets arrived: `http`, or `shm` once a bucket came as a file (collective: the group's backend)."""
     collective: Rendezvous | None = None
     """Collective transport: the group the buckets are broadcast over (no HTTP/shm buckets then)."""
     receiving: asyncio.Task[None] | None = None
@@ -234,11 +238,18 @@ class SyncStaging:
         shm_dir: staging directory for same-host bucket files; None disables the shm transport.
         default_timeout_s: idle seconds after which a staged sync is discarded.
         clock: monotonic clock (injectable for tests).
+        on_finish: called once per sync that ends (`metrics.ServerMetrics.sync_finished`'s keywords: mode,
+            transport, outcome, nbytes, seconds).
     """
 
     def __init__(
-        self, shm_dir: Path | None, default_timeout_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        shm_dir: Path | None,
+        default_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_finish: Callable[..., None] | None = None,
     ) -> None:
+        self._on_finish = on_finish
         self._shm_dir = shm_dir
         self._default_timeout_s = default_timeout_s
         self._clock = clock
@@ -246,6 +257,8 @@ class SyncStaging:
         self._lock = asyncio.Lock()
         self._pool: Path | None = None
         self._spare: list[Path] = []
+        self.applying = False
+        """True while a commit applies an update to the engine (the probe listener's readiness)."""
 
     def _new_file(self, pending: _Pending, index: int) -> Path:
         """A fresh file name in the sync's private directory (created on first use, on the filesystem of
@@ -274,10 +287,20 @@ class SyncStaging:
         pending.owned.add(path)
         return path
 
-    def _finish(self, pending: _Pending, *, recycle: bool) -> None:
-        """Removes a finished sync's files; after a successful commit its pool files become the spares.
+    def _finish(self, pending: _Pending, *, outcome: str) -> None:
+        """Ends a sync: removes its files (after a commit its pool files become the spares) and reports its
+        `outcome` (`committed`, `rejected`, `aborted`, `expired`, `superseded`, `failed`, `closed`).
         A collective receive still running is cancelled here (its engine drops the group when the learner's
         side goes quiet past the group's timeout; the next sync joins a new one)."""
+        recycle = outcome == "committed"
+        if self._on_finish is not None and outcome != "closed":
+            self._on_finish(
+                mode=pending.manifest.mode,
+                transport=pending.collective.backend if pending.collective else pending.transport,
+                outcome=outcome,
+                nbytes=pending.manifest.nbytes,
+                seconds=self._clock() - pending.began,
+            )
         if pending.receiving is not None and not pending.receiving.done():
             pending.receiving.cancel()
         if pending.dir is not None:
@@ -294,7 +317,7 @@ class SyncStaging:
     def close(self) -> None:
         """Drops the staged sync and every staging file (server shutdown)."""
         if self._pending is not None:
-            self._finish(self._pending, recycle=False)
+            self._finish(self._pending, outcome="closed")
             self._pending = None
         self._spare = []
         if self._pool is not None:
@@ -316,7 +339,7 @@ class SyncStaging:
                 pending.manifest.version,
                 pending.timeout_s,
             )
-            self._finish(pending, recycle=False)
+            self._finish(pending, outcome="expired")
             self._pending = None
 
     def _get(self, sync_id: str) -> _Pending:
@@ -330,10 +353,10 @@ class SyncStaging:
         pending.deadline = self._clock() + pending.timeout_s
         return pending
 
-    def _discard(self, pending: _Pending, reason: str) -> None:
+    def _discard(self, pending: _Pending, reason: str, outcome: str) -> None:
         if self._pending is pending:
             self._pending = None
-            self._finish(pending, recycle=False)
+            self._finish(pending, outcome=outcome)
             logger.warning("sync %s discarded: %s", pending.sync_id, reason)
 
     async def begin(self, request: SyncBeginRequest, engine: Engine) -> SyncBeginResponse:
@@ -349,13 +372,14 @@ class SyncStaging:
             )
             rendezvous = _rendezvous(request, engine)
             if self._pending is not None:
-                self._discard(self._pending, "superseded by a new begin")
+                self._discard(self._pending, "superseded by a new begin", "superseded")
             timeout_s = request.timeout_s or self._default_timeout_s
             pending = _Pending(
                 sync_id=secrets.token_hex(16),
                 manifest=manifest,
                 timeout_s=timeout_s,
                 deadline=self._clock() + timeout_s,
+                began=self._clock(),
                 collective=rendezvous,
             )
             joining = False
@@ -433,6 +457,7 @@ class SyncStaging:
                 )
             pending = self._get(sync_id)
             self._check_index(pending, index)
+            pending.transport = "shm"
             started = time.perf_counter()
             path = self._new_file(pending, index)
             try:
@@ -464,7 +489,7 @@ class SyncStaging:
         except BucketMismatchError as exc:
             path.unlink(missing_ok=True)
             pending.owned.discard(path)
-            self._discard(pending, f"bucket {index} rejected")
+            self._discard(pending, f"bucket {index} rejected", "rejected")
             raise SyncValidationError(
                 f"{exc}; sync {pending.sync_id} discarded, begin again", type="bucket_mismatch"
             ) from exc
@@ -500,7 +525,7 @@ class SyncStaging:
                 if i not in pending.buckets and pending.collective is None
             ]
             if missing:
-                self._finish(pending, recycle=False)
+                self._finish(pending, outcome="rejected")
                 logger.warning("sync %s discarded at commit: buckets %s missing", sync_id, missing)
                 raise SyncValidationError(
                     f"sync {sync_id} is missing buckets {missing[:10]} of {len(manifest.buckets)}; nothing"
@@ -509,7 +534,7 @@ class SyncStaging:
                     detail={"missing": missing[:100]},
                 )
             if manifest.version <= engine.weight_version:
-                self._finish(pending, recycle=False)
+                self._finish(pending, outcome="rejected")
                 raise StaleVersionError(
                     f"sync version {manifest.version} <= current weight_version {engine.weight_version}"
                     " (another sync committed first); nothing applied"
@@ -522,7 +547,11 @@ class SyncStaging:
                     if pending.collective is not None
                     else await asyncio.to_thread(_staged_update, manifest, pending.buckets)
                 )
-                await engine.apply_update(update)
+                self.applying = True
+                try:
+                    await engine.apply_update(update)
+                finally:
+                    self.applying = False
                 applied = True
             except RolloutServerError:
                 raise
@@ -534,7 +563,7 @@ class SyncStaging:
                 ) from exc
             finally:
                 # Applied: the workers have loaded and dropped their mappings, so the pool files may be reused.
-                self._finish(pending, recycle=applied)
+                self._finish(pending, outcome="committed" if applied else "failed")
             apply_s = time.perf_counter() - started
             logger.info(
                 "sync %s committed: version %d (%s) in %.2f s",
@@ -562,7 +591,7 @@ class SyncStaging:
         try:
             await asyncio.wait_for(asyncio.shield(pending.receiving), pending.collective.timeout_s)
         except Exception as exc:
-            self._finish(pending, recycle=False)
+            self._finish(pending, outcome="failed")
             reason = (
                 f"not every broadcast arrived within {pending.collective.timeout_s:.0f} s"
                 if isinstance(exc, TimeoutError)
@@ -580,7 +609,7 @@ class SyncStaging:
         async with self._lock:
             pending = self._pending
             if pending is not None and secrets.compare_digest(pending.sync_id, sync_id):
-                self._discard(pending, "aborted by the client")
+                self._discard(pending, "aborted by the client", "aborted")
                 return SyncAbortResponse(sync_id=sync_id, aborted=True)
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
 

@@ -57,10 +57,10 @@ def test_healthcheck_and_start_order(compose: dict) -> None:
     server = compose["services"]["rollout-server"]
     test = server["healthcheck"]["test"]
     assert test[:3] == ["CMD", "curl", "-f"]
-    match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/health", test[3])
+    match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/health/ready", test[3])
     assert match, test
     cfg = load_server_config(_default_config(compose), overrides={"model": str(REPO)})
-    assert int(match.group(1)) == cfg.port, "healthcheck port must be server.port of the default config"
+    assert int(match.group(1)) == cfg.health_port, "healthcheck port must be server.health_port of the config"
     # The container sees its reserved GPUs renumbered from 0.
     assert cfg.gpus == tuple(range(len(_devices(server))))
     assert compose["services"]["learner"]["depends_on"] == {

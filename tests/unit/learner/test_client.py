@@ -562,6 +562,7 @@ def test_flat_bucket_is_the_tensor_bytes_back_to_back() -> None:
     parts = bucket_parts([raw_tensor(n, t) for n, t in items.items()])
     flat = flat_bucket(parts, 3 * 2 + 4 * 4)
     assert flat.dtype == torch.uint8 and flat[:6].view(torch.bfloat16).tolist() == [0.0, 1.0, 2.0]
-    assert flat[6:].clone().view(torch.float32).tolist() == [1.0] * 4  # unaligned: receivers copy such a tensor
+    # Unaligned for float32 at byte 6: receivers copy such a tensor (`receive_buckets`).
+    assert flat[6:].clone().view(torch.float32).tolist() == [1.0] * 4
     with pytest.raises(SyncError, match="manifest says 99"):
         flat_bucket(parts, 99)

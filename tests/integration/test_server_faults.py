@@ -1,0 +1,107 @@
+"""Server-side faults against real server processes: a client that goes away mid-`/infer/`, SIGTERM during a
+generation and during a sync.
+
+- a disconnected `/infer/` client: the vLLM requests are aborted (the server is idle again long before the
+  batch could have finished; counted in `rollmatch_infer_disconnects_total`), and the server keeps serving;
+- SIGTERM while a generation runs (HF server): the running request is answered (drain), new connections are
+  refused, the process exits 0;
+- SIGTERM during a staged sync: exit 0, and the sync's staging files are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import ServerProcess
+from tests.integration.learner_fixtures import start_server
+from tests.integration.vllm_helpers import checkpoint_tensors, encode_tensors
+
+pytestmark = pytest.mark.integration
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def generation(n_prompts: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "infer_requests": [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(n_prompts)],
+        "request_config": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0},
+    }
+
+
+def test_a_client_that_goes_away_stops_costing(vllm_server: ServerProcess) -> None:
+    url = vllm_server.base_url
+    prompts, short, long = 64, 128, 2000  # the session server's max_model_len is 2048
+    started = time.monotonic()
+    assert httpx.post(f"{url}/infer/", json=generation(prompts, short), timeout=300).status_code == 200
+    full_s = (time.monotonic() - started) * long / short  # what the long batch would take (lower bound)
+    disconnects = metric(url, "rollmatch_infer_disconnects_total")
+    patience = min(1.0, full_s / 8)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/infer/", json=generation(prompts, long), timeout=httpx.Timeout(60, read=patience))
+    gone = time.monotonic()
+    while metric(url, "rollmatch_infer_samples_in_flight") > 0:
+        assert time.monotonic() - gone < full_s / 4, (
+            f"the batch kept generating (a full run: ~{full_s:.1f} s)"
+        )
+        time.sleep(0.05)
+    assert metric(url, "rollmatch_infer_disconnects_total") == disconnects + 1
+    assert httpx.post(f"{url}/infer/", json=generation(2, 4), timeout=60).status_code == 200
+
+
+def test_sigterm_during_a_generation_drains_it_and_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
+    try:
+        answers: list[httpx.Response] = []
+        thread = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(f"{server.base_url}/infer/", json=generation(8, 300), timeout=120)
+            )
+        )
+        thread.start()
+        deadline = time.monotonic() + 30
+        while metric(server.base_url, "rollmatch_infer_calls_in_flight") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        thread.join(60)
+        assert [a.status_code for a in answers] == [200]  # the in-flight request was answered
+        assert len(answers[0].json()["results"]) == 8
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.base_url}/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_sigterm_during_a_sync_exits_0_and_removes_its_files(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
+    pools_before = set(Path("/dev/shm").glob("rollmatch-sync-pool-*")) if os.path.isdir("/dev/shm") else set()
+    try:
+        buckets, blobs = encode_tensors(checkpoint_tensors(tiny_model_dir), 1 << 16)
+        begin = httpx.post(
+            f"{server.base_url}/sync_weights/begin",
+            json={"manifest": {"mode": "full", "version": 1, "buckets": buckets}},
+            timeout=30,
+        )
+        sync_id = begin.json()["sync_id"]
+        ack = httpx.put(f"{server.base_url}/sync_weights/{sync_id}/buckets/0", content=blobs[0], timeout=30)
+        assert ack.status_code == 200
+        assert set(Path("/dev/shm").glob("rollmatch-sync-pool-*")) - pools_before, "the body is staged"
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    assert set(Path("/dev/shm").glob("rollmatch-sync-pool-*")) - pools_before == set()
+    assert not any(server.shm_dir.glob(".rollmatch-staged-*")) if server.shm_dir.exists() else True

@@ -1,0 +1,105 @@
+"""The probe listener (`server.health_port`): liveness and readiness on a thread of its own, answering while the
+event loop is blocked (a real uvicorn server in a thread, a fake engine whose generation blocks the loop)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from rollout_server.app import create_app
+from rollout_server.config import ServerConfig
+from rollout_server.health_listener import HealthListener, HealthSnapshot
+from shared_schemas.health import Health
+from shared_schemas.infer import InferBatch, InferResult
+from tests.unit.rollout_server.fakes import FakeEngine
+
+BLOCK_S = 2.0
+
+
+def _health(status: str = "ok") -> Health:
+    return Health(
+        status=status, engine="vllm", model="m", weight_version=3, dp=1, tp=1, lora_enabled=False,
+        max_model_len=64, uptime_s=1.0,
+    )  # fmt: skip
+
+
+def test_answers_from_the_snapshot_only() -> None:
+    listener = HealthListener("127.0.0.1", 0, time.monotonic())
+    try:
+        assert listener.answer("/health/live")[0] == 200
+        assert (
+            listener.answer("/health/ready")[0] == 503 and listener.answer("/health")[0] == 503
+        )  # no snapshot
+        listener.snapshot = HealthSnapshot(_health(), applying=False, taken_at=time.monotonic())
+        assert listener.answer("/health/ready") == (200, _health().model_dump(mode="json"))
+        assert listener.answer("/health?x=1")[0] == 200
+        listener.snapshot = HealthSnapshot(_health(), applying=True, taken_at=time.monotonic())
+        status, body = listener.answer("/health/ready")
+        assert status == 503 and "being applied" in body["detail"]
+        assert listener.answer("/health")[0] == 200  # /health keeps the main port's meaning: engine ok
+        listener.snapshot = HealthSnapshot(_health("loading"), applying=False, taken_at=time.monotonic())
+        assert listener.answer("/health/ready")[0] == 503
+        status, body = listener.answer("/nope")
+        assert status == 404 and body["error"]["type"] == "not_found"
+    finally:
+        listener.stop()
+
+
+class LoopBlockingEngine(FakeEngine):
+    """Generation that holds the event loop (what native code without an await does)."""
+
+    async def generate(self, batch: InferBatch) -> list[InferResult]:
+        time.sleep(BLOCK_S)
+        return await super().generate(batch)
+
+
+@pytest.fixture()
+def served(cfg: ServerConfig) -> Iterator[tuple[str, str]]:
+    listener = HealthListener("127.0.0.1", 0, time.monotonic())
+    listener.start()
+    app = create_app(cfg, LoopBlockingEngine(), health_listener=listener)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{listener.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        listener.stop()
+
+
+def test_probes_answer_while_the_event_loop_is_blocked(served: tuple[str, str]) -> None:
+    main, probes = served
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{probes}/health/ready").status_code != 200:  # first snapshot
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    body: dict[str, Any] = {
+        "infer_requests": [{"prompt_token_ids": [1, 2]}],
+        "request_config": {"max_tokens": 2},
+    }
+    blocker = threading.Thread(target=lambda: httpx.post(f"{main}/infer/", json=body, timeout=30))
+    blocker.start()
+    time.sleep(0.3)  # the loop is inside the blocking generation now
+    started = time.monotonic()
+    live = httpx.get(f"{probes}/health/live", timeout=5)
+    ready = httpx.get(f"{probes}/health/ready", timeout=5)
+    probe_s = time.monotonic() - started
+    started = time.monotonic()
+    assert httpx.get(f"{main}/health", timeout=30).status_code == 200
+    main_s = time.monotonic() - started
+    blocker.join()
+    assert live.status_code == 200 and live.json()["status"] == "alive" and ready.status_code == 200
+    assert live.json()["snapshot_age_s"] > 0.1  # the loop has not refreshed it: it is busy
+    assert probe_s < 0.5 * BLOCK_S < main_s  # the main port waited for the loop, the listener did not
