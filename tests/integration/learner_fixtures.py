@@ -98,6 +98,7 @@ def start_server(
     max_model_len: int = SERVER_MAX_MODEL_LEN,
     enable_lora: bool = False,
     deadline_s: float = 240.0,
+    sync_timeout_s: float = 600.0,
 ) -> RolloutServer:
     """Starts a rollout server (float32, seed 0, eager, 1 GiB KV cache) and waits until `/health` is ok.
 
@@ -110,7 +111,7 @@ def start_server(
     cfg = tmp / "server.yaml"
     cfg.write_text(
         f"server:\n  model: {model_dir}\n  backend: {backend}\n  dtype: float32\n  seed: 0\n  port: {port}\n"
-        f"  shm_dir: {shm}\n  hf: {{batch_size: 8}}\n"
+        f"  shm_dir: {shm}\n  sync_timeout_s: {sync_timeout_s}\n  hf: {{batch_size: 8}}\n"
         f"  vllm: {{max_model_len: {max_model_len}, enforce_eager: true, enable_prefix_caching: true,"
         f" enable_lora: {str(enable_lora).lower()}, max_num_seqs: 32, kv_cache_space_gb: 1}}\n"
     )

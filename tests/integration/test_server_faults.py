@@ -5,7 +5,12 @@ generation and during a sync.
   batch could have finished; counted in `rollmatch_infer_disconnects_total`), and the server keeps serving;
 - SIGTERM while a generation runs (HF server): the running request is answered (drain), new connections are
   refused, the process exits 0;
-- SIGTERM during a staged sync: exit 0, and the sync's staging files are gone.
+- SIGTERM during a staged sync: exit 0, and the sync's staging files are gone;
+- a learner SIGKILLed mid-sync: nothing applied, the abandoned sync expires and frees its staging, the next
+  sync works.
+
+Killing a learner in the middle of a collective (gloo) sync is `test_vllm_sync.py`'s
+`test_collective_sync_whose_learner_goes_silent_changes_nothing`.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ pytestmark = pytest.mark.integration
 
 
 def metric(base_url: str, name: str) -> float:
+    """The sum of the series `name` over its labels (0 before any label set has been seen)."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def generation(n_prompts: int, max_tokens: int) -> dict[str, Any]:
@@ -105,3 +111,65 @@ def test_sigterm_during_a_sync_exits_0_and_removes_its_files(tiny_model_dir: Pat
         server.stop()
     assert set(Path("/dev/shm").glob("rollmatch-sync-pool-*")) - pools_before == set()
     assert not any(server.shm_dir.glob(".rollmatch-staged-*")) if server.shm_dir.exists() else True
+
+
+LEARNER_DIES_MID_SYNC = """
+import os, signal, sys
+import httpx
+sys.path.insert(0, {repo!r})
+from tests.integration.vllm_helpers import checkpoint_tensors, encode_tensors
+buckets, blobs = encode_tensors(checkpoint_tensors({model!r}), 1 << 16)
+url = {url!r}
+begin = httpx.post(url + "/sync_weights/begin", json={{"manifest": {{"mode": "full", "version": {version},
+    "buckets": buckets}}}}, timeout=30).json()
+assert httpx.put(f"{{url}}/sync_weights/{{begin['sync_id']}}/buckets/0", content=blobs[0], timeout=30).status_code == 200
+print("staged", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_learner_killed_mid_sync_changes_nothing_and_its_sync_expires(
+    tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path
+) -> None:
+    """A learner process SIGKILLed after its first bucket: nothing applied, the version unchanged, the abandoned
+    sync expires (`server.sync_timeout_s`) and frees its staging, and the next learner's sync works."""
+    import subprocess
+    import sys
+
+    from tests.integration.learner_fixtures import REPO
+
+    server = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512, sync_timeout_s=2.0)
+    pools_before = set(Path("/dev/shm").glob("rollmatch-sync-pool-*"))
+    try:
+        before = httpx.post(f"{server.base_url}/infer/", json=generation(2, 8), timeout=60).json()
+        script = LEARNER_DIES_MID_SYNC.format(
+            repo=str(REPO), model=str(tiny_model_dir_seed1), url=server.base_url, version=1
+        )
+        learner = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert learner.returncode == -signal.SIGKILL and "staged" in learner.stdout, learner.stderr[-2000:]
+        assert server.weight_version() == 0
+        deadline = time.monotonic() + 30
+        while metric(server.base_url, "rollmatch_weight_syncs_total") < 1:  # expired, counted
+            assert time.monotonic() < deadline, "the abandoned sync never expired"
+            time.sleep(0.2)
+        assert 'outcome="expired"' in httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        assert not list(
+            next(iter(set(Path("/dev/shm").glob("rollmatch-sync-pool-*")) - pools_before)).iterdir()
+        )
+        after = httpx.post(f"{server.base_url}/infer/", json=generation(2, 8), timeout=60).json()
+        assert [r["choices"] for r in after["results"]] == [r["choices"] for r in before["results"]]
+        buckets, blobs = encode_tensors(checkpoint_tensors(tiny_model_dir_seed1), 1 << 16)
+        sync_id = httpx.post(
+            f"{server.base_url}/sync_weights/begin",
+            json={"manifest": {"mode": "full", "version": 1, "buckets": buckets}},
+            timeout=30,
+        ).json()["sync_id"]
+        for index, blob in enumerate(blobs):
+            put = httpx.put(
+                f"{server.base_url}/sync_weights/{sync_id}/buckets/{index}", content=blob, timeout=30
+            )
+            assert put.status_code == 200
+        commit = httpx.post(f"{server.base_url}/sync_weights/commit", json={"sync_id": sync_id}, timeout=60)
+        assert commit.status_code == 200 and server.weight_version() == 1
+    finally:
+        server.stop()
