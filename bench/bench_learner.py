@@ -138,16 +138,32 @@ def summarize(
     }
 
 
-def run_learner(config: Path, out: Path) -> dict[str, Any]:
+def build_demo_assets() -> None:
+    """The demo's tiny models and data set (the builders skip what is already there)."""
+    py = repo_python(REPO)
+    for script, dest in (
+        ("build_tiny_models.py", ".cache/models"),
+        ("build_demo_data.py", ".cache/data/demo"),
+    ):
+        subprocess.run(
+            [py, f"scripts/{script}", "--out", dest], cwd=REPO, check=True, stdout=subprocess.DEVNULL
+        )
+
+
+def run_learner(
+    config: Path, out: Path, *, prefix: list[str] | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Runs `python -m learner --config config` (under `prefix`, e.g. `taskset -c 1`, with `env` added)."""
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     log = out.parent / f"{out.name}.log"
     with log.open("w") as fh:
         rc = subprocess.run(
-            [sys.executable, "-m", "learner", "--config", str(config)],
+            [*(prefix or []), sys.executable, "-m", "learner", "--config", str(config)],
             cwd=REPO,
             stdout=fh,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         ).returncode
     if rc != 0:
         raise RuntimeError(f"python -m learner --config {config} exited with {rc}; see {log}")
@@ -175,14 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    py = repo_python(REPO)
-    for script, dest in (
-        ("build_tiny_models.py", ".cache/models"),
-        ("build_demo_data.py", ".cache/data/demo"),
-    ):
-        subprocess.run(
-            [py, f"scripts/{script}", "--out", dest], cwd=REPO, check=True, stdout=subprocess.DEVNULL
-        )
+    build_demo_assets()
 
     port = free_port()
     base, configs = write_configs(out, port, args.max_steps, [1, args.m_steps], args.rollout)

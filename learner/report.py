@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["load_metrics", "write_report"]
 
 TIME_KEYS = (
-    "time/rollout_generate_s",
+    "time/rollout_wait_s",
     "time/weight_sync_s",
     "time/rollout_parse_match_s",
     "time/post_rollout_pack_s",
@@ -79,15 +79,7 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
     ax.set_title("parse-valid rate")
     ax.legend()
 
-    ax = axes[3]
-    steps = [r["step"] for r in records if r.get("time/forward_s") is not None]
-    bottom = [0.0] * len(steps)
-    for key in TIME_KEYS:
-        vals = [float(r.get(key) or 0.0) for r in records if r.get("time/forward_s") is not None]
-        ax.bar(steps, vals, bottom=bottom, label=key.removeprefix("time/"), width=1.0)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set_title("step-time split (s)")
-    ax.legend(fontsize=7)
+    _step_time_panel(axes[3], records)
 
     ax = axes[4]
     xs, ys = _series(records, "packing/post_rollout_fill")
@@ -102,6 +94,32 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def _step_time_panel(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Stacked: what each step blocked on (rollout wait, sync, stage-2 host work, forward, backward). Lines: the
+    rollout generation itself and the wall time per step. Synchronous runs wait for the whole generation; with
+    `rollout.async` the generation runs during the previous step's training, so its line rises above the wait."""
+    trained = [r for r in records if r.get("time/forward_s") is not None]
+    steps = [r["step"] for r in trained]
+    bottom = [0.0] * len(steps)
+    for key in TIME_KEYS:
+        # Metrics written before `time/rollout_wait_s` existed: the generation was the wait.
+        fallback = "time/rollout_generate_s" if key == "time/rollout_wait_s" else key
+        vals = [float(r.get(key, r.get(fallback)) or 0.0) for r in trained]
+        ax.bar(steps, vals, bottom=bottom, label=key.removeprefix("time/"), width=1.0)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.plot(steps, [float(r.get("time/rollout_generate_s") or 0.0) for r in trained], "k.-", lw=1,
+            label="rollout_generate_s")  # fmt: skip
+    walls = [(r["step"], float(r["wall_s"])) for r in trained if r.get("wall_s") is not None]
+    if len(walls) > 1:
+        per_step = [b - a for (_, a), (_, b) in zip(walls[:-1], walls[1:], strict=True)]
+        ax.plot([s for s, _ in walls[1:]], per_step, "r-", lw=1, label="wall per step")
+    overlapped = any(float(r.get("rollout/prefetched") or 0.0) > 0 for r in trained)
+    ax.set_title(
+        "step-time split (s)" + (": rollouts overlap training (rollout.async)" if overlapped else "")
+    )
+    ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -321,3 +321,11 @@ def test_learner_config_is_consumable(server_raw: dict[str, Any]) -> None:
     assert cfg["rollout"]["sync"]["mode"] == "full"
     learner_config = pytest.importorskip("learner.config")
     learner_config.RunConfig.model_validate(cfg)
+
+
+def test_async_rollouts_are_refused_for_grpo_naming_the_key(server_raw: dict[str, Any]) -> None:
+    server_raw["rollout"]["async"] = {"enabled": True}
+    with pytest.raises(ConfigError, match=r"^rollout\.async\.enabled: .*GRPO.*set rollout\.async\.enabled: false"):
+        validate_grpo_run(server_raw, REPO_ROOT)
+    server_raw["rollout"]["async"] = {"enabled": False}
+    validate_grpo_run(server_raw, REPO_ROOT)
