@@ -102,11 +102,14 @@ def running(cmd: list[str], health_url: str, log: Path, deadline_s: float = 600)
                 proc.wait(30)
 
 
-def ours(model: Path, tmp: Path, name: str, **vllm: Any) -> tuple[list[str], str, Path]:
-    """Command, base URL and shm dir of a rollout server on `model`."""
+def ours(
+    model: Path, tmp: Path, name: str, server: dict[str, Any] | None = None, **vllm: Any
+) -> tuple[list[str], str, Path]:
+    """Command, base URL and shm dir of a rollout server on `model` (`server`: more `server:` keys)."""
     port = free_port()
     shm = tmp / f"{name}-shm"
     section = {
+        **(server or {}),
         "port": port,
         "model": str(model),
         "dtype": ENGINE["dtype"],
