@@ -14,6 +14,8 @@ Runs are assembled by `build_run` (the code path of `python -m learner`) on the 
    window again and trains exactly the remaining samples (none skipped or repeated).
 4. A server killed during a background request fails the step that needed it with the synchronous run's error
    (`InferFailed` naming the server), fast, with no hang.
+5. Two learner ranks (`scripts/start_learner.sh --nproc 2`, gloo): each rank requests its own windows in the
+   background, rank 0 alone syncs, staleness stays within the bound on every rank.
 
 Engines: the session's shared seed-0 vLLM server (weights restored after each test) and one cheap HF-backend
 server for the kill test.
@@ -21,17 +23,22 @@ server for the kill test.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from typing import Any
 
 import pytest
+import yaml
 from transformers import TrainerCallback
 
 from learner.config import RunConfig
-from tests.integration.learner_fixtures import demo_data_fixture  # noqa: F401 - fixture
+from tests.integration.learner_fixtures import REPO, demo_data_fixture  # noqa: F401 - fixture
 from tests.integration.test_learner_loop import (  # noqa: F401 - fixtures
     Recorded,
     build_recorded,
     restores_seed0,
+    served_version,
     server_cfg,
     train_until_server_killed,
 )
@@ -207,3 +214,42 @@ def test_server_killed_during_prefetch_fails_like_a_synchronous_rollout(tiny_mod
     assert failed_after < 20  # no hang: raised by step 1 as soon as it needs the window
     assert url in str(info.value)
     assert rec.trainer.state.global_step == 1
+
+
+# -- 5. two learner ranks (torchrun, gloo) ---------------------------------------------------------------------
+@pytest.mark.usefixtures("restores_seed0")
+def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
+    tiny_model_dir, demo_data, vllm_server, tmp_path
+):
+    cfg = server_cfg(
+        tiny_model_dir, demo_data, tmp_path / "run", [vllm_server], training={"max_steps": 3}, rollout=ASYNC
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    before = served_version(vllm_server)
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "WORLD_SIZE"}
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "start_learner.sh"), "--config", str(config), "--nproc", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    steps = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # Metrics are summed over ranks: 2 x 4 samples per step, from step 1 on all from the background requests.
+    assert [s["rollout/samples"] for s in steps] == [8.0] * 3
+    assert [s["rollout/prefetched"] for s in steps] == [0.0, 8.0, 8.0]
+    assert [s["rollout/staleness_max"] for s in steps] == [0.0, 1.0, 1.0]
+    assert all(s["rollout/regenerated"] == 0.0 for s in steps)
+    # Rank 0 alone syncs, once per step that a later window needs (steps 0 and 1).
+    sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
+    assert len(sync_lines) == 2 and all("[rank0]" in line for line in sync_lines), sync_lines
+    assert served_version(vllm_server) == before + 2
