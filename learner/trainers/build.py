@@ -258,6 +258,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         endpoints=source.endpoints,
         max_staleness=cfg.rollout.async_.max_staleness,
         wait_timeout_s=cfg.rollout.async_wait_timeout_s,
+        agree=(lambda stale: not all_ranks_ok(not stale)) if args.world_size > 1 else (lambda stale: stale),
     )
     trainer = RolloutMatchingTrainer(
         planner=planner,

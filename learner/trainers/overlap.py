@@ -118,6 +118,8 @@ class RolloutOverlap:
         max_staleness: `rollout.async.max_staleness`.
         wait_timeout_s: limit of one wait for a background result.
         ledger: weight version → step of this run's syncs (the trainer records every sync).
+        agree: with several learner ranks, an all-reduce OR of a flag (every rank calls it once per `fetch` of a
+            background result); the default is a single process.
     """
 
     def __init__(
@@ -128,8 +130,10 @@ class RolloutOverlap:
         max_staleness: int = 1,
         wait_timeout_s: float = 960.0,
         ledger: VersionLedger | None = None,
+        agree: Callable[[bool], bool] = lambda flag: flag,
     ) -> None:
         self._infer = infer
+        self._agree = agree
         self.endpoints = tuple(endpoints)
         self.max_staleness = max_staleness
         self.wait_timeout_s = wait_timeout_s
@@ -155,7 +159,7 @@ class RolloutOverlap:
         if self._pending is not None:
             raise RuntimeError(
                 f"a background rollout for step {self._pending.target_step} is still outstanding; "
-                "fetch it before launching the one of step {target_step}"
+                f"fetch it before launching the one of step {target_step}"
             )
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
@@ -170,28 +174,40 @@ class RolloutOverlap:
             RolloutWaitTimeout: the background request was not back within `wait_timeout_s`.
             Exception: whatever the rollout call raised (server errors name the server).
         """
-        pending = self._take(batch, step)
+        pending, self._pending = self._pending, None
         if pending is None:
             sync_s = sync()
             results, generate_s = self._generate(batch)
             lags = [max(self.ledger.staleness(r, step) or 0, 0) for r in results]
             return Rollouts(results, lags, generate_s=generate_s, wait_s=generate_s, sync_s=sync_s)
         started = time.perf_counter()
-        results, generate_s = self._wait(pending)
-        wait_s = time.perf_counter() - started
-        lags = [self.ledger.staleness(r, step) for r in results]
-        stale = [i for i, lag in enumerate(lags) if lag is None or lag < 0 or lag > self.max_staleness]
-        sync_s = 0.0
-        if stale:
+        n = len(batch.infer_requests)
+        if pending.target_step == step and _same_requests(pending.batch, batch):
+            got, generate_s = self._wait(pending)
+            results: list[InferResult | None] = list(got)
+            lags = [self.ledger.staleness(r, step) for r in got]
+            stale = [i for i, lag in enumerate(lags) if lag is None or lag < 0 or lag > self.max_staleness]
+        else:
+            pending.future.cancel()
             logger.warning(
-                "step %d: %d of %d background rollouts lag more than rollout.async.max_staleness=%d steps "
-                "(weight versions %s); regenerating them",
+                "background rollout for step %d does not answer step %d's requests; generating them now",
+                pending.target_step,
                 step,
-                len(stale),
-                len(results),
-                self.max_staleness,
-                sorted({results[i].weight_version for i in stale}),
             )
+            results, lags, stale, generate_s = [None] * n, [None] * n, list(range(n)), 0.0
+        wait_s = time.perf_counter() - started
+        sync_s = 0.0
+        # Collective with several ranks: when any rank regenerates, every rank meets in this step's sync first.
+        if self._agree(bool(stale)):
+            if stale:
+                logger.warning(
+                    "step %d: %d of %d background rollouts lag more than rollout.async.max_staleness=%d steps; "
+                    "regenerating them",
+                    step,
+                    len(stale),
+                    n,
+                    self.max_staleness,
+                )
             started = time.perf_counter()
             sync_s = sync()
             for start, stop in _runs(stale):
@@ -201,12 +217,12 @@ class RolloutOverlap:
                 lags[start:stop] = [max(self.ledger.staleness(r, step) or 0, 0) for r in fresh]
             wait_s += time.perf_counter() - started - sync_s
         return Rollouts(
-            results,
+            [r for r in results if r is not None],
             [int(lag or 0) for lag in lags],
             generate_s=generate_s,
             wait_s=wait_s,
             sync_s=sync_s,
-            prefetched=len(results) - len(stale),
+            prefetched=n - len(stale),
             regenerated=len(stale),
         )
 
@@ -229,20 +245,6 @@ class RolloutOverlap:
         started = time.perf_counter()
         results = list(self._infer(batch))
         return results, time.perf_counter() - started
-
-    def _take(self, batch: InferBatch, step: int) -> _Pending | None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        if pending.target_step == step and _same_requests(pending.batch, batch):
-            return pending
-        pending.future.cancel()
-        logger.warning(
-            "background rollout for step %d does not answer step %d's requests; generating them now",
-            pending.target_step,
-            step,
-        )
-        return None
 
     def _wait(self, pending: _Pending) -> tuple[list[InferResult], float]:
         try:

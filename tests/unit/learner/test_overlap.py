@@ -177,3 +177,21 @@ def test_lookahead_hands_back_peeked_windows_in_order():
     # A new epoch iterator starts clean.
     other = iter(range(100, 104))
     assert look.next(other, 2) == [100, 101]
+
+
+def test_ranks_agree_on_regenerating_so_every_rank_meets_in_the_sync():
+    server = Server()
+    votes: list[bool] = []
+
+    def other_rank_is_stale(flag: bool) -> bool:  # an all-reduce OR where another rank had a stale result
+        votes.append(flag)
+        return True
+
+    overlap = RolloutOverlap(server.infer, endpoints=["http://s1"], agree=other_rank_is_stale)
+    syncs: list[int] = []
+    _sync(server, overlap, syncs, 0)()
+    overlap.launch(_batch(), 1)
+    out = overlap.fetch(_batch(), 1, _sync(server, overlap, syncs, 1))
+    assert votes == [False]  # this rank had nothing stale...
+    assert syncs == [0, 1] and server.calls == [(0, 4)]  # ...but joins the sync, and regenerates nothing
+    assert out.prefetched == 4 and out.regenerated == 0 and out.staleness == [1] * 4
