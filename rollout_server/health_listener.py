@@ -1,130 +1,204 @@
-"""Probes that never wait behind generation: a small HTTP listener on a thread of its own (`server.health_port`).
+"""Probes that never wait behind generation: a small HTTP listener in a process of its own (`server.health_port`).
 
 The main port's routes run on the asyncio event loop; when the loop is busy (a long prefill's Python side, a
-large request body being parsed, a sync's validation) a probe there waits with them — measured 1–3 s under a
-saturated CPU. This listener answers from its own thread and socket, from a snapshot the event loop refreshes
-(`HealthSnapshot`), so an answer never needs the loop. What it serves (GET only, no auth, like `/health`):
+large request body being parsed, a sync's validation) a probe there waits with it — measured 1–3 s under a
+saturated CPU. A thread in the server process is not enough: it still needs the GIL, and measured with the CPU
+saturated its p99 was no better than the main port's (bench/RESULTS.md). So the listener is a child process
+that imports only the standard library, raises its own scheduling priority when allowed (nice -10), and
+answers from a snapshot FILE the event loop rewrites every 0.2 s (`HealthListener.publish`, atomic rename on
+tmpfs); a probe never needs the server's loop, GIL or memory. It serves (GET only, no auth, like `/health`):
 
 | path | 200 when | body |
 |---|---|---|
-| `/health/live` | the process is up (always, when it answers) | `{"status": "alive", "uptime_s", "snapshot_age_s"}` |
+| `/health/live` | the server process is alive | `{"status": "alive", "uptime_s", "snapshot_age_s"}` |
 | `/health/ready` | the engine is loaded and `ok`, and no weight update is being applied | the `/health` body |
 | `/health`, `/health/` | as the main port's `/health`: the engine is loaded and `ok` | the `/health` body |
 
-Liveness is the process answering; readiness is what the engine can do. `snapshot_age_s` says how long ago
-the event loop last refreshed the snapshot: a growing age with live answers means a stuck loop, which an
-orchestrator may treat as it likes (the listener itself never judges it). Everything else is 404 in the
-DESIGN error envelope.
+Liveness is the server process being alive (the child checks its parent; it exits when the parent is gone);
+readiness is what the engine can do. `snapshot_age_s` says how long ago the event loop last wrote the snapshot:
+a growing age with live answers means a stuck loop, which an orchestrator may act on (the listener never
+judges it). Everything else is 404 in the DESIGN error envelope.
+
+Run as `python -m rollout_server.health_listener --host H --port P --snapshot FILE --parent PID --started T`
+(the server does this; `HealthListener` below is the server's side).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import logging
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
-from shared_schemas.health import Health
+__all__ = ["HealthListener", "answer"]
 
-__all__ = ["HealthListener", "HealthSnapshot"]
-
-logger = logging.getLogger(__name__)
+READY_LINE = "health-listener ready"
 
 
-@dataclass(frozen=True)
-class HealthSnapshot:
-    """What the probes answer from: the `/health` body, whether an update is being applied, and when.
+def answer(
+    path: str, snapshot: dict[str, Any] | None, started: float, now: float
+) -> tuple[int, dict[str, Any]]:
+    """Status and JSON body of one GET (pure).
 
-    Attributes:
-        health: the body the main port's `/health` would return now.
-        applying: True while a weight update is being applied (not ready).
-        taken_at: `time.monotonic()` when the event loop took it.
+    Args:
+        path: the request path (a query string is ignored).
+        snapshot: `{"health": <the /health body>, "applying": bool, "taken_at": monotonic s}`, or None before
+            the first one.
+        started: `time.monotonic()` at server start.
+        now: `time.monotonic()` now.
     """
-
-    health: Health
-    applying: bool
-    taken_at: float
-
-    @property
-    def ready(self) -> bool:
-        """Loaded, healthy and not mid-apply."""
-        return self.health.status == "ok" and not self.applying
+    path = path.split("?", 1)[0]
+    if path == "/health/live":
+        age = round(now - snapshot["taken_at"], 3) if snapshot else None
+        return 200, {"status": "alive", "uptime_s": round(now - started, 3), "snapshot_age_s": age}
+    if path in {"/health", "/health/", "/health/ready"}:
+        if snapshot is None:
+            return 503, {"status": "loading", "detail": "the server is starting"}
+        body = dict(snapshot["health"])
+        healthy = body.get("status") == "ok"
+        if path != "/health/ready":
+            return (200 if healthy else 503), body
+        if snapshot["applying"]:
+            body["detail"] = "a weight update is being applied"
+        return (200 if healthy and not snapshot["applying"] else 503), body
+    return 404, {
+        "error": {
+            "type": "not_found",
+            "message": f"{path} is not served on the health port; use /health/live, /health/ready or /health",
+            "detail": None,
+        }
+    }
 
 
 class HealthListener:
-    """Serves the probes of the table above on `host:port` from a daemon thread.
+    """The server's handle on the listener process: starts it, publishes snapshots, stops it.
 
     Args:
         host: bind address (the server's).
-        port: `server.health_port`.
+        port: `server.health_port` (0: any free port, for tests).
         started: `time.monotonic()` at server start (for `uptime_s`).
     """
 
     def __init__(self, host: str, port: int, started: float) -> None:
-        self._started = started
-        self.snapshot: HealthSnapshot | None = None
-        """Replaced (never mutated) by the event loop; read by the listener thread."""
-        listener = self
+        self._host, self._requested_port, self._started = host, port, started
+        parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._dir = Path(tempfile.mkdtemp(prefix="rollmatch-health-", dir=parent))
+        self.snapshot_path = self._dir / "snapshot.json"
+        self._proc: subprocess.Popen[str] | None = None
+        self.port = port
+        """The bound port (known after `start`)."""
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                status, body = listener.answer(self.path)
-                payload = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Starts the listener process and waits until it is bound (liveness answers while the engine loads).
 
-            def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep quiet
-                return
+        Raises:
+            OSError: the port cannot be bound, or the listener did not come up within `timeout_s`.
+        """
+        self._proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "rollout_server.health_listener", "--host", self._host,
+                "--port", str(self._requested_port), "--snapshot", str(self.snapshot_path),
+                "--parent", str(os.getpid()), "--started", repr(self._started),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self._proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout_s)
+        if not line or not line[0].startswith(READY_LINE):
+            self.stop()
+            raise OSError(
+                f"the health listener on {self._host}:{self._requested_port} did not start (port in use?)"
+            )
+        self.port = int(line[0].split()[-1])
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="health-listener", daemon=True
-        )
-
-    @property
-    def port(self) -> int:
-        """The bound port."""
-        return self._server.server_address[1]
-
-    def start(self) -> None:
-        """Starts answering (before the engine loads: liveness holds during loading)."""
-        self._thread.start()
-        logger.info(
-            "health probes on http://%s:%d/health/{live,ready}", self._server.server_address[0], self.port
-        )
+    def publish(self, health: dict[str, Any], applying: bool) -> None:
+        """Replaces the snapshot the listener answers from (atomic: write, then rename)."""
+        tmp = self.snapshot_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"health": health, "applying": applying, "taken_at": time.monotonic()}))
+        os.replace(tmp, self.snapshot_path)
 
     def stop(self) -> None:
-        """Stops the listener (idempotent)."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
+        """Stops the listener process and removes the snapshot (idempotent)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for path in self._dir.glob("*"):
+            path.unlink(missing_ok=True)
+        self._dir.rmdir() if self._dir.exists() else None
 
-    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
-        """Status and JSON body for one GET of `path` (pure: reads the current snapshot only)."""
-        path = path.split("?", 1)[0]
-        snapshot = self.snapshot
-        now = time.monotonic()
-        if path == "/health/live":
-            age = round(now - snapshot.taken_at, 3) if snapshot else None
-            return 200, {"status": "alive", "uptime_s": round(now - self._started, 3), "snapshot_age_s": age}
-        if path in {"/health", "/health/", "/health/ready"}:
-            if snapshot is None:
-                return 503, {"status": "loading", "detail": "the server is starting"}
-            ok = snapshot.ready if path == "/health/ready" else snapshot.health.status == "ok"
-            body = snapshot.health.model_dump(mode="json")
-            if snapshot.applying and path == "/health/ready":
-                body["detail"] = "a weight update is being applied"
-            return (200 if ok else 503), body
-        return 404, {
-            "error": {
-                "type": "not_found",
-                "message": f"{path} is not served on the health port; use /health/live, /health/ready or /health",
-            }
-        }
+
+def _raise_priority() -> None:
+    """Best effort: nice -10, so a saturated host still schedules the probe answer soon (needs CAP_SYS_NICE or
+    root; without it the listener runs at the server's priority, and says so)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError as exc:
+        print(f"health listener: priority unchanged ({exc}); probes may wait on a saturated host", file=sys.stderr)
+
+
+def _serve(host: str, port: int, snapshot_path: Path, parent: int, started: float) -> None:
+    _raise_priority()
+    def read_snapshot() -> dict[str, Any] | None:
+        try:
+            return json.loads(snapshot_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            status, body = answer(self.path, read_snapshot(), started, time.monotonic())
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep quiet
+            return
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+
+    def watch_parent() -> None:  # the server is gone: so are we (liveness must not outlive it)
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        server.shutdown()
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    print(f"{READY_LINE} {server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="rollmatch probe listener (started by the rollout server)")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--snapshot", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--started", type=float, required=True)
+    args = parser.parse_args(argv)
+    try:
+        _serve(args.host, args.port, args.snapshot, args.parent, args.started)
+    except OSError as exc:
+        print(f"health listener: {exc}", file=sys.stderr, flush=True)
+        return 100
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

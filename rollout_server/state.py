@@ -11,7 +11,7 @@ from pathlib import Path
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import Engine
 from rollout_server.errors import EngineNotReadyError
-from rollout_server.health_listener import HealthListener, HealthSnapshot
+from rollout_server.health_listener import HealthListener
 from rollout_server.metrics import ServerMetrics
 from rollout_server.weights.staging import SyncStaging
 from shared_schemas.health import Health
@@ -80,15 +80,12 @@ class ServerState:
             detail=engine_health.detail,
         )
 
-    async def snapshot(self) -> HealthSnapshot:
-        """What the probes answer from (`health_listener`)."""
-        return HealthSnapshot(await self.health(), self.staging.applying, time.monotonic())
-
     async def publish_health_forever(self, listener: HealthListener, interval_s: float = 0.2) -> None:
         """Keeps the probe listener's snapshot fresh (a failed refresh keeps the last one and logs)."""
         while True:
             try:
-                listener.snapshot = await self.snapshot()
+                health = await self.health()
+                listener.publish(health.model_dump(mode="json"), self.staging.applying)
             except Exception:
                 logger.exception("health snapshot failed; the probe listener keeps the previous one")
             await asyncio.sleep(interval_s)

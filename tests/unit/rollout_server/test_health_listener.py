@@ -1,5 +1,5 @@
-"""The probe listener (`server.health_port`): liveness and readiness on a thread of its own, answering while the
-event loop is blocked (a real uvicorn server in a thread, a fake engine whose generation blocks the loop)."""
+"""The probe listener (`server.health_port`): liveness and readiness from a process of its own, answering while
+the event loop is blocked (a real uvicorn server in a thread, a fake engine whose generation blocks the loop)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import uvicorn
 
 from rollout_server.app import create_app
 from rollout_server.config import ServerConfig
-from rollout_server.health_listener import HealthListener, HealthSnapshot
+from rollout_server.health_listener import HealthListener, answer
+from shared_schemas.errors import ErrorEnvelope
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
 from tests.unit.rollout_server.fakes import FakeEngine
@@ -30,25 +31,47 @@ def _health(status: str = "ok") -> Health:
 
 
 def test_answers_from_the_snapshot_only() -> None:
+    ok = _health().model_dump(mode="json")
+
+    def snap(health: dict[str, Any], applying: bool = False) -> dict[str, Any]:
+        return {"health": health, "applying": applying, "taken_at": 9.0}
+
+    assert answer("/health/live", None, 0.0, 10.0) == (
+        200,
+        {"status": "alive", "uptime_s": 10.0, "snapshot_age_s": None},
+    )
+    assert answer("/health/live", snap(ok), 0.0, 10.0)[1]["snapshot_age_s"] == 1.0
+    assert answer("/health/ready", None, 0.0, 1.0)[0] == 503 and answer("/health", None, 0.0, 1.0)[0] == 503
+    assert answer("/health/ready", snap(ok), 0.0, 10.0) == (200, ok)
+    assert answer("/health?x=1", snap(ok), 0.0, 10.0)[0] == 200
+    status, body = answer("/health/ready", snap(ok, applying=True), 0.0, 10.0)
+    assert status == 503 and "being applied" in body["detail"]
+    assert (
+        answer("/health", snap(ok, applying=True), 0.0, 10.0)[0] == 200
+    )  # /health keeps the main port's meaning
+    assert answer("/health/ready", snap(_health("loading").model_dump(mode="json")), 0.0, 10.0)[0] == 503
+    status, body = answer("/nope", snap(ok), 0.0, 10.0)
+    assert status == 404 and ErrorEnvelope.model_validate(body).error.type == "not_found"
+
+
+def test_the_listener_process_follows_the_published_snapshot_and_refuses_a_taken_port() -> None:
     listener = HealthListener("127.0.0.1", 0, time.monotonic())
+    listener.start()
     try:
-        assert listener.answer("/health/live")[0] == 200
-        assert (
-            listener.answer("/health/ready")[0] == 503 and listener.answer("/health")[0] == 503
-        )  # no snapshot
-        listener.snapshot = HealthSnapshot(_health(), applying=False, taken_at=time.monotonic())
-        assert listener.answer("/health/ready") == (200, _health().model_dump(mode="json"))
-        assert listener.answer("/health?x=1")[0] == 200
-        listener.snapshot = HealthSnapshot(_health(), applying=True, taken_at=time.monotonic())
-        status, body = listener.answer("/health/ready")
-        assert status == 503 and "being applied" in body["detail"]
-        assert listener.answer("/health")[0] == 200  # /health keeps the main port's meaning: engine ok
-        listener.snapshot = HealthSnapshot(_health("loading"), applying=False, taken_at=time.monotonic())
-        assert listener.answer("/health/ready")[0] == 503
-        status, body = listener.answer("/nope")
-        assert status == 404 and body["error"]["type"] == "not_found"
+        url = f"http://127.0.0.1:{listener.port}"
+        assert httpx.get(f"{url}/health/live").status_code == 200
+        assert httpx.get(f"{url}/health/ready").status_code == 503  # nothing published yet
+        listener.publish(_health().model_dump(mode="json"), applying=False)
+        assert httpx.get(f"{url}/health/ready").json()["weight_version"] == 3
+        listener.publish(_health().model_dump(mode="json"), applying=True)
+        assert httpx.get(f"{url}/health/ready").status_code == 503
+        taken = HealthListener("127.0.0.1", listener.port, time.monotonic())
+        with pytest.raises(OSError, match="did not start"):
+            taken.start()
     finally:
         listener.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health/live", timeout=5)
 
 
 class LoopBlockingEngine(FakeEngine):
