@@ -135,7 +135,6 @@ def validate_grpo_run(
     timeout_s, infer_timeout_s = rules.timeouts(rollout)
     base_url = rules.check_servers(rollout, server)
     rules.check_sync(rollout)
-    rules.check_async(rollout)
     model = rules.mapping(data, "model", "rule 10")
     model_path = rules.existing_dir("model.path", model.get("path"), base_dir)
     server_model = rules.existing_dir("server.model", server.model, base_dir) if server.model else model_path

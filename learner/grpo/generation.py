@@ -66,6 +66,8 @@ class StepRollout:
         infer_calls: ``RolloutSource.infer`` calls (one per round).
         generate_s: wall time inside ``infer``.
         reward_s: wall time computing rewards.
+        staleness: optimizer steps between the weights that generated it and the step that trains on it
+            (`rollout.async`; 0 when generated at the step itself).
     """
 
     groups: list[Group]
@@ -77,6 +79,7 @@ class StepRollout:
     infer_calls: int = 0
     generate_s: float = 0.0
     reward_s: float = 0.0
+    staleness: int = 0
 
     def dynamic_sample_metrics(self) -> dict[str, float]:
         return {

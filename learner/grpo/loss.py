@@ -49,6 +49,7 @@ def grpo_loss(
     beta: float = 0.04,
     epsilon: float = 0.2,
     kl_in_reward: bool = False,
+    is_weights: torch.Tensor | None = None,
 ) -> GrpoLossOutput:
     """The §3.2 loss over a padded micro-batch.
 
@@ -62,6 +63,8 @@ def grpo_loss(
         beta: KL coefficient.
         epsilon: PPO clip range.
         kl_in_reward: the KL was already subtracted from the rewards; no KL loss term.
+        is_weights: ``[B, T]`` off-policy correction weights multiplying the policy-gradient term per token
+            (``tis_weights``; detached); ``None`` = 1.
 
     Returns:
         :class:`GrpoLossOutput`.
@@ -81,6 +84,8 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv
     per_token = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(logps.dtype)
     kl_term = not kl_in_reward and beta > 0
     if kl_term and ref_logps is None:
         raise ValueError("beta > 0 with kl_in_reward false needs ref_logps for the k3 KL term")
@@ -94,3 +99,38 @@ def grpo_loss(
     is_clipped = (clipped < unclipped).to(logps.dtype)
     clip_ratio = (is_clipped * mask).sum() / mask.sum().clamp(min=1)
     return GrpoLossOutput(loss=loss, kl_mean=kl_mean, clip_ratio=clip_ratio.detach())
+
+
+def tis_weights(
+    logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    rollout_mask: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str,
+    cap: float,
+) -> torch.Tensor:
+    """Truncated importance-sampling weights ``min(π_learner / π_rollout, cap)`` (detached), the off-policy
+    correction for completions sampled by the rollout engine (stale weights, or engine-vs-learner numerics).
+
+    Args:
+        logps: ``[B, T]`` learner log-probs of the sampled tokens (detached here).
+        rollout_logps: ``[B, T]`` the server's sampling log-probs.
+        rollout_mask: ``[B, T]`` 1 where the server returned a log-prob (elsewhere the weight is 1).
+        mask: ``[B, T]`` completion tokens.
+        mode: ``token`` (one weight per token) or ``sequence`` (one per completion: the product of its token
+            ratios, capped); ``off`` gives ones.
+        cap: the truncation (>= 1).
+
+    Returns:
+        ``[B, T]`` weights.
+    """
+    if mode == "off":
+        return torch.ones_like(logps)
+    known = (rollout_mask * mask).to(logps.dtype)
+    log_ratio = (logps.detach() - rollout_logps.to(logps.dtype)) * known
+    if mode == "token":
+        return torch.exp(log_ratio).clamp(max=cap)
+    if mode == "sequence":
+        return torch.exp(log_ratio.sum(dim=-1, keepdim=True)).clamp(max=cap).expand_as(logps).clone()
+    raise ValueError(f"grpo.tis_mode {mode!r}: expected off, token or sequence")

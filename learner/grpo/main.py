@@ -28,9 +28,11 @@ from learner.data.errors import DataRecordError
 from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
 from learner.grpo.data import GenerationSlots, PromptSet, load_prompt_rows
 from learner.grpo.generation import GroupGenerator, ResamplePool
+from learner.grpo.overlap import GrpoPrefetch
 from learner.grpo.progress import GrpoProgressCallback
 from learner.grpo.reference import build_reference
 from learner.grpo.rollouts import request_config
+from learner.grpo.sections import GrpoConfig
 from learner.grpo.trainer import GrpoTrainer
 from learner.policy import is_vl_checkpoint, load_policy
 from learner.rewards.summary_schema import load_schemas
@@ -257,6 +259,8 @@ def build_grpo_trainer(
         reference=reference,
         deleted_overlong=prompts.deleted_overlong,
         encoder=encoder if any(r.has_images for r in prompts.rows) else None,
+        prefetch=_prefetch(cfg, source),
+        tis_mode=_tis_mode(grpo, cfg),
         model=model,
         args=args,
         train_dataset=dataset,
@@ -278,6 +282,25 @@ def build_grpo_trainer(
         reference.kind if reference else "none (beta 0)",
     )
     return GrpoRun(trainer=trainer, source=source, resolved=resolved, output_dir=resolved.output_dir)
+
+
+def _prefetch(cfg: Any, source: RolloutSource) -> GrpoPrefetch | None:
+    """Overlapped generation when `rollout.async.enabled` (docs/RUNBOOK.md, overlapped rollouts)."""
+    overlap = cfg.rollout.async_
+    if not overlap.enabled:
+        return None
+    return GrpoPrefetch(
+        max_staleness=overlap.max_staleness,
+        wait_timeout_s=cfg.rollout.async_wait_timeout_s,
+        endpoints=source.endpoints,
+    )
+
+
+def _tis_mode(grpo: GrpoConfig, cfg: Any) -> str:
+    """`grpo.tis_mode`; `auto` is token-level truncated importance sampling with `rollout.async` on, else off."""
+    if grpo.tis_mode != "auto":
+        return grpo.tis_mode
+    return "token" if cfg.rollout.async_.enabled else "off"
 
 
 def _identity_collator(batch: list[dict[str, int]]) -> list[dict[str, int]]:

@@ -228,16 +228,6 @@ def check_sync(rollout: Mapping[str, Any]) -> None:
         )
 
 
-def check_async(rollout: Mapping[str, Any]) -> None:
-    """``rollout.async.enabled`` is not implemented for GRPO yet (the rollout-matching SFT trainer has it)."""
-    overlap = rollout.get("async") if isinstance(rollout.get("async"), Mapping) else {}
-    if overlap.get("enabled"):
-        raise ConfigError(
-            "rollout.async.enabled: overlapped rollouts are implemented for rollout-matching SFT only, not yet for "
-            "GRPO (it needs the off-policy correction of issue 13); set rollout.async.enabled: false"
-        )
-
-
 def existing_dir(key: str, value: Any, base_dir: Path) -> Path:
     """Rule 10: ``value`` names an existing local path; returns it absolute (relative → under ``base_dir``)."""
     if not isinstance(value, str) or not value:

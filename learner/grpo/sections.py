@@ -96,6 +96,12 @@ class GrpoConfig(_Section):
     num_iterations: Literal[1] = 1
     epsilon: float = Field(default=0.2, gt=0.0, lt=1.0)
     """PPO clip range."""
+    tis_mode: Literal["auto", "off", "token", "sequence"] = "auto"
+    """Truncated importance sampling from the server's rollout log-probs: the policy-gradient term of each token
+    is weighted by min(π_learner / π_rollout, tis_cap), per token or per completion; auto = token when
+    rollout.async.enabled (one step off-policy), else off."""
+    tis_cap: float = Field(default=2.0, ge=1.0)
+    """Truncation of the importance weights (tis_mode token / sequence)."""
     dynamic_sample: bool = True
     """Resample zero-variance groups (§3.4)."""
     max_resample_times: int = Field(default=1, ge=0)

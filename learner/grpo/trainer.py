@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,14 +45,17 @@ from learner.grpo.advantages import compute_advantages, sequence_kl
 from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
 from learner.grpo.data import PromptRow
 from learner.grpo.generation import GroupGenerator, StepRollout
-from learner.grpo.loss import grpo_loss
+from learner.grpo.loss import grpo_loss, tis_weights
 from learner.grpo.metrics import MetricWindow, advantage_metrics, completion_metrics, reward_metrics
+from learner.grpo.overlap import GrpoPrefetch
 from learner.grpo.reference import ReferencePolicy, threads_beside_rollout_engine
 from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, assemble_window, slot_tags
 from learner.policy import part_param_groups
 from learner.rollout.base import RolloutSource
 from learner.stage2.prompt_encoding import PromptEncoder
+from learner.trainers.callbacks import OverlapCallback
+from learner.trainers.overlap import WindowLookahead
 from learner.weights.sync import WeightSyncPolicy
 
 __all__ = ["GrpoTrainer"]
@@ -72,6 +75,8 @@ class GrpoTrainer(Trainer):
         reference: the KL reference (None when ``beta == 0``).
         deleted_overlong: prompts removed at load time by §3.5 (logged as ``data/deleted_overlong``).
         encoder: the run's prompt encoder (vision tensors of image prompts); None for text-only prompts.
+        prefetch: overlapped generation (`rollout.async`); None = every step generates when it starts.
+        tis_mode: the resolved `grpo.tis_mode` (`off`, `token` or `sequence`).
         **kwargs: passed to ``Trainer`` (model, args, train_dataset, data_collator, callbacks, ...).
     """
 
@@ -88,6 +93,8 @@ class GrpoTrainer(Trainer):
         reference: ReferencePolicy | None,
         deleted_overlong: int = 0,
         encoder: PromptEncoder | None = None,
+        prefetch: GrpoPrefetch | None = None,
+        tis_mode: str = "off",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -105,6 +112,11 @@ class GrpoTrainer(Trainer):
         self.reference = reference
         self.deleted_overlong = deleted_overlong
         self.encoder = encoder
+        self.prefetch = prefetch
+        self.tis_mode = tis_mode
+        self.lookahead = WindowLookahead()
+        if prefetch is not None:
+            self.add_callback(OverlapCallback(prefetch))
         self.prompts_per_step = grpo.generation_batch_size // grpo.num_generations
         self.metric_window = MetricWindow()
         self._prepared_at: float | None = None
@@ -135,21 +147,21 @@ class GrpoTrainer(Trainer):
         return getattr(config, "vision_config", None) is not None
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
-        """Fetch this rank's slots for the step, then generate, score and prepare its micro-batches."""
-        raws, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        """Fetch this rank's slots for the step, then generate, score and prepare its micro-batches.
+
+        With `rollout.async` (`prefetch`), the step's groups come from rank 0's background generation requested
+        during the previous step, and right after this step's sync the next step's generation is requested.
+        """
+        raws = self.lookahead.next(epoch_iterator, num_batches)
         if not raws:
             return raws, None
         step = self.state.global_step
         local = [slot_tags(raw) for raw in raws]
-        window = assemble_window(
-            self._all_gather([t for tags in local for t in tags]),
-            prompts_per_step=self.prompts_per_step,
-            num_generations=self.grpo.num_generations,
-        )
+        prompts = self._window_prompts(local)
         if self.encoder is not None:
             self.encoder.new_window()  # vision tensors are cached for this step only
-        sync_s = self.weight_sync.maybe_sync(self.model, step, self.source)
-        rollout = self._generate([self.prompts[i] for i in window], step)
+        rollout, sync_s = self._step_rollout(prompts, step)
+        sync_s += self._launch_next(epoch_iterator, step)
         self._reference_s = 0.0
         with threads_beside_rollout_engine(self.args.device):
             prepared = [self._micro_batch(tags, rollout) for tags in local]
@@ -163,18 +175,65 @@ class GrpoTrainer(Trainer):
         self._prepared_at = time.perf_counter()
         return prepared, None
 
+    def _window_prompts(self, local: list[list[SlotTag]]) -> list[PromptRow]:
+        """The step's prompts in generation-batch order, from every rank's slot tags (an all-gather)."""
+        window = assemble_window(
+            self._all_gather([t for tags in local for t in tags]),
+            prompts_per_step=self.prompts_per_step,
+            num_generations=self.grpo.num_generations,
+        )
+        return [self.prompts[i] for i in window]
+
+    def _step_rollout(self, prompts: list[PromptRow], step: int) -> tuple[StepRollout, float]:
+        """The step's scored groups: rank 0's background result when there is a fresh one, else generated now
+        after this step's sync; returns them with the seconds synced."""
+        prefetch = self.prefetch
+        if prefetch is not None and prefetch.pending_step == step:
+            rollout = self._on_rank0(lambda: prefetch.take(step, prompts), step)
+            if rollout is not None:
+                return rollout, 0.0
+        sync_s = self._sync(step)
+        return self._on_rank0(lambda: self._rank0_generator().generate_step(prompts, step), step), sync_s
+
+    def _launch_next(self, epoch_iterator, step: int) -> float:
+        """With `rollout.async`: this step's sync, then rank 0 requests step + 1's generation in the background."""
+        if self.prefetch is None or (self.state.max_steps > 0 and step + 1 >= self.state.max_steps):
+            return 0.0
+        window = self.lookahead.peek(epoch_iterator, 1, self.args.gradient_accumulation_steps)
+        if window is None:
+            return 0.0
+        prompts = self._window_prompts([slot_tags(raw) for raw in window])
+        sync_s = self._sync(step)
+        generate = None
+        if self.args.process_index == 0:
+            generator = self._rank0_generator()
+            generate = lambda: generator.generate_step(prompts, step + 1)  # noqa: E731 - bound per launch
+        self.prefetch.launch(step + 1, prompts, generate)
+        return sync_s
+
+    def _sync(self, step: int) -> float:
+        """The lazy once-per-step sync; rank 0 records the version it made (staleness of background groups)."""
+        before = self.weight_sync.last_synced_step
+        seconds = self.weight_sync.maybe_sync(self.model, step, self.source)
+        if self.prefetch is not None and self.weight_sync.last_synced_step != before:
+            self.prefetch.ledger.record(self.weight_sync.version, step)
+        return seconds
+
+    def _rank0_generator(self) -> GroupGenerator:
+        if self.generator is None:
+            raise RuntimeError("rank 0 has no GroupGenerator; build_grpo_trainer passes one to rank 0")
+        return self.generator
+
     @property
     def _kl_in_reward(self) -> bool:
         return self.grpo.kl_in_reward and self.grpo.beta > 0
 
-    def _generate(self, prompts: list[PromptRow], step: int) -> StepRollout:
-        """Rank 0 generates and scores; the result (or its failure) is broadcast to every rank."""
+    def _on_rank0(self, produce: Callable[[], StepRollout | None], step: int) -> StepRollout | None:
+        """Rank 0 runs `produce`; the result (or its failure) is broadcast to every rank."""
         payload: StepRollout | str | None = None
         if self.args.process_index == 0:
-            if self.generator is None:
-                raise RuntimeError("rank 0 has no GroupGenerator; build_grpo_trainer passes one to rank 0")
             try:
-                payload = self.generator.generate_step(prompts, step)
+                payload = produce()
             except Exception as exc:  # broadcast the failure so no rank hangs in the collective below
                 if self.args.world_size == 1:
                     raise
@@ -183,7 +242,6 @@ class GrpoTrainer(Trainer):
         payload = self._broadcast(payload)
         if isinstance(payload, str):
             raise RuntimeError(f"GRPO generation on rank 0 failed at step {step}: {payload}")
-        assert payload is not None
         return payload
 
     def _micro_batch(self, tags: Sequence[SlotTag], rollout: StepRollout) -> dict[str, Any]:
@@ -265,6 +323,7 @@ class GrpoTrainer(Trainer):
             "rollout/infer_calls": float(rollout.infer_calls),
             "weight_sync/version": float(self.weight_sync.version if self.args.process_index == 0 else 0),
             "rollout/weight_version_min": float(min(g.weight_version for g in rollout.groups)),
+            "rollout/staleness": float(rollout.staleness),
         }
         self.metric_window.add_step(metrics)
         self.metric_window.add_max("time/weight_sync_s", sync_s)
@@ -274,6 +333,7 @@ class GrpoTrainer(Trainer):
         """§3.2 loss of one micro-batch (mean over its completions); micro-batch metrics are recorded."""
         logps = completion_logps(model, inputs)
         mask = inputs["completion_mask"]
+        weights = self._tis_weights(logps, inputs, mask)
         out = grpo_loss(
             logps,
             inputs["advantages"],
@@ -282,12 +342,34 @@ class GrpoTrainer(Trainer):
             beta=self.grpo.beta,
             epsilon=self.grpo.epsilon,
             kl_in_reward=self.grpo.kl_in_reward,
+            is_weights=weights,
         )
         rows = float(mask.shape[0])
         self.metric_window.add_sum("kl/mean", float(out.kl_mean) * rows, rows)
         self.metric_window.add_sum("loss/clip_ratio", float(out.clip_ratio) * rows, rows)
         self._record_importance_ratio(logps.detach(), inputs, mask)
         return (out.loss, None) if return_outputs else out.loss
+
+    def _tis_weights(
+        self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`grpo.tis_mode` weights from the server's log-probs (None when off), with their metrics."""
+        if self.tis_mode == "off":
+            return None
+        weights = tis_weights(
+            logps,
+            inputs["server_logprobs"],
+            inputs["server_logprobs_mask"],
+            mask,
+            mode=self.tis_mode,
+            cap=self.grpo.tis_cap,
+        )
+        tokens = mask.to(weights.dtype)
+        count = float(tokens.sum())
+        self.metric_window.add_sum("sampling/tis_weight_mean", float((weights * tokens).sum()), count)
+        capped = (weights >= self.grpo.tis_cap).to(weights.dtype) * tokens
+        self.metric_window.add_sum("sampling/tis_capped_frac", float(capped.sum()), count)
+        return weights
 
     def _record_importance_ratio(
         self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor

@@ -96,7 +96,14 @@ def proxy(variant: str, request: pytest.FixtureRequest) -> Iterator[RecordingPro
 
 
 def write_config(
-    tmp: Path, demo: dict[str, Path], proxy: RecordingProxy, *, steps: int, world: int, **server: Any
+    tmp: Path,
+    demo: dict[str, Path],
+    proxy: RecordingProxy,
+    *,
+    steps: int,
+    world: int,
+    rollout: dict[str, Any] | None = None,
+    **server: Any,
 ) -> Path:
     """A run YAML on the variant's tiny config aimed at the proxy: 12 completions per step = 6 per device ×
     ``world`` × gas. ``server`` overrides keys of the ``server`` section (the learner reads ``dtype``)."""
@@ -109,7 +116,12 @@ def write_config(
         "model": {"path": str(demo["warm_model"])},
         "data": {"train": [str(demo["train"])]},
         "training": {"max_steps": steps, "learning_rate": 5.0e-4},
-        "rollout": {"servers": [{"base_url": proxy.base_url}], "timeout_s": 60, "infer_timeout_s": 300},
+        "rollout": {
+            "servers": [{"base_url": proxy.base_url}],
+            "timeout_s": 60,
+            "infer_timeout_s": 300,
+            **(rollout or {}),
+        },
         "server": {
             "port": proxy.port,
             "model": str(demo["model"]),
@@ -266,6 +278,54 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
     ):
         assert key in metrics[0]
     assert metrics[steps - 1]["kl/mean"] > 0  # the policy moved away from the frozen reference
+
+
+def test_grpo_async_generates_the_next_step_during_this_one(
+    tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy
+) -> None:
+    """`rollout.async` on GRPO (text only): step k's groups are generated, with the very requests and seeds of a
+    synchronous step k, by the weights of step k − 1 while step k − 1 trains; truncated importance sampling
+    weights them; the last step syncs nothing (no later generation needs it)."""
+    if proxy.variant != "text":
+        pytest.skip("the overlap does not depend on the prompt kind; the text variant is the cheap one")
+    from learner.grpo.main import run_grpo
+
+    steps = 4
+    config = write_config(
+        tmp_path, demo, proxy, steps=steps, world=1, rollout={"async": {"enabled": True, "max_staleness": 1}}
+    )
+    proxy.take()
+    assert run_grpo(config) == 0
+    metrics = metrics_by_step(tmp_path / "run")
+    assert sorted(metrics) == list(range(steps))
+    events = proxy.take()
+    assert all(e.status == 200 for e in events)
+    versions = [e.response["weight_version"] for e in events if e.kind == "sync_commit"]
+    assert len(versions) == steps - 1  # syncs of steps 0, 1, 2
+    for step in range(steps):
+        (first,) = [
+            e
+            for e in events
+            if e.kind == "infer" and e.request["infer_requests"][0]["request_id"] == request_id(step, 0)
+        ]
+        requests = first.request["infer_requests"]
+        assert [r["request_id"] for r in requests] == [request_id(step, p) for p in range(PROMPTS_PER_STEP)]
+        assert first.request["seeds"] == [prompt_seed(SEED, step, p) for p in range(PROMPTS_PER_STEP)]
+        generated_by = {r["weight_version"] for r in first.response["results"]}
+        assert generated_by == {versions[max(step - 1, 0)]}, (step, generated_by, versions)
+        assert metrics[step]["rollout/staleness"] == (0.0 if step == 0 else 1.0)
+        assert metrics[step]["sampling/tis_weight_mean"] == pytest.approx(1.0, abs=0.25)
+        assert 0.0 <= metrics[step]["sampling/tis_capped_frac"] <= 1.0
+    if "text" in _SINGLE_RANK_CURVE:  # step 0 has nothing ahead: the synchronous run's first-round reward
+        rows = prompt_rows(demo["train"], demo["warm_model"])
+        first = next(e for e in events if e.kind == "infer")
+        texts, reward_rows = [], []
+        for request, result in zip(first.request["infer_requests"], first.response["results"], strict=True):
+            for choice in result["choices"]:
+                texts.append(choice["text"])
+                reward_rows.append(rows[request_key(request)][0])
+        totals, _ = total_reward(texts, reward_rows, PRESETS["server"])
+        assert sum(totals) / len(totals) == pytest.approx(_SINGLE_RANK_CURVE["text"][0][0], abs=1e-9)
 
 
 def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy) -> None:

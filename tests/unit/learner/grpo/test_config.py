@@ -323,9 +323,23 @@ def test_learner_config_is_consumable(server_raw: dict[str, Any]) -> None:
     learner_config.RunConfig.model_validate(cfg)
 
 
-def test_async_rollouts_are_refused_for_grpo_naming_the_key(server_raw: dict[str, Any]) -> None:
-    server_raw["rollout"]["async"] = {"enabled": True}
-    with pytest.raises(ConfigError, match=r"^rollout\.async\.enabled: .*GRPO.*set rollout\.async\.enabled: false"):
+def test_async_rollouts_and_tis_knobs_resolve(server_raw: dict[str, Any]) -> None:
+    from learner.grpo.main import _tis_mode
+
+    server_raw["rollout"]["async"] = {"enabled": True, "max_staleness": 1}
+    resolved = validate_grpo_run(server_raw, REPO_ROOT)
+    assert resolved.grpo.tis_mode == "auto" and resolved.grpo.tis_cap == 2.0
+
+    class Cfg:  # the learner config's rollout section, as `_tis_mode` reads it
+        class rollout:  # noqa: N801
+            class async_:  # noqa: N801
+                enabled = True
+
+    assert _tis_mode(resolved.grpo, Cfg) == "token"
+    Cfg.rollout.async_.enabled = False
+    assert _tis_mode(resolved.grpo, Cfg) == "off"
+    server_raw["grpo"]["tis_mode"] = "sequence"
+    assert _tis_mode(validate_grpo_run(server_raw, REPO_ROOT).grpo, Cfg) == "sequence"
+    server_raw["grpo"]["tis_cap"] = 0.5
+    with pytest.raises(ConfigError, match=r"grpo\.tis_cap"):
         validate_grpo_run(server_raw, REPO_ROOT)
-    server_raw["rollout"]["async"] = {"enabled": False}
-    validate_grpo_run(server_raw, REPO_ROOT)

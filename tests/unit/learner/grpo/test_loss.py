@@ -73,3 +73,30 @@ def test_missing_reference_and_shape_errors() -> None:
 def test_empty_completion_contributes_zero() -> None:
     out = grpo_loss(torch.zeros(2, 2), torch.tensor([1.0, 5.0]), torch.tensor([[1, 1], [0, 0]]), beta=0.0)
     assert out.loss.item() == pytest.approx(-0.5)
+
+
+def test_tis_weights_truncate_the_learner_over_rollout_ratio():
+    from learner.grpo.loss import tis_weights
+
+    logps = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.4, 0.9], [0.3, 0.1, 0.3]]))
+    known = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    token = tis_weights(logps, rollout, known, mask, mode="token", cap=1.5)
+    # ratios 2 (capped at 1.5), 0.5, 1 | 1, 3 (capped), 1 (no server log-prob / padding: weight 1)
+    assert torch.allclose(token, torch.tensor([[1.5, 0.5, 1.0], [1.0, 1.5, 1.0]]))
+    sequence = tis_weights(logps, rollout, known, mask, mode="sequence", cap=2.0)
+    # products 2 * 0.5 * 1 = 1 and 1 * 3 = 3 (capped at 2), one weight per completion
+    assert torch.allclose(sequence, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]))
+    assert torch.equal(tis_weights(logps, rollout, known, mask, mode="off", cap=2.0), torch.ones(2, 3))
+
+
+def test_is_weights_scale_the_policy_gradient_term_only():
+    logps = torch.zeros(1, 2, requires_grad=True)
+    adv = torch.tensor([1.0])
+    mask = torch.ones(1, 2)
+    plain = grpo_loss(logps, adv, mask, beta=0.0)
+    weighted = grpo_loss(logps, adv, mask, beta=0.0, is_weights=torch.tensor([[2.0, 0.0]]))
+    assert float(plain.loss) == -1.0 and float(weighted.loss) == -1.0  # (-2 + 0) / 2
+    (grad,) = torch.autograd.grad(weighted.loss, logps)
+    assert torch.allclose(grad, torch.tensor([[-1.0, 0.0]]))
