@@ -129,6 +129,12 @@ class StepPlanner:
         ]
 
     # -- training step --------------------------------------------------------------------------
+    def new_window(self) -> None:
+        """Starts a rollout-buffer window's prompt cache: call before the E-step's rollout, so that prompts (decoded
+        images) are encoded once for its rollout (a colocated HF engine encodes with the same encoder) and teacher
+        forcing; its M-steps replay the prepared batches and encode nothing."""
+        self.ctx.encoder.new_window()
+
     def step_batch(self, raws: Sequence[Sequence[dict[str, Any]]], global_step: int) -> InferBatch | None:
         """The one rollout call of the optimizer step `global_step` over `raws` (§5.3 seeds, §17), or None when
         the step rolls out nothing (stage-1 warm-up, or no samples).
@@ -168,9 +174,6 @@ class StepPlanner:
             metrics: the step's accumulator (rollout counters, lengths, timers, packing telemetry).
         """
         flat = [s for raw in raws for s in raw]
-        # A new rollout-buffer window: prompts (decoded images) are encoded once for its rollout and teacher
-        # forcing; its M-steps replay the prepared batches and encode nothing.
-        self.ctx.encoder.new_window()
         warmup = rollouts is None
         if rollouts is None:
             # Stage-1 warm-up: plain SFT with the stage-2 loss; no request, so no weight sync either.

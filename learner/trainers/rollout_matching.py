@@ -94,7 +94,10 @@ class RolloutMatchingTrainer(Trainer):
         decision = self.rollout_buffer.begin_step(tagged, training=True)
         step = self.state.global_step
         launch = self._next_launch(epoch_iterator, step, decision)
-        rollouts = None if decision.reuse else self._fetch([t.batch for t in tagged], step)
+        rollouts = None
+        if not decision.reuse:
+            self.planner.new_window()
+            rollouts = self._fetch([t.batch for t in tagged], step)
         if launch is not None:
             # The sync of this step (a no-op when this step's own rollouts needed it already), then the next
             # window's request, which the server serves only after that commit.

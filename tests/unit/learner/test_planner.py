@@ -60,6 +60,7 @@ def _sample(i: int) -> dict:
 
 def plan(planner, raws, *, global_step, metrics, before_rollout):
     """The trainer's synchronous step: the step's one batch, fetched now (sync first), then built."""
+    planner.new_window()
     batch = planner.step_batch(raws, global_step)
     overlap = RolloutOverlap(planner.source.infer, endpoints=planner.source.endpoints)
     rollouts = None if batch is None else overlap.fetch(batch, global_step, sync=before_rollout)
