@@ -56,6 +56,15 @@ class TargetsConfig(BaseModel):
     """Entropic regularization in norm1000 units (10 ≈ hard nearest assignment)."""
     ot_iters: int = Field(default=30, ge=1)
     """Sinkhorn iterations."""
+    canonical_seam: bool = False
+    """Off (the spec, §10 "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have
+    split a merged token (`]}}` → re-encoded `]}`) and the appended `}` becomes a separate token: a token
+    path a model trained on canonical tokenizations (stage-1 SFT) never produced, whose end-of-turn it then
+    mispredicts (measured on the tiny Qwen3-VL: `loss/ce_eos` 4.4 at the first rollout-matching step against ~0
+    on plain GT). On: when the cut re-encoded the prefix's last tokens, those tokens are encoded TOGETHER with
+    the appended text (`Y_train = kept rollout ids + encode(re-encoded text + append_text)`): every rollout
+    token the cut left alone stays, and the seam is the canonical tokenization (with nothing to append it
+    gives back the rollout's own tokens). The re-encoded tokens count as tail."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,14 +282,22 @@ def build_y_train(
     append_text = serialize_append(
         [gts[j] for j in fn], parse.max_object_index_in_prefix + 1, parse.prefix_text
     )
-    append_ids = _encode_tail(append_text, [b for j in fn for b in gts[j].bins], tokenizer, coord_vocab)
+    prefix_ids = list(parse.prefix_token_ids)
+    seam = _cut_edited_from(parse) if cfg.canonical_seam else len(prefix_ids)
+    if coord_pos and coord_pos[-1] >= seam:  # never: a cut falls after an object, not inside a coord token
+        seam = len(prefix_ids)
+    seam_text = "".join(parse.prefix_pieces.pieces[seam:]) if seam < len(prefix_ids) else ""
+    append_ids = _encode_tail(
+        seam_text + append_text, [b for j in fn for b in gts[j].bins], tokenizer, coord_vocab
+    )
+    prefix_ids = prefix_ids[:seam]
     if fn_desc_ce:
         tail_ignore: list[int] = []
     else:
         tail_ignore = desc_overlapping_tokens(token_pieces(append_ids, tokenizer).pieces)
     tp_preds = [i for i, _, _ in tp]
     prefix_ce = prefix_ce_positions(parse, tp_preds, coord_vocab) if prefix_structure_ce else []
-    prefix_ids = list(parse.prefix_token_ids)
+    prefix_ce = [p for p in prefix_ce if p < seam]  # the seam's tokens are tail now (supervised there)
     max_valid = max((o.index for o in preds), default=0)
     counters = {
         "gt_objects": float(len(gts)),
@@ -345,6 +362,16 @@ def _supervised_pairs(
         coord_pos.extend(map(int, slots))
         coord_bins.extend(tgt)
     return tp, excluded, coord_pos, coord_bins
+
+
+def _cut_edited_from(parse: ParseResult) -> int:
+    """Index of the first prefix token the cut re-encoded (`len(prefix)` when the cut kept every token)."""
+    prefix, rollout = parse.prefix_token_ids, parse.response_token_ids
+    n = 0
+    limit = min(len(prefix), len(rollout))
+    while n < limit and prefix[n] == rollout[n]:
+        n += 1
+    return n if not parse.fallback else len(prefix)
 
 
 def _encode_tail(

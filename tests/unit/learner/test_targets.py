@@ -7,10 +7,12 @@ import pydantic
 import pytest
 
 import learner.stage2.targets as targets_mod
+from learner.stage2.format import serialize_entry
 from learner.stage2.gt import GTObject, extract_gt
 from learner.stage2.ot import barycentric_batch, barycentric_padded, barycentric_projection
 from learner.stage2.targets import (
     TargetsConfig,
+    YTrain,
     find_desc_value_spans,
     matching_rates,
     prefix_coord_targets,
@@ -318,3 +320,57 @@ def test_fused_desc_closing_quote_token_is_masked_whole() -> None:
     masked = [pieces[k] for k in p.y_train.tail_ignore_pos]
     assert masked == ["h", 'og",']
     assert run_pipeline(ids, gt, tokenizer=tok, fn_desc_ce=True).y_train.tail_ignore_pos == ()
+
+
+# ---------------------------------------------------------------- §10 token seam (stage2.targets.canonical_seam)
+
+
+def _seam_case(
+    tokenizer: object, rollout_text: str, gt_raw: list[dict], canonical: bool
+) -> tuple[list[int], YTrain]:
+    from learner.stage2.coords import CoordVocab
+    from learner.stage2.match import MatchingConfig, gt_geoms, match, pred_geoms
+    from learner.stage2.parse import parse_rollout
+    from learner.stage2.targets import build_y_train
+
+    coords = CoordVocab.from_tokenizer(tokenizer)
+    ids = tokenizer.encode(rollout_text, add_special_tokens=False) + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
+    parsed = parse_rollout(ids, tokenizer, coords)
+    gts = extract_gt(gt_raw, sample_id=0).objects
+    matched = match(
+        pred_geoms(parsed.valid_objects, parsed.response_token_ids, coords), gt_geoms(gts), MatchingConfig()
+    )
+    y = build_y_train(parsed, gts, matched, tokenizer, coords, TargetsConfig(canonical_seam=canonical))
+    return ids, y
+
+
+ONE_CAT = "{" + serialize_entry(1, "cat", "bbox_2d", [10, 20, 30, 40]) + "}"
+CAT_GT = {"desc": "cat", "bbox_2d": [10, 20, 30, 40]}
+
+
+def test_canonical_seam_gives_back_the_rollout_when_nothing_is_appended(tiny_tokenizer: object) -> None:
+    """The real Qwen tokenizer merges the closing brackets (`"]}}`, `]}}`) into fewer tokens than the cut after
+    the object re-encodes (`"]}`) plus the spec's separately encoded `}`; the canonical seam encodes them
+    together."""
+    ids, spec = _seam_case(tiny_tokenizer, ONE_CAT, [CAT_GT], canonical=False)
+    _, canon = _seam_case(tiny_tokenizer, ONE_CAT, [CAT_GT], canonical=True)
+    decode = tiny_tokenizer.decode  # type: ignore[attr-defined]
+    assert decode(list(spec.ids)) == decode(list(canon.ids)) == ONE_CAT
+    assert list(canon.ids) == ids[:-1]  # the rollout's own tokens, `]}}` included
+    assert len(spec.ids) > len(canon.ids) and spec.append_ids == tuple(tiny_tokenizer.encode("}"))  # type: ignore[attr-defined]
+    assert canon.prefix_coord_pos == spec.prefix_coord_pos and canon.prefix_len < spec.prefix_len
+
+
+def test_canonical_seam_keeps_the_coordinates_and_encodes_the_fn_tail_with_the_seam(
+    tiny_tokenizer: object,
+) -> None:
+    dog = {"desc": "dog", "bbox_2d": [50, 60, 70, 80]}
+    _, spec = _seam_case(tiny_tokenizer, ONE_CAT, [CAT_GT, dog], canonical=False)
+    ids, canon = _seam_case(tiny_tokenizer, ONE_CAT, [CAT_GT, dog], canonical=True)
+    decode = tiny_tokenizer.decode  # type: ignore[attr-defined]
+    assert decode(list(spec.ids)) == decode(list(canon.ids))
+    assert list(canon.ids[: canon.prefix_len]) == ids[: canon.prefix_len]  # untouched rollout tokens
+    assert canon.prefix_coord_target_bins == spec.prefix_coord_target_bins == (10, 20, 30, 40)
+    assert canon.counters["fn_appended"] == 1.0
