@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from learner.grpo.rollouts import Group
 
-__all__ = ["MetricWindow", "advantage_metrics", "completion_metrics", "reward_metrics"]
+__all__ = [
+    "MetricWindow",
+    "advantage_metrics",
+    "completion_metrics",
+    "record_importance_ratio",
+    "record_tis",
+    "reward_metrics",
+]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -112,3 +120,26 @@ class MetricWindow:
         out.update(dict(zip(max_keys, maxima, strict=True)))
         self.steps, self.sums, self.maxima = [], {}, {}
         return out
+
+
+def record_importance_ratio(
+    window: MetricWindow, logps: torch.Tensor, inputs: Mapping[str, Any], mask: torch.Tensor
+) -> None:
+    """The rollout-vs-learner mismatch: ``exp(log π_learner − log π_server)`` per token over tokens with server
+    log-probs (1 = no mismatch), and the absolute log-prob difference (mean, max)."""
+    server_mask = inputs["server_logprobs_mask"] * mask
+    count = float(server_mask.sum())
+    diff = (logps - inputs["server_logprobs"]) * server_mask
+    window.add_sum("sampling/importance_ratio_mean", float((torch.exp(diff) * server_mask).sum()), count)
+    window.add_sum("sampling/logp_abs_diff_mean", float(diff.abs().sum()), count)
+    window.add_max("sampling/logp_abs_diff_max", float(diff.abs().max()) if count else 0.0)
+
+
+def record_tis(window: MetricWindow, weights: torch.Tensor, mask: torch.Tensor, cap: float) -> None:
+    """Truncated importance-sampling weights over completion tokens: their mean and the fraction at the cap."""
+    tokens = mask.to(weights.dtype)
+    count = float(tokens.sum())
+    window.add_sum("sampling/tis_weight_mean", float((weights * tokens).sum()), count)
+    window.add_sum(
+        "sampling/tis_capped_frac", float(((weights >= cap).to(weights.dtype) * tokens).sum()), count
+    )

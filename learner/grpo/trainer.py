@@ -46,7 +46,14 @@ from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
 from learner.grpo.data import PromptRow
 from learner.grpo.generation import GroupGenerator, StepRollout
 from learner.grpo.loss import grpo_loss, tis_weights
-from learner.grpo.metrics import MetricWindow, advantage_metrics, completion_metrics, reward_metrics
+from learner.grpo.metrics import (
+    MetricWindow,
+    advantage_metrics,
+    completion_metrics,
+    record_importance_ratio,
+    record_tis,
+    reward_metrics,
+)
 from learner.grpo.overlap import GrpoPrefetch
 from learner.grpo.reference import ReferencePolicy, threads_beside_rollout_engine
 from learner.grpo.sections import GrpoConfig
@@ -347,7 +354,7 @@ class GrpoTrainer(Trainer):
         rows = float(mask.shape[0])
         self.metric_window.add_sum("kl/mean", float(out.kl_mean) * rows, rows)
         self.metric_window.add_sum("loss/clip_ratio", float(out.clip_ratio) * rows, rows)
-        self._record_importance_ratio(logps.detach(), inputs, mask)
+        record_importance_ratio(self.metric_window, logps.detach(), inputs, mask)
         return (out.loss, None) if return_outputs else out.loss
 
     def _tis_weights(
@@ -364,25 +371,8 @@ class GrpoTrainer(Trainer):
             mode=self.tis_mode,
             cap=self.grpo.tis_cap,
         )
-        tokens = mask.to(weights.dtype)
-        count = float(tokens.sum())
-        self.metric_window.add_sum("sampling/tis_weight_mean", float((weights * tokens).sum()), count)
-        capped = (weights >= self.grpo.tis_cap).to(weights.dtype) * tokens
-        self.metric_window.add_sum("sampling/tis_capped_frac", float(capped.sum()), count)
+        record_tis(self.metric_window, weights, mask, self.grpo.tis_cap)
         return weights
-
-    def _record_importance_ratio(
-        self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor
-    ) -> None:
-        """``exp(log π_learner − log π_server)`` per token over tokens with server log-probs (1 = no mismatch)."""
-        server_mask = inputs["server_logprobs_mask"] * mask
-        count = float(server_mask.sum())
-        diff = (logps - inputs["server_logprobs"]) * server_mask
-        self.metric_window.add_sum(
-            "sampling/importance_ratio_mean", float((torch.exp(diff) * server_mask).sum()), count
-        )
-        self.metric_window.add_sum("sampling/logp_abs_diff_mean", float(diff.abs().sum()), count)
-        self.metric_window.add_max("sampling/logp_abs_diff_max", float(diff.abs().max()) if count else 0.0)
 
     # -- logging ------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

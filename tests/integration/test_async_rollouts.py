@@ -14,11 +14,13 @@ Runs are assembled by `build_run` (the code path of `python -m learner`) on the 
    window again and trains exactly the remaining samples (none skipped or repeated).
 4. A server killed during a background request fails the step that needed it with the synchronous run's error
    (`InferFailed` naming the server), fast, with no hang.
-5. Two learner ranks (`scripts/start_learner.sh --nproc 2`, gloo): each rank requests its own windows in the
+5. Two servers (vLLM + HF backend): the background requests are chunked over both like synchronous ones, every
+   sync reaches both.
+6. Two learner ranks (`scripts/start_learner.sh --nproc 2`, gloo): each rank requests its own windows in the
    background, rank 0 alone syncs, staleness stays within the bound on every rank.
 
-Engines: the session's shared seed-0 vLLM server (weights restored after each test) and one cheap HF-backend
-server for the kill test.
+Engines: the session's shared seed-0 vLLM server (weights restored after each test) and cheap HF-backend servers
+for the two-server and kill tests.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ import yaml
 from transformers import TrainerCallback
 
 from learner.config import RunConfig
-from tests.integration.learner_fixtures import REPO, demo_data_fixture  # noqa: F401 - fixture
+from tests.integration.learner_fixtures import REPO, demo_data_fixture, start_server  # noqa: F401 - fixture
 from tests.integration.test_learner_loop import (  # noqa: F401 - fixtures
     Recorded,
     build_recorded,
     restores_seed0,
     served_version,
     server_cfg,
+    signature,
     train_until_server_killed,
 )
 
@@ -160,6 +163,31 @@ def test_async_with_rollout_buffer_and_packing_requests_next_e_step_during_m_ste
     assert check_staleness(overlapped, async_trained, 1) == [0] * 4 + [1] * 4
     reuse = [e.get("rollout/buffer_reuse") for e in losses(overlapped)]
     assert reuse == [0.0, 1.0, 0.0, 1.0]
+    assert losses(overlapped)[0]["loss"] == losses(sync)[0]["loss"]
+
+
+# -- 2b. several servers -----------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("restores_seed0")
+def test_async_over_two_servers_chunks_and_syncs_both(tiny_model_dir, demo_data, vllm_server, tmp_path):
+    hf_server = start_server(tiny_model_dir, tmp_path / "hf_server", backend="hf")
+    try:
+        training = {"max_steps": 3}
+        servers = [vllm_server, hf_server]
+        sync, sync_trained = run(
+            server_cfg(tiny_model_dir, demo_data, tmp_path / "sync", servers, training=training)
+        )
+        overlapped, async_trained = run(
+            server_cfg(
+                tiny_model_dir, demo_data, tmp_path / "async", servers, training=training, rollout=ASYNC
+            )
+        )
+        assert hf_server.weight_version() == overlapped.syncs[-1][2]  # every sync reached both servers
+    finally:
+        hf_server.stop()
+    assert [(e["step"], e["ids"]) for e in async_trained] == [(e["step"], e["ids"]) for e in sync_trained]
+    assert check_staleness(overlapped, async_trained, 1) == [0] * 4 + [1] * 8
+    # The same chunks as a synchronous run (2 + 2 requests, one per server), so the same tokens at step 0.
+    assert signature(overlapped.rollouts[:1]) == signature(sync.rollouts[:1])
     assert losses(overlapped)[0]["loss"] == losses(sync)[0]["loss"]
 
 
