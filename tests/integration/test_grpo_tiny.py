@@ -352,6 +352,35 @@ def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: R
         assert curve[0] == _SINGLE_RANK_CURVE[proxy.variant][0]
 
 
+def test_grpo_async_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy) -> None:
+    """`rollout.async` with 2 ranks: rank 0 alone generates (in the background) and syncs; every rank trains on
+    the broadcast groups, one step off-policy from step 1 on."""
+    if proxy.variant != "text":
+        pytest.skip("the overlap does not depend on the prompt kind; the text variant is the cheap one")
+    steps = 3
+    config = write_config(
+        tmp_path, demo, proxy, steps=steps, world=2, rollout={"async": {"enabled": True, "max_staleness": 1}}
+    )
+    proxy.take()
+    result = start_learner_2rank(config)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    metrics = metrics_by_step(tmp_path / "run")
+    assert [metrics[s]["rollout/staleness"] for s in range(steps)] == [0.0, 1.0, 1.0]
+    events = proxy.take()
+    assert len([e for e in events if e.kind == "sync_commit"]) == steps - 1
+    firsts = [
+        e
+        for e in events
+        if e.kind == "infer" and e.request["infer_requests"][0]["request_id"].endswith("-p0")
+    ]
+    assert [e.request["infer_requests"][0]["request_id"] for e in firsts] == [
+        request_id(s, 0) for s in range(steps)
+    ]
+    sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
+    assert len(sync_lines) == steps - 1 and all("[rank0]" in line for line in sync_lines), sync_lines
+
+
 def test_grpo_torchrun_failing_sync_stops_every_rank(
     tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy
 ) -> None:
