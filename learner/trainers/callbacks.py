@@ -83,6 +83,9 @@ class LiveProgressCallback(TrainerCallback):
             sync = logs.get("time/weight_sync_s")
             if gen is not None and fwd is not None:
                 self.postfix["gen/fwd/sync s"] = f"{gen:.2f}/{fwd:.2f}/{(sync or 0):.2f}"
+            if logs.get("rollout/prefetched"):  # rollout.async: the generation ran in the background
+                self.postfix["wait s"] = f"{logs.get('time/rollout_wait_s') or 0:.2f}"
+                self.postfix["stale"] = f"{logs.get('rollout/staleness_max') or 0:.0f}"
             if "rollout/f1" in logs:
                 self.postfix["train_f1"] = f"{logs['rollout/f1']:.2f}"
         if "eval_rollout_f1" in logs:
