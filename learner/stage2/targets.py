@@ -64,7 +64,10 @@ class TargetsConfig(BaseModel):
     on plain GT). On: when the cut re-encoded the prefix's last tokens, those tokens are encoded TOGETHER with
     the appended text (`Y_train = kept rollout ids + encode(re-encoded text + append_text)`): every rollout
     token the cut left alone stays, and the seam is the canonical tokenization (with nothing to append it
-    gives back the rollout's own tokens). The re-encoded tokens count as tail."""
+    gives back the rollout's own tokens). The re-encoded tokens count as tail. Measured on the image demo
+    (`make demo` with this on): `loss/ce_eos` 4.4 → 0.0 at the rollout-matching steps, held-out F1 not better
+    (0.61 → 0.48 over the last 40 steps against 0.61 → 0.53 with it off): the drop there comes from
+    over-prediction (`rollout/parse_truncated_rate` 0.56 at step 199), not from the seam."""
 
 
 # --------------------------------------------------------------------------------------------------
