@@ -29,21 +29,33 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from learner.metrics import StepMetrics
 from shared_schemas.infer import InferBatch, InferResult
 
-__all__ = ["RolloutOverlap", "RolloutWaitTimeout", "Rollouts", "VersionLedger", "WindowLookahead"]
+__all__ = [
+    "RolloutFailedElsewhere",
+    "RolloutOverlap",
+    "RolloutWaitTimeout",
+    "Rollouts",
+    "VersionLedger",
+    "WindowLookahead",
+]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 InferFn = Callable[[InferBatch], list[InferResult]]
 SyncFn = Callable[[], float]
 
 
 class RolloutWaitTimeout(RuntimeError):
     """A background rollout was not back within `rollout.async.wait_timeout_s`."""
+
+
+class RolloutFailedElsewhere(RuntimeError):
+    """Another learner rank's rollout failed; this rank stops with it."""
 
 
 @dataclass
@@ -118,8 +130,8 @@ class RolloutOverlap:
         max_staleness: `rollout.async.max_staleness`.
         wait_timeout_s: limit of one wait for a background result.
         ledger: weight version → step of this run's syncs (the trainer records every sync).
-        agree: with several learner ranks, an all-reduce OR of a flag (every rank calls it once per `fetch` of a
-            background result); the default is a single process.
+        agree: with several learner ranks, an all-reduce OR of a flag, called by every rank at the same points of
+            `fetch` (did any rank fail; does any rank regenerate); the default is a single process.
     """
 
     def __init__(
@@ -177,13 +189,13 @@ class RolloutOverlap:
         pending, self._pending = self._pending, None
         if pending is None:
             sync_s = sync()
-            results, generate_s = self._generate(batch)
+            results, generate_s = self._everywhere(lambda: self._generate(batch))
             lags = [max(self.ledger.staleness(r, step) or 0, 0) for r in results]
             return Rollouts(results, lags, generate_s=generate_s, wait_s=generate_s, sync_s=sync_s)
         started = time.perf_counter()
         n = len(batch.infer_requests)
         if pending.target_step == step and _same_requests(pending.batch, batch):
-            got, generate_s = self._wait(pending)
+            got, generate_s = self._everywhere(lambda: self._wait(pending))
             results: list[InferResult | None] = list(got)
             lags = [self.ledger.staleness(r, step) for r in got]
             stale = [i for i, lag in enumerate(lags) if lag is None or lag < 0 or lag > self.max_staleness]
@@ -210,11 +222,17 @@ class RolloutOverlap:
                 )
             started = time.perf_counter()
             sync_s = sync()
-            for start, stop in _runs(stale):
-                fresh, seconds = self._generate(batch.slice(start, stop))
-                generate_s += seconds
-                results[start:stop] = fresh
-                lags[start:stop] = [max(self.ledger.staleness(r, step) or 0, 0) for r in fresh]
+
+            def regenerate() -> float:
+                seconds = 0.0
+                for start, stop in _runs(stale):
+                    fresh, took = self._generate(batch.slice(start, stop))
+                    seconds += took
+                    results[start:stop] = fresh
+                    lags[start:stop] = [max(self.ledger.staleness(r, step) or 0, 0) for r in fresh]
+                return seconds
+
+            generate_s += self._everywhere(regenerate)
             wait_s += time.perf_counter() - started - sync_s
         return Rollouts(
             [r for r in results if r is not None],
@@ -245,6 +263,23 @@ class RolloutOverlap:
         started = time.perf_counter()
         results = list(self._infer(batch))
         return results, time.perf_counter() - started
+
+    def _everywhere(self, call: Callable[[], T]) -> T:
+        """Runs this rank's part of a rollout; then every rank learns (through `agree`) whether any rank failed, so
+        that a failure on one rank stops all of them instead of leaving the others in the next collective."""
+        failure: Exception | None = None
+        try:
+            value = call()
+        except Exception as exc:  # re-raised below, after the other ranks learnt of it
+            failure = exc
+        if self._agree(failure is not None):
+            if failure is not None:
+                raise failure
+            raise RolloutFailedElsewhere(
+                "a rollout failed on another learner rank (that rank's log names the server and the cause); "
+                "this rank stops with it"
+            )
+        return value
 
     def _wait(self, pending: _Pending) -> tuple[list[InferResult], float]:
         try:

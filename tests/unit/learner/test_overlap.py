@@ -10,7 +10,14 @@ import threading
 import pytest
 
 from learner.metrics import StepMetrics
-from learner.trainers.overlap import RolloutOverlap, RolloutWaitTimeout, VersionLedger, WindowLookahead, _runs
+from learner.trainers.overlap import (
+    RolloutFailedElsewhere,
+    RolloutOverlap,
+    RolloutWaitTimeout,
+    VersionLedger,
+    WindowLookahead,
+    _runs,
+)
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, RequestConfig
 
 
@@ -183,15 +190,29 @@ def test_ranks_agree_on_regenerating_so_every_rank_meets_in_the_sync():
     server = Server()
     votes: list[bool] = []
 
-    def other_rank_is_stale(flag: bool) -> bool:  # an all-reduce OR where another rank had a stale result
+    answers = iter(
+        [False, True, False]
+    )  # no rank failed; another rank had a stale result; its regeneration went fine
+
+    def other_rank_is_stale(flag: bool) -> bool:  # an all-reduce OR over the ranks
         votes.append(flag)
-        return True
+        return next(answers)
 
     overlap = RolloutOverlap(server.infer, endpoints=["http://s1"], agree=other_rank_is_stale)
     syncs: list[int] = []
     _sync(server, overlap, syncs, 0)()
     overlap.launch(_batch(), 1)
     out = overlap.fetch(_batch(), 1, _sync(server, overlap, syncs, 1))
-    assert votes == [False]  # this rank had nothing stale...
+    assert votes == [False, False, False]  # this rank neither failed nor had anything stale...
     assert syncs == [0, 1] and server.calls == [(0, 4)]  # ...but joins the sync, and regenerates nothing
     assert out.prefetched == 4 and out.regenerated == 0 and out.staleness == [1] * 4
+
+
+def test_a_failure_on_another_rank_stops_this_one_too():
+    server = Server()
+    overlap = RolloutOverlap(server.infer, endpoints=["http://s1"], agree=lambda failed_here: True)
+    overlap.launch(_batch(), 1)
+    with pytest.raises(RolloutFailedElsewhere, match="another learner rank"):
+        overlap.fetch(_batch(), 1, lambda: 0.0)
+    with pytest.raises(RolloutFailedElsewhere):  # the synchronous path too
+        overlap.fetch(_batch(), 2, lambda: 0.0)
