@@ -17,7 +17,8 @@ Runs are assembled by `build_run` (the code path of `python -m learner`) on the 
 5. Two servers (vLLM + HF backend): the background requests are chunked over both like synchronous ones, every
    sync reaches both.
 6. Two learner ranks (`scripts/start_learner.sh --nproc 2`, gloo): each rank requests its own windows in the
-   background, rank 0 alone syncs, staleness stays within the bound on every rank.
+   background, rank 0 alone syncs, staleness stays within the bound on every rank; a server killed mid-run
+   stops both ranks with an error naming it.
 
 Engines: the session's shared seed-0 vLLM server (weights restored after each test) and cheap HF-backend servers
 for the two-server and kill tests.
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -281,3 +284,52 @@ def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
     sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
     assert len(sync_lines) == 2 and all("[rank0]" in line for line in sync_lines), sync_lines
     assert served_version(vllm_server) == before + 2
+
+
+def test_two_ranks_stop_together_when_the_server_dies_mid_run(tiny_model_dir, demo_data, tmp_path):
+    """A server killed while two learner ranks overlap rollouts with training: both ranks exit with an error
+    naming the server, within the client's timeouts (no rank left waiting in a collective)."""
+    server = start_server(tiny_model_dir, tmp_path / "hf_server", backend="hf")
+    try:
+        cfg = server_cfg(
+            tiny_model_dir,
+            demo_data,
+            tmp_path / "run",
+            [server],
+            rollout={"infer_timeout_s": 20, "timeout_s": 20, **ASYNC},
+            training={"max_steps": 40},
+        )
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "WORLD_SIZE"}
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        with (tmp_path / "learner.log").open("w") as log:
+            learner = subprocess.Popen(
+                ["bash", str(REPO / "scripts" / "start_learner.sh"), "--config", str(config), "--nproc", "2"],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                deadline = time.monotonic() + 300
+                while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+                    assert learner.poll() is None, (tmp_path / "learner.log").read_text()[-4000:]
+                    assert time.monotonic() < deadline, "the learner did not train 2 steps in 300 s"
+                    time.sleep(0.2)
+                server.kill()  # steps overlap: a background request is in flight or about to be
+                killed_at = time.monotonic()
+                rc = learner.wait(timeout=120)
+                stopped_after = time.monotonic() - killed_at
+            finally:
+                if learner.poll() is None:
+                    os.killpg(learner.pid, signal.SIGKILL)
+    finally:
+        server.stop()
+    output = (tmp_path / "learner.log").read_text()
+    assert rc != 0, output[-4000:]
+    assert stopped_after < 60, f"ranks took {stopped_after:.0f} s to stop"
+    assert server.base_url in output, output[-4000:]
+    for rank in ("[rank0]", "[rank1]"):  # both ranks raised (neither was left in a collective)
+        assert any(line.startswith(rank) and "Error" in line for line in output.splitlines()), output[-4000:]
