@@ -169,6 +169,22 @@ def test_async_with_rollout_buffer_and_packing_requests_next_e_step_during_m_ste
     assert losses(overlapped)[0]["loss"] == losses(sync)[0]["loss"]
 
 
+@pytest.mark.usefixtures("restores_seed0")
+def test_max_staleness_2_requests_the_next_e_step_two_steps_ahead(
+    tiny_model_dir, demo_data, vllm_server, tmp_path
+):
+    sections = {"training": {"max_steps": 6}, "stage2": {"rollout_buffer": {"enabled": True, "m_steps": 3}}}
+    rollout = {"async": {"enabled": True, "max_staleness": 2}}
+    overlapped, trained = run(
+        server_cfg(tiny_model_dir, demo_data, tmp_path / "async", [vllm_server], rollout=rollout, **sections)
+    )
+    # E-steps 0 and 3; step 3's window is requested during M-step 1 (two steps ahead), right after step 1's sync.
+    assert [e["step"] for e in trained] == [0, 3]
+    assert [step for step, _, _ in overlapped.syncs] == [0, 1]
+    assert check_staleness(overlapped, trained, 2) == [0] * 4 + [2] * 4
+    assert [e.get("rollout/buffer_reuse") for e in losses(overlapped)] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+
+
 # -- 2b. several servers -----------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("restores_seed0")
 def test_async_over_two_servers_chunks_and_syncs_both(tiny_model_dir, demo_data, vllm_server, tmp_path):
