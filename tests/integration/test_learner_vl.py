@@ -228,6 +228,32 @@ def _restore(server: ServerProcess, model_dir: Path) -> None:
         WeightSyncPolicy(SyncConfig()).maybe_sync(model, 0, source)
 
 
+def test_async_image_run_trains_on_background_rollouts(tiny_vlm_dir, vl_data, vlm_server, tmp_path) -> None:
+    """`rollout.async` on the image path as the demo runs it (server mode, packing, trainable vision tower and
+    aligner, full syncs): step 1 trains on rollouts generated during step 0, one step off-policy."""
+    cfg = vl_cfg(
+        tiny_vlm_dir,
+        vl_data,
+        tmp_path,
+        model={"freeze_vision": False, "freeze_aligner": False},
+        rollout=server_rollout(vlm_server, **{"async": {"enabled": True, "max_staleness": 1}}),
+        training={"max_steps": 3},
+    )
+    rec = build_recorded(cfg)
+    try:
+        rec.trainer.train()
+    finally:
+        rec.close()
+        _restore(vlm_server, tiny_vlm_dir)
+    logged = [e for e in rec.trainer.state.log_history if "loss" in e]
+    # 8 images = 2 steps per epoch: nothing is requested across an epoch boundary (the next epoch's iterator does
+    # not exist yet), so step 2, the first of epoch 2, generates when it starts, after its own sync.
+    assert [e["rollout/prefetched"] for e in logged] == [0.0, 4.0, 0.0]
+    assert [e["rollout/staleness_max"] for e in logged] == [0.0, 1.0, 0.0]
+    assert all(e["rollout/prompt_mismatch_dropped"] == 0 for e in logged)
+    assert [step for step, _, _ in rec.syncs] == [0, 2]
+
+
 # -- 3. default freeze knobs --------------------------------------------------------------------------------------
 def test_frozen_vision_tower_and_aligner_stay_bit_identical(
     tiny_vlm_dir, vl_data, vlm_server, tmp_path
