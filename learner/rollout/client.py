@@ -163,7 +163,9 @@ class ServerRolloutSource:
         self.weight_version: int | None = None
         """Version of the last sync this source committed (None before the first)."""
         self.last_infer = InferStats()
-        """Counters of the last `infer` call (metrics: staleness, retries)."""
+        """Counters of the last `infer` call to FINISH (metrics: staleness, retries), replaced whole (never
+        mutated). With overlapped rollouts (`rollout.async`) a background call and a foreground one can finish in
+        either order: read the staleness of a batch from its results' `weight_version` instead."""
         self.last_sync_stages: dict[str, float] = {}
         """Seconds per stage of the last sync: learner side (`begin_s`, `produce_s` = export + encode,
         `upload_s`, `commit_s`) and the first server's own split (`server_*`), for profiling."""

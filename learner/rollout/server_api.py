@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -150,6 +151,10 @@ class RolloutClient:
         self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._transport_factory = transport_factory
         self._client = self._connect()
+        # Calls in flight per pool: a retry's `reconnect` must not close a pool that another thread (a background
+        # rollout, a sync from the main thread) is still using; the last caller closes a replaced pool.
+        self._in_use: dict[int, int] = {}
+        self._pool_lock = threading.Lock()
 
     def _connect(self) -> httpx.Client:
         transport = self._transport_factory() if self._transport_factory is not None else None
@@ -163,9 +168,13 @@ class RolloutClient:
         )
 
     def reconnect(self) -> None:
-        """Drops every pooled connection; the next call opens a fresh one (the §5.5 retry)."""
-        old, self._client = self._client, self._connect()
-        old.close()
+        """Drops every pooled connection; the next call opens a fresh one (the §5.5 retry). Calls still running
+        on the old pool (other threads) finish on it; it is closed when the last of them returns."""
+        with self._pool_lock:
+            old, self._client = self._client, self._connect()
+            idle = self._in_use.get(id(old), 0) == 0
+        if idle:
+            old.close()
 
     def close(self) -> None:
         """Closes the connection pool; idempotent."""
@@ -182,8 +191,11 @@ class RolloutClient:
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One HTTP call, any status; no answer → `ServerUnreachable`."""
+        with self._pool_lock:
+            client = self._client
+            self._in_use[id(client)] = self._in_use.get(id(client), 0) + 1
         try:
-            return self._client.request(method, path, **kwargs)
+            return client.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             connect_failed = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
             raise ServerUnreachable(
@@ -192,6 +204,13 @@ class RolloutClient:
                 url=self.base_url,
                 connect_failed=connect_failed,
             ) from exc
+        finally:
+            with self._pool_lock:
+                left = self._in_use[id(client)] = self._in_use[id(client)] - 1
+                if left == 0:
+                    del self._in_use[id(client)]
+            if left == 0 and client is not self._client:
+                client.close()  # replaced by `reconnect` while this call ran
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One HTTP call; non-2xx → typed `ServerError`, no answer → `ServerUnreachable`."""

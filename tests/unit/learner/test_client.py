@@ -566,3 +566,35 @@ def test_flat_bucket_is_the_tensor_bytes_back_to_back() -> None:
     assert flat[6:].clone().view(torch.float32).tolist() == [1.0] * 4
     with pytest.raises(SyncError, match="manifest says 99"):
         flat_bucket(parts, 99)
+
+
+def test_a_retry_reconnect_does_not_close_a_pool_another_thread_is_using() -> None:
+    """A background rollout's retry calls `reconnect` while the main thread's sync call is still running on the
+    old pool: that call completes, and the old pool is closed once it returns."""
+    entered, release = threading.Event(), threading.Event()
+    pools: list[httpx.MockTransport] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/slow":
+            entered.set()
+            assert release.wait(10)
+        return httpx.Response(200, json={"ok": True})
+
+    def factory() -> httpx.MockTransport:
+        pools.append(httpx.MockTransport(handler))
+        return pools[-1]
+
+    with RolloutClient(URLS[0], transport_factory=factory) as client:
+        answers: list[int] = []
+        slow = threading.Thread(target=lambda: answers.append(client._send("GET", "/slow").status_code))
+        slow.start()
+        assert entered.wait(10)
+        first_pool = client._client
+        client.reconnect()  # another thread's retry
+        assert client._client is not first_pool and not first_pool.is_closed  # still in use
+        release.set()
+        slow.join(10)
+        assert answers == [200] and first_pool.is_closed  # closed by its last caller
+        assert client._send("GET", "/fast").status_code == 200 and len(pools) == 2
+        client.reconnect()  # nobody on it: closed at once
+        assert len(pools) == 3
