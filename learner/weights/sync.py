@@ -10,7 +10,8 @@ Modes (`rollout.sync.mode`): `full` merges the adapters, exports base-model name
 adapter when the engine reports LoRA and the model is a PEFT model, else full. With `fallback_to_full`,
 any adapter failure warns once and switches to full for the rest of the run, syncing full at once.
 
-Multi-rank runs: only rank 0 sends; then every rank meets in `all_ok`, a collective that ANDs each rank's
+Multi-rank runs: only rank 0 sends (and resolves the mode, which a second `all_ok` round then hands to every
+rank, so every rank's requests name the adapter in adapter mode); every rank meets in `all_ok`, a collective that ANDs each rank's
 success flag (and so is also the barrier before the next rollout). A failed sync on rank 0 therefore stops
 every rank with an error instead of leaving the others waiting forever in a barrier. The policy never imports
 `torch.distributed`: the trainer injects `is_rank0` and `all_ok` (`learner.trainers.build.all_ranks_ok`).
@@ -155,8 +156,16 @@ class WeightSyncPolicy:
             self._agree(True, None, global_step)
             _drain(self._full_items(model))  # take part in the ZeRO-3 gathers rank 0 runs
         self._agree(failure is None, failure, global_step)
+        self._share_mode()
         self.last_synced_step = global_step
         return time.perf_counter() - started
+
+    def _share_mode(self) -> None:
+        """Every rank takes rank 0's effective mode: their requests must name the adapter in adapter mode
+        (`request_adapter`), and only rank 0 resolved it (`auto`, a fallback to full). One more `all_ok` round
+        in which the other ranks pass True, so the AND is rank 0's flag."""
+        adapter = self._all_ok(self.mode == "adapter" if self._is_rank0() else True)
+        self.mode = "adapter" if adapter else "full"
 
     def _agree(self, ok: bool, failure: Exception | None, global_step: int) -> None:
         """Meets every rank in `all_ok`; raises this rank's own failure, or a SyncError when another failed."""

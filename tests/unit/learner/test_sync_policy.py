@@ -175,7 +175,9 @@ def test_only_rank0_sends_and_every_rank_meets_the_barrier() -> None:
         policy = WeightSyncPolicy(SyncConfig(), is_rank0=lambda rank=rank: rank == 0, all_ok=all_ok)
         policy.maybe_sync(Tiny(), 0, source)
         assert policy.last_synced_step == 0
-    assert len(source.updates) == 1 and flags == [("r0", True), ("r1", True)]
+    # The sync round, then the mode round (rank 0: "is it adapter?" False; the others pass True).
+    assert len(source.updates) == 1
+    assert flags == [("r0", True), ("r0", False), ("r1", True), ("r1", True)]
 
 
 def sync_on_two_ranks(
@@ -283,3 +285,34 @@ def test_zero3_ranks_skip_the_gathers_when_rank0_fails_before_them(monkeypatch: 
     assert "not healthy" in str(errors[0])
     assert isinstance(errors[1], SyncError) and "failed on rank 0" in str(errors[1])
     assert entered_gathers == []
+
+
+def test_every_rank_learns_that_rank0_syncs_adapters() -> None:
+    """Only rank 0 resolves `auto` (here: adapter, the server has LoRA); rank 1's requests must name the adapter
+    too, or they would be served by the base weights."""
+    barrier = threading.Barrier(2, timeout=30)
+    flags: dict[int, bool] = {}
+    source = FakeSource(lora_enabled=True)
+
+    def all_ok(ok: bool, rank: int) -> bool:
+        flags[rank] = ok
+        barrier.wait()
+        result = all(flags.values())
+        barrier.wait()
+        return result
+
+    policies = [
+        WeightSyncPolicy(
+            SyncConfig(mode="auto"), is_rank0=lambda r=rank: r == 0, all_ok=lambda ok, r=rank: all_ok(ok, r)
+        )
+        for rank in (0, 1)
+    ]
+    threads = [
+        threading.Thread(target=policies[rank].maybe_sync, args=(peft_tiny(), 0, source)) for rank in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [p.request_adapter for p in policies] == ["rollmatch", "rollmatch"]
+    assert len(source.updates) == 1
