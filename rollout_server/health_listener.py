@@ -4,7 +4,8 @@ The main port's routes run on the asyncio event loop; when the loop is busy (a l
 large request body being parsed, a sync's validation) a probe there waits with it — measured 1–3 s under a
 saturated CPU. A thread in the server process is not enough: it still needs the GIL, and measured with the CPU
 saturated its p99 was no better than the main port's (bench/RESULTS.md). So the listener is a child process
-that imports only the standard library, raises its own scheduling priority when allowed (nice -10), and
+that imports only the standard library, answers on one thread, raises its own scheduling priority when allowed
+(nice -10), and
 answers from a snapshot FILE the event loop rewrites every 0.2 s (`HealthListener.publish`, atomic rename on
 tmpfs); a probe never needs the server's loop, GIL or memory. It serves (GET only, no auth, like `/health`):
 
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,8 @@ def _serve(host: str, port: int, snapshot_path: Path, parent: int, started: floa
             return None
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = 1.0
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             status, body = answer(self.path, read_snapshot(), started, time.monotonic())
             payload = json.dumps(body).encode()
@@ -171,8 +174,10 @@ def _serve(host: str, port: int, snapshot_path: Path, parent: int, started: floa
         def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep quiet
             return
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    # One thread answers every probe in turn (each answer is a file read and a few hundred bytes): no thread to
+    # start per probe, which measured slower under a saturated CPU; a client that stalls mid-request is cut off
+    # after a second (`Handler.timeout`), so it cannot hold the others up for longer.
+    server = HTTPServer((host, port), Handler)
 
     def watch_parent() -> None:  # the server is gone: so are we (liveness must not outlive it)
         while os.getppid() == parent:
