@@ -101,5 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave_process_group(rc: int) -> int:
+    """Ends a torchrun run in order: every rank meets once more, then its process group is destroyed.
+
+    Without it each rank tears its gloo/NCCL group down while exiting, possibly while another rank still
+    finishes its last collective; measured under CI load, a GRPO run with 2 ranks then ended in
+    `terminate called without an active exception` (SIGABRT) after "GRPO done". Only after success: a failed
+    rank raises instead of returning, and the others must not wait for it here.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if rc == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave_process_group(main()))

@@ -348,12 +348,11 @@ def test_two_ranks_stop_together_when_the_server_dies_mid_run(tiny_model_dir, de
     assert rc != 0, output[-4000:]
     assert stopped_after < 60, f"ranks took {stopped_after:.0f} s to stop"
     assert server.base_url in output, output[-4000:]
-    # Both ranks raised (neither was left in a collective): rank 0's traceback, and rank 1's own traceback or,
-    # when torchrun's report came before rank 1's stderr was flushed, its exit code 1 there (a rank that torchrun
-    # had to terminate would show a signal instead).
+    # Both ranks raised (neither was left in a collective). Each one shows it by its own traceback or, when
+    # torchrun's report came before that rank's stderr was flushed (either rank, measured in CI), by its exit
+    # code 1 in torchrun's failure summary (a rank that torchrun had to terminate would show a signal instead).
     lines = output.splitlines()
-    assert any(line.startswith("[rank0]") and "Error" in line for line in lines), output[-4000:]
-    rank1_raised = any(line.startswith("[rank1]") and "Error" in line for line in lines) or re.search(
-        r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*1 ", output
-    )
-    assert rank1_raised, output[-4000:]
+    for rank in (0, 1):
+        traceback = any(line.startswith(f"[rank{rank}]") and "Error" in line for line in lines)
+        summary = re.search(rf"rank\s*:\s*{rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*:\s*1 ", output)
+        assert traceback or summary, f"rank {rank}: " + output[-4000:]
