@@ -173,17 +173,22 @@ def _changed(before: dict[str, torch.Tensor], model: torch.nn.Module, part: str)
     return any(not torch.equal(before[n], now[n].detach()) for n in before)
 
 
-@pytest.mark.parametrize("adapter", ["none", "dora"])
+@pytest.mark.parametrize(
+    ("adapter", "transport"),
+    [("none", "http"), ("dora", "http"), ("none", "gloo")],
+    ids=["none", "dora", "gloo"],
+)
 def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
-    adapter, server_step, tiny_vlm_dir, vl_data, vlm_server, tmp_path
+    adapter, transport, server_step, tiny_vlm_dir, vl_data, vlm_server, tmp_path
 ) -> None:
-    """Full sync of a VL model: vision tower, aligner and LLM (DoRA merged for the export, then unmerged)."""
+    """Full sync of a VL model: vision tower, aligner and LLM (DoRA merged for the export, then unmerged); over
+    HTTP, and over the collective transport (gloo broadcasts into the vLLM worker of the image server)."""
     cfg = vl_cfg(
         tiny_vlm_dir,
         vl_data,
         tmp_path,
         model={"freeze_vision": False, "freeze_aligner": False, "adapter": adapter, "lora_r": 8},
-        rollout=server_rollout(vlm_server),
+        rollout=server_rollout(vlm_server, sync={"mode": "full", "transport": transport}),
         training={"learning_rate": 2e-2},
     )
     before_version = served_version(vlm_server)
