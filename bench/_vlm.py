@@ -43,6 +43,7 @@ __all__ = [
     "QWEN3_VL_IMAGE_PROCESSOR",
     "VlmParts",
     "build_vlm",
+    "save_vlm_2b",
     "forward_attention",
     "image_messages",
     "image_sizes",
@@ -193,6 +194,19 @@ def build_vlm(
     model.train(train)
     encoder = PromptEncoder.for_model(model, tokenizer, processor)
     return VlmParts(model, tokenizer, processor, encoder, CoordVocab.from_tokenizer(tokenizer))
+
+
+def save_vlm_2b(folder: Path, device: str | torch.device = "cpu") -> Path:
+    """Writes the random-init Qwen3-VL-2B-shaped model (bf16), its processor and tokenizer to `folder`, a model
+    directory `python -m learner` loads like a downloaded checkpoint (skipped when `folder` has one)."""
+    if (folder / "config.json").is_file():
+        return folder
+    parts = build_vlm(False, device, train=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    parts.model.config.use_cache = True
+    parts.model.save_pretrained(folder, safe_serialization=True)
+    parts.processor.save_pretrained(folder)
+    return folder
 
 
 def forward_attention(model: torch.nn.Module) -> str:

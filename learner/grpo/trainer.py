@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from learner.device_memory import peak_memory_metrics
 from learner.grpo.advantages import compute_advantages, sequence_kl
 from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
 from learner.grpo.data import PromptRow
@@ -379,6 +380,7 @@ class GrpoTrainer(Trainer):
         """Adds the GRPO metrics of the steps since the last log to training logs, then defers to HF."""
         if "loss" in logs:
             logs.update(self._finalize_metrics())
+            logs.update(peak_memory_metrics(self.args.device))
         super().log(logs, start_time)
 
     def _finalize_metrics(self) -> dict[str, float]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from learner.device_memory import peak_memory_metrics
 from learner.metrics import StepMetrics
 from learner.stage2.buffer import RolloutBuffer, TaggedBatch
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
@@ -281,6 +282,7 @@ class RolloutMatchingTrainer(Trainer):
         """Adds the aggregated per-step metrics to training logs, then defers to HF."""
         if "loss" in logs:
             logs.update(self.step_metrics.finalize())
+            logs.update(peak_memory_metrics(self.args.device))
         super().log(logs, start_time)
 
 
