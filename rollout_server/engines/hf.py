@@ -2,12 +2,14 @@
 
 Every blocking call (generate, weight apply) runs on ONE dedicated worker thread, so `/health` stays
 responsive and an update committed during a generation waits for it: in-flight requests finish on the old
-weights and no request sees a mix. Text-only: image requests are refused with 400.
+weights and no request sees a mix. Text-only: a vision-language checkpoint is refused at start
+(`refuse_vision_language`, naming the set-ups that serve images) and image requests with 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +41,7 @@ from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HfEngine", "torch_dtype_code"]
+__all__ = ["HfEngine", "refuse_vision_language", "torch_dtype_code"]
 
 _DTYPE_CODES = {
     torch.float32: "F32",
@@ -55,6 +57,28 @@ _DTYPE_CODES = {
 }
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Seed offset between the `n` completions of one request (odd, so completions never share a stream)."""
+
+
+def refuse_vision_language(path: Path) -> None:
+    """Raises when `path` holds a vision-language checkpoint (its config.json has a `vision_config`).
+
+    This backend decodes text-only causal LMs (its decode loop has no vision inputs and no M-RoPE), so a Qwen-VL
+    checkpoint is refused before loading, with the two set-ups that do serve images: the vLLM backend, or on a
+    machine without vLLM the learner's own colocated HF engine (which generates with the training model, images
+    included).
+    """
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # transformers' own loader names a missing or broken config.json
+    if "vision_config" in config:
+        kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
+        raise ValueError(
+            f"server.backend 'hf' serves text-only causal LMs, and server.model {path} is a vision-language"
+            f" model ({kind}); serve it with server.backend: vllm, or on a machine without vLLM drop the server"
+            " and set rollout.mode: colocate with rollout.backend: hf (the training model generates, images"
+            " included)"
+        )
 
 
 def torch_dtype_code(dtype: torch.dtype) -> str:
@@ -118,6 +142,7 @@ class HfEngine:
             raise FileNotFoundError(
                 f"server.model {cfg.model!r} resolves to {path}, which is not a directory"
             )
+        refuse_vision_language(path)
         dtype = _TORCH_DTYPES.get(cfg.dtype, "auto")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         if torch.cuda.is_available():

@@ -241,3 +241,19 @@ def test_full_sync_switches_to_new_weights(
     result = out.results[0]
     assert result.weight_version == version and out.weight_version == version
     assert result.choices[0].token_ids == greedy(seed1, result.prompt_token_ids, 12)
+
+
+def test_a_vision_language_checkpoint_is_refused_with_the_setups_that_serve_it(
+    tiny_vlm_dir: Path, tiny_model_dir: Path
+) -> None:
+    """The HF backend is text-only: a Qwen-VL directory fails at start with the fix, not transformers' lookup
+    error from deep inside the engine load."""
+    from rollout_server.config import ServerConfig
+    from rollout_server.engines.hf import HfEngine, refuse_vision_language
+
+    refuse_vision_language(tiny_model_dir)  # a causal LM passes
+    with pytest.raises(ValueError, match="vision-language") as caught:
+        HfEngine.from_config(ServerConfig(model=str(tiny_vlm_dir), backend="hf", dtype="float32"))
+    message = str(caught.value)
+    assert "Qwen3VLForConditionalGeneration" in message
+    assert "server.backend: vllm" in message and "rollout.mode: colocate" in message
