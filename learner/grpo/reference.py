@@ -47,9 +47,17 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logps(self, batch: dict[str, torch.Tensor | int]) -> torch.Tensor:
-        """``[B, K]`` reference log-probs of ``batch["targets"]`` (see ``learner.grpo.batch``)."""
+        """``[B, K]`` reference log-probs of ``batch["targets"]`` (see ``learner.grpo.batch``), computed on the
+        batch's device: a frozen copy taken on the host before the Trainer placed the policy (it is built
+        before training starts) follows the batch there on first use."""
+        self._follow(batch["targets"].device)  # type: ignore[union-attr]
         with self._context():
             return completion_logps(self.module, batch)
+
+    def _follow(self, device: torch.device) -> None:
+        param = next(self.module.parameters(), None)
+        if param is not None and param.device != device:
+            self.module.to(device)
 
 
 @contextlib.contextmanager
