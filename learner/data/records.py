@@ -129,10 +129,37 @@ def iter_records(
 def load_records(
     path: str | Path, *, image_root: str | Path | None = None, max_images_per_sample: int = 1
 ) -> list[dict[str, Any]]:
-    """All validated records of a JSONL file (row ``j`` of the result has ``base_idx = j``)."""
-    return [
-        r for _, r in iter_records(path, image_root=image_root, max_images_per_sample=max_images_per_sample)
+    """All validated records of a JSONL file (row ``j`` of the result has ``base_idx = j``).
+
+    Every local image file must exist (one ``stat`` each, at load time): a missing file would otherwise surface
+    at the rollout that first draws its record, possibly hours into a run. URLs and data URLs are not fetched.
+
+    Raises:
+        DataRecordError: a record violates §1.1, or image files are missing (the first few are listed with
+            their lines, and the count).
+    """
+    rows = list(iter_records(path, image_root=image_root, max_images_per_sample=max_images_per_sample))
+    missing = [
+        (line_no, ref)
+        for line_no, record in rows
+        for ref in record["images"]
+        if not (ref.startswith("data:") or "://" in ref) and not os.path.isfile(ref)
     ]
+    if missing:
+        shown = "; ".join(f"line {line_no}: {ref}" for line_no, ref in missing[:5])
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        root = (
+            "data.image_root"
+            if image_root is not None
+            else "the JSONL file's folder (or set data.image_root)"
+        )
+        raise DataRecordError(
+            str(path),
+            missing[0][0],
+            f"{len(missing)} image file(s) do not exist: {shown}{more}; relative paths are resolved against"
+            f" {root}",
+        )
+    return [record for _, record in rows]
 
 
 def make_sample_id(dataset_namespace: int, base_idx: int) -> int:

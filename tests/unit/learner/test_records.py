@@ -30,11 +30,43 @@ REC = {
 }
 
 
-def _write(tmp_path, lines) -> str:
+def _write(tmp_path, lines, *, touch_images: bool = True) -> str:
+    """The JSONL under `tmp_path/data`; with `touch_images`, the records' relative image files exist beside it
+    and under `tmp_path/root` (load_records checks that local image files exist)."""
     p = tmp_path / "data" / "train.jsonl"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    if touch_images:
+        for line in lines:
+            for ref in line.get("images", []) if isinstance(line, dict) else []:
+                if isinstance(ref, str) and ref and not os.path.isabs(ref):
+                    for base in (p.parent, tmp_path / "root"):
+                        (base / ref).parent.mkdir(parents=True, exist_ok=True)
+                        (base / ref).touch()
     return str(p)
+
+
+def test_missing_image_files_fail_at_load_listing_lines_and_count(tmp_path):
+    records = [{**REC, "images": [f"img/{i}.jpg"]} for i in range(8)]
+    path = _write(tmp_path, records)
+    for i in (1, 2, 3, 4, 5, 6, 7):
+        (tmp_path / "data" / "img" / f"{i}.jpg").unlink()
+    with pytest.raises(DataRecordError) as err:
+        load_records(path)
+    assert err.value.line_no == 2 and "7 image file(s) do not exist" in err.value.reason
+    assert (
+        "line 2:" in err.value.reason
+        and "img/1.jpg" in err.value.reason
+        and "(and 2 more)" in err.value.reason
+    )
+    assert "data.image_root" in err.value.reason
+    (tmp_path / "root" / "img" / "0.jpg").unlink()
+    with pytest.raises(
+        DataRecordError, match=r"train.jsonl:1: 1 image file.*root/img/0.jpg.*data.image_root"
+    ):
+        load_records(path, image_root=tmp_path / "root")
+    urls = [{**REC, "images": ["https://h/x.jpg"]}, {**REC, "images": ["data:image/png;base64,AAAA"]}]
+    assert len(load_records(_write(tmp_path, urls))) == 2  # never fetched at load
 
 
 def test_missing_images_raises_with_line_number(tmp_path):
