@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("learner")
 
     from learner.config import ConfigError, load_run_config
+    from learner.data.errors import DataRecordError
     from learner.yaml_loader import load_yaml_with_extends
 
     try:
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = build_run(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except DataRecordError as exc:  # a record or image file of data.train / data.eval (docs/DATA.md)
+        print(f"data error: {exc}", file=sys.stderr)
         return 2
 
     from tqdm.contrib.logging import logging_redirect_tqdm

@@ -99,7 +99,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """`data:` — dataset files (spec/STAGE2.md §1)."""
+    """`data:` — dataset files (the record format and the converter from pixel annotations: docs/DATA.md)."""
 
     train: list[str]
     """Training JSONL files, in dataset-namespace order (sample_id = namespace << 32 | row)."""

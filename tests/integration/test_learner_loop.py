@@ -450,6 +450,12 @@ def test_cli_refuses_guard_cases_with_one_line_naming_the_key(tiny_model_dir, de
             tmp_path, "max_len", base, rollout={**rollout, "vllm": {"max_model_len": 64}}
         ),
     }
+    broken = tmp_path / "broken.jsonl"  # a data error is one line too, naming file and line
+    broken.write_text(Path(base.data.train[0]).read_text().splitlines()[0] + "\n{not json\n")
+    data = base.model_dump(mode="json")["data"]
+    cases["broken.jsonl:2: invalid JSON"] = _cli_config(
+        tmp_path, "data", base, data={**data, "train": [str(broken)]}
+    )
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     procs = {
         key: subprocess.Popen(
@@ -464,7 +470,7 @@ def test_cli_refuses_guard_cases_with_one_line_naming_the_key(tiny_model_dir, de
     }
     for key, proc in procs.items():
         _, stderr = proc.communicate(timeout=240)
-        errors = [line for line in stderr.splitlines() if line.startswith("config error:")]
+        errors = [line for line in stderr.splitlines() if line.startswith(("config error:", "data error:"))]
         assert proc.returncode == 2, f"{key}: exit {proc.returncode}\n{stderr[-2000:]}"
         assert len(errors) == 1 and key in errors[0], f"{key}: {stderr[-2000:]}"
 
