@@ -38,7 +38,8 @@ class ImageRefError(ValueError):
     Attributes:
         index: global request index (or sample index) the image belongs to.
         position: the image's position within that request.
-        why: what is wrong, without the reference itself (data URLs can be megabytes).
+        why: what is wrong; names a local path or file URL in full, a data: URL by its size only (they can be
+            megabytes).
     """
 
     def __init__(self, index: int, position: int, why: str) -> None:
@@ -86,9 +87,14 @@ def image_bytes(ref: str, index: int = 0, position: int = 0) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError as exc:
-        raise ImageRefError(index, position, f"file {path.name!r} does not exist") from exc
+        raise ImageRefError(index, position, f"file {str(path)!r} does not exist") from exc
     except OSError as exc:
-        raise ImageRefError(index, position, f"file {path.name!r} cannot be read ({exc.strerror})") from exc
+        raise ImageRefError(index, position, f"file {str(path)!r} cannot be read ({exc.strerror})") from exc
+
+
+def _describe(ref: str) -> str:
+    """A reference as errors name it: a path or file URL in full, a data: URL by its size only."""
+    return f"a data: URL of {len(ref)} characters" if ref.startswith("data:") else repr(ref)
 
 
 def load_image(ref: str, index: int = 0, position: int = 0) -> Any:
@@ -104,7 +110,9 @@ def load_image(ref: str, index: int = 0, position: int = 0) -> Any:
         image = Image.open(io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise ImageRefError(index, position, "the bytes are not a decodable image") from exc
+        raise ImageRefError(
+            index, position, f"the bytes of {_describe(ref)} are not a decodable image ({exc})"
+        ) from exc
     image = ImageOps.exif_transpose(image)
     return image.convert("RGB")
 

@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
 
 from learner.data.errors import DataRecordError
 from learner.stage2.format import serialize_objects
@@ -37,7 +39,16 @@ def resolve_image(ref: str, jsonl_dir: str | Path, image_root: str | Path | None
     if ref.startswith("data:") or "://" in ref or os.path.isabs(ref):
         return ref
     base = image_root if image_root is not None else jsonl_dir
-    return os.path.join(os.path.abspath(base), ref)
+    return os.path.normpath(os.path.join(os.path.abspath(base), ref))
+
+
+def _local_file(ref: str) -> str | None:
+    """The local file behind a path or `file://` URL; None for data: URLs and other schemes."""
+    if ref.startswith("file://"):
+        return url2pathname(unquote(urlparse(ref).path))
+    if ref.startswith("data:") or "://" in ref:
+        return None
+    return ref
 
 
 def _is_pos_int(v: Any) -> bool:
@@ -143,7 +154,7 @@ def load_records(
         (line_no, ref)
         for line_no, record in rows
         for ref in record["images"]
-        if not (ref.startswith("data:") or "://" in ref) and not os.path.isfile(ref)
+        if (local := _local_file(ref)) is not None and not os.path.isfile(local)
     ]
     if missing:
         shown = "; ".join(f"line {line_no}: {ref}" for line_no, ref in missing[:5])

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from learner.data.errors import DataRecordError
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import GtExtraction, extract_gt
 from learner.stage2.labels import encode_segment
@@ -22,6 +23,7 @@ from learner.stage2.parse import ParseResult, parse_rollout
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.segment import Segment
 from learner.stage2.targets import TargetsConfig, build_y_train
+from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
 __all__ = ["SampleContext", "SampleOutcome", "eval_metrics", "prepare_segment", "score_rollout"]
@@ -64,7 +66,16 @@ class SampleContext:
     def encode_prompt(self, sample: Mapping[str, Any]) -> EncodedPrompt:
         """The teacher-forced prompt of a sample (§11.1): its rollout messages through the one encoder
         (text or images), cached for the rollout-buffer window."""
-        return self.encoder.encode(self.rollout_messages(sample), index=int(sample.get("base_idx", 0)))
+        try:
+            return self.encoder.encode(self.rollout_messages(sample), index=int(sample.get("base_idx", 0)))
+        except ImageRefError as exc:
+            raise DataRecordError(
+                None,
+                None,
+                f"row {sample.get('base_idx')} (0-based) of data set {sample.get('dataset')!r} (the"
+                f" JSONL file's stem): {exc.why}; fix or remove that record"
+                " (python -m learner.data.convert decodes every image of a data set: docs/DATA.md)",
+            ) from exc
 
     def prompt_ids(self, sample: Mapping[str, Any]) -> list[int]:
         """Teacher-forced prompt ids (images expanded as the engine expands them)."""

@@ -357,3 +357,24 @@ def test_adapter_sync_on_a_lora_server(tiny_vlm_dir, vl_data, vlm_lora_server, t
         assert base != own  # the adapter changed the answers, so the comparison can fail
     finally:
         rec.close()
+
+
+def test_an_undecodable_image_names_its_record_and_file(tiny_vlm_dir, vl_data, tmp_path) -> None:
+    """A corrupt image file (it exists, so the load-time check passes) stops the run at its first encoding
+    with a data error naming the record and the file, not a bare decoder error."""
+    from learner.data.errors import DataRecordError
+    from learner.trainers.build import build_run
+
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    for image in (vl_data.parent / "images").iterdir():
+        (folder / "images" / image.name).write_bytes(image.read_bytes())
+    (folder / "images" / "img0.png").write_bytes((vl_data.parent / "images" / "img0.png").read_bytes()[:60])
+    (folder / "train.jsonl").write_text(vl_data.read_text())
+    cfg = vl_cfg(
+        tiny_vlm_dir, folder / "train.jsonl", tmp_path / "out", rollout={"mode": "colocate", "backend": "hf"}
+    )
+    with pytest.raises(DataRecordError, match=r"row 0 \(0-based\) of data set 'train'") as caught:
+        build_run(cfg)
+    assert str(folder / "images" / "img0.png") in str(caught.value)
+    assert "not a decodable image" in str(caught.value)

@@ -67,6 +67,8 @@ def test_missing_image_files_fail_at_load_listing_lines_and_count(tmp_path):
         load_records(path, image_root=tmp_path / "root")
     urls = [{**REC, "images": ["https://h/x.jpg"]}, {**REC, "images": ["data:image/png;base64,AAAA"]}]
     assert len(load_records(_write(tmp_path, urls))) == 2  # never fetched at load
+    with pytest.raises(DataRecordError, match="/no/such.jpg"):  # a file:// URL is a local file
+        load_records(_write(tmp_path, [{**REC, "images": ["file:///no/such.jpg"]}]))
 
 
 def test_missing_images_raises_with_line_number(tmp_path):
