@@ -80,7 +80,8 @@ def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_module_entry_point_runs(tmp_path: Path, model_dir: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    inherited = os.environ.get("PYTHONPATH")  # kept: dependencies may live on it (the device machines)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), inherited]))}
     cmd = [sys.executable, "-m", "learner.grpo.resolve", "--config", str(_config(tmp_path, model_dir))]
     ok = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert ok.returncode == 0, ok.stderr
