@@ -22,7 +22,7 @@ from learner.stage2.messages import rollout_messages
 from learner.stage2.parse import ParseResult, parse_rollout
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.segment import Segment
-from learner.stage2.targets import TargetsConfig, build_y_train
+from learner.stage2.targets import TargetsConfig, build_y_train, pruned_rollout_ids
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
@@ -126,6 +126,14 @@ def prepare_segment(
         SegmentTooLongError: oversize with `stage2.encode.oversize_policy: raise` (a configuration problem).
     """
     parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
+    generated_preds = float(len(parse.valid_objects))
+    pruned = None
+    if ctx.targets.unmatched_prefix == "drop":
+        pruned = pruned_rollout_ids(parse, result_match, ctx.tokenizer, ctx.coord_vocab)
+    if pruned is not None:  # teacher-force the matched objects only; the counters stay the rollout's
+        parse = parse_rollout(pruned, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
+        preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
+        result_match = match(preds, [(g.geom_type, g.bins) for g in gts.objects], ctx.matching)
     y_train = build_y_train(
         parse,
         gts.objects,
@@ -141,6 +149,13 @@ def prepare_segment(
         "rollout/rollout_len": float(len(result.choices[0].token_ids)),
         "rollout/gen_new_tokens": float(len(result.choices[0].token_ids)),
     }
+    if pruned is not None:
+        tp = y_train.counters["matched_for_supervision"]
+        y_train.counters.update(
+            valid_pred_objects=generated_preds,
+            fp=generated_preds - tp,
+            sample_valid_pred=float(generated_preds > 0),
+        )
     for key, value in y_train.counters.items():
         if key in _LENGTHS:
             lengths[f"rollout/{key}"] = value
