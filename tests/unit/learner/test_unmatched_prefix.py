@@ -27,7 +27,7 @@ def _raw(obj: tuple[str, str, list[int]]) -> dict:
     return {"desc": desc, geom: [f"<|coord_{b}|>" for b in bins]}
 
 
-def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt):
+def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty: bool = False):
     cfg = RunConfig.model_validate(
         {
             "model": {"path": str(tiny_model_dir)},
@@ -54,7 +54,7 @@ def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt):
         prompt_token_ids=ctx.prompt_ids(sample),
         choices=[
             Choice(
-                token_ids=tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False),
+                token_ids=[] if empty else tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False),
                 text="",
                 finish_reason="stop",
             )
@@ -118,3 +118,13 @@ def test_a_rollout_with_nothing_matched_becomes_the_ground_truth(tiny_tokenizer,
 class _obj:  # noqa: N801 - a SerializableObject built from a (desc, geom_type, bins) tuple
     def __init__(self, o: tuple[str, str, list[int]]) -> None:
         self.desc, self.geom_type, self.bins = o
+
+
+def test_an_empty_rollout_gives_the_plain_ground_truth_either_way(tiny_tokenizer, tiny_model_dir) -> None:
+    """The stage-1 warm-up (`stage2.sft_warmup_steps`) trains on an empty rollout: identical segments."""
+    kept = _prepare(tiny_tokenizer, tiny_model_dir, "keep", [], [CAT, FISH], empty=True)
+    dropped = _prepare(tiny_tokenizer, tiny_model_dir, "drop", [], [CAT, FISH], empty=True)
+    assert list(kept[1].input_ids) == list(dropped[1].input_ids) and list(kept[1].labels) == list(
+        dropped[1].labels
+    )
+    assert kept[0] == serialize_objects(extract_gt([_raw(CAT), _raw(FISH)], sample_id=0).objects)
