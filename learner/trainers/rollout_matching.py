@@ -30,6 +30,7 @@ from learner.metrics import StepMetrics
 from learner.stage2.buffer import RolloutBuffer, TaggedBatch
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.stage2.offload import offload_context
+from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
@@ -80,6 +81,7 @@ class RolloutMatchingTrainer(Trainer):
         self.coord_ids = torch.tensor(planner.ctx.coord_vocab.ids, dtype=torch.long)
         self._last_forward_s = 0.0
         self.step_metrics = StepMetrics(reduce_fn=self._reduce_metrics if self.args.world_size > 1 else None)
+        self.over_prediction = OverPredictionAlarm(planner.ctx.targets.unmatched_prefix)
 
     # -- step planning ------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
@@ -283,6 +285,9 @@ class RolloutMatchingTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.step_metrics.finalize())
             logs.update(peak_memory_metrics(self.args.device))
+            warning = self.over_prediction.observe(logs)
+            if warning and self.is_world_process_zero():
+                logger.warning(warning)
         super().log(logs, start_time)
 
 
