@@ -82,7 +82,8 @@ class TargetsConfig(BaseModel):
     from step 0 for 40 steps, `keep` predicted 313 objects at step 10 (72 % of answers cut at
     `max_new_tokens`) and ended at F1 0.35 from 0.367; `drop` predicted 105–162 throughout and ended at
     0.408. `make demo`'s last 30 steps: `keep` 0.611 → 0.528 (with `canonical_seam`: 237 predicted objects,
-    0.48), `drop` 0.611 → 0.585 with 152 predicted objects and no cut answers. The other way round on the
+    0.48), `drop` 0.611 → 0.585 with 152 predicted objects and no cut answers; with `training.seed: 1`
+    `keep` 0.628 → 0.565 (166 predicted), `drop` 0.628 → 0.616 (140). The other way round on the
     text demo, whose model under-predicts when rollout-matching starts (72 predicted objects for 167 GT):
     `keep` 0.603 → 0.970 in its 100 rollout-matching steps, `drop` 0.603 → 0.725 (its own near-misses are
     what `keep` lets it continue from). Hence the default stays the spec's: switch to `drop` when
