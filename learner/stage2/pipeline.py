@@ -22,7 +22,7 @@ from learner.stage2.messages import rollout_messages
 from learner.stage2.parse import ParseResult, parse_rollout
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.segment import Segment
-from learner.stage2.targets import TargetsConfig, build_y_train, pruned_rollout_ids
+from learner.stage2.targets import TargetsConfig, build_y_train, prune_unmatched
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
@@ -129,11 +129,10 @@ def prepare_segment(
     generated_preds = float(len(parse.valid_objects))
     pruned = None
     if ctx.targets.unmatched_prefix == "drop":
-        pruned = pruned_rollout_ids(parse, result_match, ctx.tokenizer, ctx.coord_vocab)
+        pruned = prune_unmatched(parse, result_match, ctx.tokenizer, ctx.coord_vocab)
     if pruned is not None:  # teacher-force the matched objects only; the counters stay the rollout's
-        parse = parse_rollout(pruned, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
-        preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
-        result_match = match(preds, [(g.geom_type, g.bins) for g in gts.objects], ctx.matching)
+        pruned_ids, result_match = pruned
+        parse = parse_rollout(pruned_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
     y_train = build_y_train(
         parse,
         gts.objects,

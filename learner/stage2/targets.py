@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -41,7 +41,7 @@ __all__ = [
     "matching_rates",
     "prefix_coord_targets",
     "prefix_coord_targets_batch",
-    "pruned_rollout_ids",
+    "prune_unmatched",
     "serialize_append",
 ]
 
@@ -413,21 +413,26 @@ def _encode_tail(
     return append_ids
 
 
-def pruned_rollout_ids(
+def prune_unmatched(
     parse: ParseResult, match: MatchResult, tokenizer: Any, coord_vocab: CoordVocab
-) -> list[int] | None:
-    """The rollout with its unmatched objects removed (`stage2.targets.unmatched_prefix: drop`), or None
-    when there is nothing to remove (every object the model started is valid and matched).
+) -> tuple[list[int], MatchResult] | None:
+    """The rollout with its unmatched objects removed (`stage2.targets.unmatched_prefix: drop`) and `match`
+    renumbered onto it, or None when there is nothing to remove (every object the model started is valid and
+    matched).
 
     The kept objects are the matched predictions in the model's order, with its descs and bins, renumbered
-    `object_1..K` and serialized canonically (§4) inside a closed top-level object: the caller parses and
-    matches these ids like any rollout, so the cut, the FN append and the coordinate targets are the spec's.
+    `object_1..K` and serialized canonically (§4) inside a closed top-level object: the caller parses these ids
+    like any rollout, so the cut, the FN append and the coordinate targets are the spec's. Kept object `k` is
+    prediction `pairs[k]` of `match` (pairs are sorted by prediction index), so the assignment is carried over
+    rather than solved again; the gating counters stay those of the generated rollout.
     """
     if len(match.pairs) == len(parse.all_objects) and not parse.fallback:
         return None
-    kept = [parse.valid_objects[i] for i, _, _ in match.pairs]  # pairs are sorted by prediction index
+    kept = [parse.valid_objects[i] for i, _, _ in match.pairs]
     text = serialize_objects(kept)  # type: ignore[arg-type]  # ParsedObject: desc, geom_type, bins all set
-    return _encode_tail(text, [b for o in kept for b in o.bins], tokenizer, coord_vocab)
+    ids = _encode_tail(text, [b for o in kept for b in o.bins], tokenizer, coord_vocab)
+    renumbered = replace(match, pairs=tuple((k, j, iou) for k, (_, j, iou) in enumerate(match.pairs)), fp=())
+    return ids, renumbered
 
 
 def _ratio(num: float, den: float) -> float:
