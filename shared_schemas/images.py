@@ -25,7 +25,7 @@ from urllib.request import url2pathname
 
 from shared_schemas.infer import image_ref_kind
 
-__all__ = ["IMAGE_TAG", "ImageRefError", "attach_images", "image_bytes", "load_image"]
+__all__ = ["IMAGE_TAG", "ImageRefError", "attach_images", "image_bytes", "load_image", "local_image_path"]
 
 IMAGE_TAG = "<image>"
 """ms-swift's inline image marker in string message content."""
@@ -61,11 +61,8 @@ def image_bytes(ref: str, index: int = 0, position: int = 0) -> bytes:
     Raises:
         ImageRefError: unknown scheme, malformed URL, missing or unreadable file.
     """
-    try:
-        kind = image_ref_kind(ref)
-    except ValueError as exc:
-        raise ImageRefError(index, position, str(exc)) from exc
-    if kind == "data":
+    path = local_image_path(ref, index, position)
+    if path is None:  # a data: URL
         header, sep, payload = ref.partition(",")
         if not sep:
             raise ImageRefError(index, position, "data: URL without a ',' before the payload")
@@ -75,21 +72,34 @@ def image_bytes(ref: str, index: int = 0, position: int = 0) -> bytes:
             except (binascii.Error, ValueError) as exc:
                 raise ImageRefError(index, position, "data: URL payload is not valid base64") from exc
         return unquote_to_bytes(payload)
-    if kind == "file":
-        parsed = urlparse(ref)
-        if parsed.netloc not in ("", "localhost"):
-            raise ImageRefError(
-                index, position, f"file:// URL names host {parsed.netloc!r}; only local files"
-            )
-        path = Path(url2pathname(unquote(parsed.path)))
-    else:
-        path = Path(ref).expanduser()
     try:
         return path.read_bytes()
     except FileNotFoundError as exc:
         raise ImageRefError(index, position, f"file {str(path)!r} does not exist") from exc
     except OSError as exc:
         raise ImageRefError(index, position, f"file {str(path)!r} cannot be read ({exc.strerror})") from exc
+
+
+def local_image_path(ref: str, index: int = 0, position: int = 0) -> Path | None:
+    """The local file behind a path or `file://` URL; None for a `data:` URL.
+
+    Raises:
+        ImageRefError: unknown scheme, or a `file://` URL naming another host.
+    """
+    try:
+        kind = image_ref_kind(ref)
+    except ValueError as exc:
+        raise ImageRefError(index, position, str(exc)) from exc
+    if kind == "data":
+        return None
+    if kind == "file":
+        parsed = urlparse(ref)
+        if parsed.netloc not in ("", "localhost"):
+            raise ImageRefError(
+                index, position, f"file:// URL names host {parsed.netloc!r}; only local files"
+            )
+        return Path(url2pathname(unquote(parsed.path)))
+    return Path(ref).expanduser()
 
 
 def _describe(ref: str) -> str:

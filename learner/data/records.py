@@ -12,13 +12,12 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote, urlparse
-from urllib.request import url2pathname
 
 from learner.data.errors import DataRecordError
 from learner.stage2.format import serialize_objects
 from learner.stage2.gt import GTObject, MalformedObjectError, order_objects, parse_gt_object
 from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT, build_messages
+from shared_schemas.images import ImageRefError, local_image_path
 
 __all__ = [
     "DataRecordError",
@@ -42,13 +41,14 @@ def resolve_image(ref: str, jsonl_dir: str | Path, image_root: str | Path | None
     return os.path.normpath(os.path.join(os.path.abspath(base), ref))
 
 
-def _local_file(ref: str) -> str | None:
-    """The local file behind a path or `file://` URL; None for data: URLs and other schemes."""
-    if ref.startswith("file://"):
-        return url2pathname(unquote(urlparse(ref).path))
-    if ref.startswith("data:") or "://" in ref:
-        return None
-    return ref
+def _missing_local_file(ref: str) -> bool:
+    """True when `ref` names a local file (path or `file://` URL) that does not exist. Data URLs, and references
+    `shared_schemas.images` refuses anyway (unknown scheme, another host), are left to the error at decode."""
+    try:
+        path = local_image_path(ref)
+    except ImageRefError:
+        return False
+    return path is not None and not path.is_file()
 
 
 def _is_pos_int(v: Any) -> bool:
@@ -151,10 +151,7 @@ def load_records(
     """
     rows = list(iter_records(path, image_root=image_root, max_images_per_sample=max_images_per_sample))
     missing = [
-        (line_no, ref)
-        for line_no, record in rows
-        for ref in record["images"]
-        if (local := _local_file(ref)) is not None and not os.path.isfile(local)
+        (line_no, ref) for line_no, record in rows for ref in record["images"] if _missing_local_file(ref)
     ]
     if missing:
         shown = "; ".join(f"line {line_no}: {ref}" for line_no, ref in missing[:5])
