@@ -12,7 +12,12 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
+
+_COLLECTIVE_THREADS = ("pt_gloo", "gloo_", "pt_nccl")
+"""Name prefixes of the native threads torch's process groups start (gloo workers and TCP loop, NCCL
+watchdog/heartbeat)."""
 
 
 def _configure_logging() -> None:
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 if evaluated_last
                 else (trainer.evaluate() if trainer.eval_samples else {})
             )
+        if cfg.save_final_model:  # every rank calls it: ZeRO-3 gathers the partitions for rank 0 to write
+            trainer.save_model(str(parts.output_dir / "model"))
     finally:
         parts.source.close()
     if trainer.is_world_process_zero():
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": trainer.state.global_step,
             "metrics": str(metrics_path),
             "report": str(report) if report else None,
+            "model": str(parts.output_dir / "model") if cfg.save_final_model else None,
         }
         (parts.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if first and last:
@@ -105,22 +113,85 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def leave_process_group(rc: int) -> int:
-    """Ends a torchrun run in order: every rank meets once more, then its process group is destroyed.
+def native_threads(prefixes: tuple[str, ...] = _COLLECTIVE_THREADS) -> dict[str, int]:
+    """Live OS threads of this process whose name starts with one of `prefixes`, counted by name (Linux;
+    empty elsewhere). gloo names its workers `pt_gloo_runloop` and its TCP event loop `gloo_tcp_loop`."""
+    counts: dict[str, int] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return counts
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+        except OSError:
+            continue
+        if name.startswith(prefixes):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
-    Without it each rank tears its gloo/NCCL group down while exiting, possibly while another rank still
-    finishes its last collective; measured under CI load, a GRPO run with 2 ranks then ended in
-    `terminate called without an active exception` (SIGABRT) after "GRPO done". Only after success: a failed
-    rank raises instead of returning, and the others must not wait for it here.
+
+def shutdown(rc: int) -> int:
+    """Ends the process's distributed and background work in a fixed order, while the interpreter is alive.
+
+    1. `gc.collect()`: the trainer, its DDP/DeepSpeed wrapper and the accelerator sit in reference cycles;
+       until they are collected the DDP reducer keeps the process group alive.
+    2. Success only: every rank meets once more (`barrier`), so no rank tears down while another still runs
+       its last collective (a failed rank must not be waited for).
+    3. `destroy_process_group()` drops the registry's references; with the reducer gone that was the last
+       one, so gloo's destructor joins its worker threads (`pt_gloo_runloop`) and TCP loop here, on the main
+       thread.
+    4. tqdm's monitor thread is stopped and joined.
+
+    Why (issue 22): when the group outlived `main`, gloo's worker threads were still running when Python
+    finalized; a worker that touched a Python object then (releasing a finished work's tensors) found the
+    interpreter gone and CPython ended it with `pthread_exit`, whose forced unwind through a `noexcept` C++
+    frame is `std::terminate` — `terminate called without an active exception`, SIGABRT, after the run had
+    finished. A leftover collective thread is logged by name.
     """
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         if rc == 0:
             dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
+    from tqdm._monitor import TMonitor
+
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):  # one per tqdm class that showed a bar (tqdm.auto, tqdm.std, ...)
+            thread.exit()
+            thread.join(timeout=5)
+            thread.tqdm_cls.monitor = None
+    left = native_threads()
+    if left:
+        logging.getLogger("learner").warning(
+            "collective threads still alive at exit: %s (a process group is still referenced; the exit may"
+            " abort)",
+            left,
+        )
     return rc
 
 
+def run(argv: list[str] | None = None) -> int:
+    """`main`, then `shutdown`, also when `main` raised: the traceback is printed and dropped first (it holds
+    the trainer's frame, hence the process group), and the exit code is 1."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse
+        rc = exc.code if isinstance(exc.code, int) else 2
+    except BaseException:  # noqa: BLE001 — reported here, then the process group is torn down in order
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        rc = 1
+    return shutdown(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(leave_process_group(main()))
+    sys.exit(run())

@@ -189,3 +189,30 @@ def run_config(model_dir: Path, train: Path, output_dir: Path, **sections: Any) 
         "stage2": {"encode": {"global_max_length": 1024}, "eval": {"at_start": False}},
     }
     return RunConfig.model_validate(deep_merge(base, sections))
+
+
+EXIT_LOOP_RUNS = int(os.environ.get("ROLLMATCH_EXIT_LOOP_RUNS", "3"))
+"""Two-rank runs per variant in the exit loop (issue 22: one in a few CI runs aborted at exit before the fix)."""
+EXIT_ABORTS = ("terminate called", "collective threads still alive", "Fatal Python error")
+
+
+def exit_problems(result: subprocess.CompletedProcess) -> list[str]:
+    """What an orderly two-rank exit must not show: a non-zero code, `std::terminate`, a leftover gloo thread."""
+    output = result.stdout + result.stderr
+    problems = [marker for marker in EXIT_ABORTS if marker in output]
+    if result.returncode != 0:
+        problems.append(f"exit code {result.returncode}")
+    return problems
+
+
+def start_learner_2rank(config: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """`scripts/start_learner.sh --nproc 2` on `config` (torchrun, gloo), proxies and WORLD_SIZE unset."""
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "WORLD_SIZE"}
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "start_learner.sh"), "--config", str(config), "--nproc", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

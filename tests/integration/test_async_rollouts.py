@@ -39,7 +39,14 @@ import yaml
 from transformers import TrainerCallback
 
 from learner.config import RunConfig
-from tests.integration.learner_fixtures import REPO, demo_data_fixture, start_server  # noqa: F401 - fixture
+from tests.integration.learner_fixtures import (  # noqa: F401 - fixture
+    EXIT_LOOP_RUNS,
+    REPO,
+    demo_data_fixture,
+    exit_problems,
+    start_learner_2rank,
+    start_server,
+)
 from tests.integration.test_learner_loop import (  # noqa: F401 - fixtures
     Recorded,
     build_recorded,
@@ -275,17 +282,9 @@ def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
     before = served_version(vllm_server)
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "WORLD_SIZE"}
-    result = subprocess.run(
-        ["bash", str(REPO / "scripts" / "start_learner.sh"), "--config", str(config), "--nproc", "2"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = start_learner_2rank(config, timeout=600)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    assert not exit_problems(result), output[-6000:]
     steps = [
         json.loads(line)
         for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -301,6 +300,29 @@ def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
     sync_lines = [line for line in output.splitlines() if "weight sync step" in line]
     assert len(sync_lines) == 2 and all("[rank0]" in line for line in sync_lines), sync_lines
     assert served_version(vllm_server) == before + 2
+
+
+@pytest.mark.usefixtures("restores_seed0")
+@pytest.mark.parametrize("rollout", [{}, ASYNC], ids=["sync", "async"])
+def test_two_rank_runs_exit_cleanly_every_time(tiny_model_dir, demo_data, vllm_server, tmp_path, rollout):
+    """The two-rank learner, run again and again: every run exits 0 with its gloo threads joined before Python
+    finalizes (`learner.__main__.shutdown`; the learner warns by name about a collective thread still alive)."""
+    for attempt in range(EXIT_LOOP_RUNS):
+        cfg = server_cfg(
+            tiny_model_dir,
+            demo_data,
+            tmp_path / f"run{attempt}",
+            [vllm_server],
+            training={"max_steps": 2},
+            rollout=rollout,
+        )
+        config = tmp_path / f"run{attempt}.yaml"
+        config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+        result = start_learner_2rank(config, timeout=600)
+        problems = exit_problems(result)
+        assert not problems, (
+            f"attempt {attempt + 1}/{EXIT_LOOP_RUNS}: {problems}\n{(result.stdout + result.stderr)[-4000:]}"
+        )
 
 
 def test_two_ranks_stop_together_when_the_server_dies_mid_run(tiny_model_dir, demo_data, tmp_path):
