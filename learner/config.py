@@ -366,6 +366,10 @@ class RunConfig(_Section):
     """GRPO section (validated by learner.grpo.config when the GRPO trainer runs)."""
     output_dir: str = "runs/default"
     """Where metrics.jsonl, TensorBoard events, checkpoints and the report go."""
+    save_final_model: bool = True
+    """Write the trained policy to `output_dir/model` after the last step (HF `save_model`: full weights with
+    config and tokenizer/processor, or the adapter for PEFT runs; gathered under ZeRO-3). It loads as
+    `model.path` of a later run or as the rollout server's `server.model`."""
 
     @field_validator("training")
     @classmethod
