@@ -22,7 +22,7 @@ from learner.stage2.messages import rollout_messages
 from learner.stage2.parse import ParseResult, parse_rollout
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.segment import Segment
-from learner.stage2.targets import TargetsConfig, build_y_train, prune_unmatched
+from learner.stage2.targets import TargetsConfig, build_y_train, model_order, prune_unmatched
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
@@ -113,6 +113,26 @@ def _parse_and_match(
     return parse, gts, result_match, counters
 
 
+def rollout_counts(parse: ParseResult, result_match: Any, n_gt: int) -> dict[str, float]:
+    """The matching counters of the GENERATED rollout (`drop`/`reorder` rewrite the teacher-forced answer;
+    `rollout/*` must still say what the model produced)."""
+    preds = float(len(parse.valid_objects))
+    matched = float(len(result_match.pairs))
+    return {
+        "valid_pred_objects": preds,
+        "matched": matched,
+        "matched_for_supervision": matched,
+        "fp": preds - matched,
+        "fn": float(n_gt) - matched,
+        "gating_rejections": float(result_match.gating_rejections),
+        "candidate_pairs": float(result_match.candidate_pairs),
+        "matched_maskiou_sum": float(result_match.iou_sum),
+        "matched_maskiou_count": float(result_match.iou_count),
+        "sample_valid_pred": float(preds > 0),
+        "sample_any_match": float(matched > 0),
+    }
+
+
 def prepare_segment(
     sample: Mapping[str, Any], result: InferResult, ctx: SampleContext, *, rollout_step: int
 ) -> tuple[Segment | None, SampleOutcome]:
@@ -126,16 +146,24 @@ def prepare_segment(
         SegmentTooLongError: oversize with `stage2.encode.oversize_policy: raise` (a configuration problem).
     """
     parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
-    generated_preds = float(len(parse.valid_objects))
-    pruned = None
+    generated = rollout_counts(parse, result_match, len(gts.objects))
+    rewritten = False
+    gt_objects = gts.objects
     if ctx.targets.unmatched_prefix == "drop":
         pruned = prune_unmatched(parse, result_match, ctx.tokenizer, ctx.coord_vocab)
-    if pruned is not None:  # teacher-force the matched objects only; the counters stay the rollout's
-        pruned_ids, result_match = pruned
-        parse = parse_rollout(pruned_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
+        if pruned is not None:  # teacher-force the matched objects only; the counters stay the rollout's
+            pruned_ids, result_match = pruned
+            parse = parse_rollout(pruned_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
+            rewritten = True
+    elif ctx.targets.unmatched_prefix == "reorder" and result.choices[0].token_ids:
+        # The ground truth in the model's order, as a plain-GT target (an empty rollout's Y_train).
+        gt_objects = [gts.objects[j] for j in model_order(result_match, len(gts.objects))]
+        parse = parse_rollout([], ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
+        result_match = match([], [(g.geom_type, g.bins) for g in gt_objects], ctx.matching)
+        rewritten = True
     y_train = build_y_train(
         parse,
-        gts.objects,
+        gt_objects,
         result_match,
         ctx.tokenizer,
         ctx.coord_vocab,
@@ -148,13 +176,8 @@ def prepare_segment(
         "rollout/rollout_len": float(len(result.choices[0].token_ids)),
         "rollout/gen_new_tokens": float(len(result.choices[0].token_ids)),
     }
-    if pruned is not None:
-        tp = y_train.counters["matched_for_supervision"]
-        y_train.counters.update(
-            valid_pred_objects=generated_preds,
-            fp=generated_preds - tp,
-            sample_valid_pred=float(generated_preds > 0),
-        )
+    if rewritten:  # the rollout/ metrics describe what the model generated, not the rewritten answer
+        y_train.counters.update(generated)
     for key, value in y_train.counters.items():
         if key in _LENGTHS:
             lengths[f"rollout/{key}"] = value

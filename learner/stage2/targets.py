@@ -41,6 +41,8 @@ __all__ = [
     "matching_rates",
     "prefix_coord_targets",
     "prefix_coord_targets_batch",
+    "answer_ids",
+    "model_order",
     "prune_unmatched",
     "serialize_append",
 ]
@@ -57,8 +59,10 @@ class TargetsConfig(BaseModel):
     """Entropic regularization in norm1000 units (10 ≈ hard nearest assignment)."""
     ot_iters: int = Field(default=30, ge=1)
     """Sinkhorn iterations."""
-    canonical_seam: bool = False
-    """Off (the spec, §10 "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have
+    canonical_seam: bool = True
+    """On by default (a choice beyond the spec: with it, a rollout equal to its GT is teacher-forced on the
+    very tokens plain SFT trains, and the end of turn follows the token the model itself emits). Off (the
+    spec, §10 "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have
     split a merged token (`]}}` → re-encoded `]}`) and the appended `}` becomes a separate token: a token
     path a model trained on canonical tokenizations (stage-1 SFT) never produced, whose end-of-turn it then
     mispredicts (measured on the tiny Qwen3-VL: `loss/ce_eos` 4.4 at the first rollout-matching step against ~0
@@ -69,25 +73,27 @@ class TargetsConfig(BaseModel):
     (`make demo` with this on): `loss/ce_eos` 4.4 → 0.0 at the rollout-matching steps, held-out F1 not better
     (0.61 → 0.48 over the last 40 steps against 0.61 → 0.53 with it off): the drop there comes from
     over-prediction (`rollout/parse_truncated_rate` 0.56 at step 199), not from the seam."""
-    unmatched_prefix: Literal["keep", "drop"] = "keep"
-    """`keep` (the spec, §8.3): false-positive and invalid objects stay in the rollout prefix, unsupervised.
-    Then the only stop decision a sample supervises comes AFTER every object the model emitted plus the
+    unmatched_prefix: Literal["keep", "drop", "reorder"] = "keep"
+    """What the teacher-forced answer keeps of the rollout.
+
+    `keep` (the spec, §8.3): the rollout prefix as generated; false-positive and invalid objects stay in it,
+    unsupervised. The only stop a sample supervises comes AFTER every object the model emitted plus the
     appended FNs, so a model that over-predicts is taught to stop late, predicts more, and is taught to stop
-    later still. `drop`: the teacher-forced answer keeps the matched objects only, in the model's order
-    with its own descs and coordinates (renumbered `object_1..K` and re-encoded; coordinate targets as
-    §9), then the FNs and the close: the stop is supervised after as many objects as the ground truth
-    holds. A rollout without FP or invalid objects is used as is (its own tokens). Metrics (`rollout/fp`,
-    `rollout/valid_pred_objects`, `rollout/parse_*`) describe the rollout the model generated either way.
-    Measured on the image demo (64 held-out images, 149 GT objects, seed 0, one run each): rollout-matching
-    from step 0 for 40 steps, `keep` predicted 313 objects at step 10 (72 % of answers cut at
-    `max_new_tokens`) and ended at F1 0.35 from 0.367; `drop` predicted 105–162 throughout and ended at
-    0.408. `make demo`'s last 30 steps: `keep` 0.611 → 0.528 (with `canonical_seam`: 237 predicted objects,
-    0.48), `drop` 0.611 → 0.585 with 152 predicted objects and no cut answers; with `training.seed: 1`
-    `keep` 0.628 → 0.565 (166 predicted), `drop` 0.628 → 0.616 (140). The other way round on the
-    text demo, whose model under-predicts when rollout-matching starts (72 predicted objects for 167 GT):
-    `keep` 0.603 → 0.970 in its 100 rollout-matching steps, `drop` 0.603 → 0.725 (its own near-misses are
-    what `keep` lets it continue from). Hence the default stays the spec's: switch to `drop` when
-    `rollout/pred_per_sample` climbs above `rollout/gt_per_sample` during rollout-matching."""
+    later still.
+
+    `drop`: the matched objects only, in the model's order with its own descs and coordinates (renumbered
+    `object_1..K`, in the plain-GT targets' token path; coordinate targets as §9), then the FNs and the close:
+    the stop is supervised after as many objects as the ground truth holds. A rollout that opens with `{` and
+    has no FP or invalid object is used as is.
+
+    `reorder`: the ground truth in the model's order — the GT objects the model matched, in the order it
+    emitted them, then the ones it missed, every token supervised as in plain SFT (GT descs and coordinates).
+    Only the ORDER comes from the rollout: plain SFT of a set whose serialization order is arbitrary (random
+    object order) must learn an order it cannot predict; here the model keeps its own. When the model's
+    order is the GT's, `Y_train`, labels and loss equal plain SFT's.
+
+    Metrics (`rollout/fp`, `rollout/valid_pred_objects`, `rollout/parse_*`) describe the rollout the model
+    generated in every mode. Measured: bench/RESULTS.md "Rollout-matching vs plain SFT" (A/B over seeds)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -413,26 +419,50 @@ def _encode_tail(
     return append_ids
 
 
+def answer_ids(objects: Sequence[Any], tokenizer: Any, coord_vocab: CoordVocab) -> list[int]:
+    """A whole answer in the token path of the plain-GT targets: ``encode("{")`` (the §6.4 fallback prefix an
+    empty rollout gets), then the entries and the close encoded as one appended fragment (§10).
+
+    Stage-1 warm-up steps train exactly this path (Y_train of an empty rollout), so it is the path the model
+    generates; encoding the answer text in one piece instead merges the opening ``{"`` into one token that the
+    model never produces (measured on the tiny Qwen2: supervising it drove P(first token = ``{``) 0.99 -> 0.09
+    in 7 steps, then the answers started with ``111":1":`` and held no object).
+    """
+    text = serialize_objects(objects)  # type: ignore[arg-type]  # desc, geom_type, bins
+    brace = encode_segmented(tokenizer, "{")
+    return brace + _encode_tail(text[1:], [b for o in objects for b in o.bins], tokenizer, coord_vocab)
+
+
 def prune_unmatched(
     parse: ParseResult, match: MatchResult, tokenizer: Any, coord_vocab: CoordVocab
 ) -> tuple[list[int], MatchResult] | None:
     """The rollout with its unmatched objects removed (`stage2.targets.unmatched_prefix: drop`) and `match`
     renumbered onto it, or None when there is nothing to remove (every object the model started is valid and
-    matched).
+    matched, and the answer opens with its ``{``).
 
     The kept objects are the matched predictions in the model's order, with its descs and bins, renumbered
-    `object_1..K` and serialized canonically (§4) inside a closed top-level object: the caller parses these ids
-    like any rollout, so the cut, the FN append and the coordinate targets are the spec's. Kept object `k` is
-    prediction `pairs[k]` of `match` (pairs are sorted by prediction index), so the assignment is carried over
-    rather than solved again; the gating counters stay those of the generated rollout.
+    `object_1..K` and serialized canonically (§4) inside a closed top-level object, in the token path of the
+    plain-GT targets (:func:`answer_ids`): the caller parses these ids like any rollout, so the cut, the FN
+    append and the coordinate targets are the spec's. Text the model wrote before the opening ``{`` is
+    dropped too. Kept object `k` is prediction `pairs[k]` of `match` (pairs are sorted by prediction index),
+    so the assignment is carried over rather than solved again; the gating counters stay those of the
+    generated rollout.
     """
-    if len(match.pairs) == len(parse.all_objects) and not parse.fallback:
+    opens_answer = parse.first_open_brace is not None and not parse.text[: parse.first_open_brace].strip()
+    if len(match.pairs) == len(parse.all_objects) and not parse.fallback and opens_answer:
         return None
     kept = [parse.valid_objects[i] for i, _, _ in match.pairs]
-    text = serialize_objects(kept)  # type: ignore[arg-type]  # ParsedObject: desc, geom_type, bins all set
-    ids = _encode_tail(text, [b for o in kept for b in o.bins], tokenizer, coord_vocab)
+    ids = answer_ids(kept, tokenizer, coord_vocab)
     renumbered = replace(match, pairs=tuple((k, j, iou) for k, (_, j, iou) in enumerate(match.pairs)), fp=())
     return ids, renumbered
+
+
+def model_order(match: MatchResult, n_gt: int) -> list[int]:
+    """GT indices in the order the model emitted their matches (`unmatched_prefix: reorder`), then the
+    unmatched GT objects in GT order."""
+    matched = [j for _, j, _ in match.pairs]  # pairs are sorted by prediction index: the model's order
+    seen = set(matched)
+    return matched + [j for j in range(n_gt) if j not in seen]
 
 
 def _ratio(num: float, den: float) -> float:

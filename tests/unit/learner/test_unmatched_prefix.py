@@ -1,7 +1,10 @@
-"""`stage2.targets.unmatched_prefix: drop`: the teacher-forced answer keeps the matched objects only.
+"""`stage2.targets.unmatched_prefix`: `keep` (the spec), `drop` (matched objects only), `reorder` (the ground
+truth in the model's order).
 
-Runs `prepare_segment` (parse → match → Y_train → segment) on the tiny model's real tokenizer, once with the
-spec's `keep` and once with `drop`, on a rollout holding a false positive between two matches.
+Runs `prepare_segment` (parse → match → Y_train → segment) on the tiny model's real tokenizer. Invariants are
+checked on token IDS and labels, not on decoded text: two token paths of the same text (`{` `"object` … as
+the plain-GT targets train, or the merged `{"` … that encoding the whole answer gives) decode alike, and
+training the second one collapsed the text demo (issue 23).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _raw(obj: tuple[str, str, list[int]]) -> dict:
     return {"desc": desc, geom: [f"<|coord_{b}|>" for b in bins]}
 
 
-def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty: bool = False):
+def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty: bool = False, rollout_ids=None):
     cfg = RunConfig.model_validate(
         {
             "model": {"path": str(tiny_model_dir)},
@@ -54,7 +57,11 @@ def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty: bo
         prompt_token_ids=ctx.prompt_ids(sample),
         choices=[
             Choice(
-                token_ids=[] if empty else tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False),
+                token_ids=[]
+                if empty
+                else rollout_ids
+                if rollout_ids is not None
+                else tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False),
                 text="",
                 finish_reason="stop",
             )
@@ -128,3 +135,92 @@ def test_an_empty_rollout_gives_the_plain_ground_truth_either_way(tiny_tokenizer
         dropped[1].labels
     )
     assert kept[0] == serialize_objects(extract_gt([_raw(CAT), _raw(FISH)], sample_id=0).objects)
+
+
+# -- invariants on token ids (issue 23) ------------------------------------------------------------------------
+def _sft_path(tokenizer, objects) -> list[int]:
+    """What a model trained on the plain-GT targets generates for `objects`: their token path, then the end of
+    turn."""
+    from learner.stage2.coords import CoordVocab
+    from learner.stage2.targets import answer_ids
+
+    return answer_ids([_obj(o) for o in objects], tokenizer, CoordVocab.from_tokenizer(tokenizer)) + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
+
+
+def _same(a, b) -> bool:
+    return (
+        list(a.input_ids) == list(b.input_ids)
+        and list(a.labels) == list(b.labels)
+        and list(a.coord_pos) == list(b.coord_pos)
+        and list(a.coord_bins) == list(b.coord_bins)
+    )
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop", "reorder"])
+def test_a_rollout_equal_to_the_ground_truth_is_trained_on_the_plain_sft_tokens(
+    tiny_tokenizer, tiny_model_dir, policy
+) -> None:
+    """The model answers exactly the GT, in the token path the warm-up trained: every policy teacher-forces
+    the plain-SFT token ids; `reorder` also supervises them exactly as plain SFT does (labels and coordinate
+    slots), `keep`/`drop` leave the prefix's desc values unsupervised (§12)."""
+    gt = [CAT, DOG_GT, FISH]
+    sft = _prepare(tiny_tokenizer, tiny_model_dir, policy, [], gt, empty=True)[1]
+    rm = _prepare(tiny_tokenizer, tiny_model_dir, policy, gt, gt, rollout_ids=_sft_path(tiny_tokenizer, gt))[
+        1
+    ]
+    assert list(rm.input_ids) == list(sft.input_ids)
+    if policy == "reorder":
+        assert _same(rm, sft)
+
+
+@pytest.mark.parametrize("policy", ["drop", "reorder"])
+@pytest.mark.parametrize(
+    "case",
+    ["all_false_positive", "nothing_parsable", "text_before_the_brace"],
+)
+def test_a_rollout_without_usable_objects_is_trained_exactly_like_plain_sft(
+    tiny_tokenizer, tiny_model_dir, policy, case
+) -> None:
+    """Nothing matched (a hallucination, garbage, or text before the `{`): the target is the plain-GT
+    segment, token for token and label for label — the first answer token is the bare `{` the model opens
+    with, never the merged `{"` (the collapse of issue 23)."""
+    gt = [CAT, FISH]
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rollout = {
+        "all_false_positive": _sft_path(tiny_tokenizer, [BIRD]),
+        "nothing_parsable": tiny_tokenizer.encode('111":1": cat', add_special_tokens=False) + [im_end],
+        "text_before_the_brace": tiny_tokenizer.encode('111":1": ', add_special_tokens=False)
+        + _sft_path(tiny_tokenizer, [BIRD]),
+    }[case]
+    sft = _prepare(tiny_tokenizer, tiny_model_dir, policy, [], gt, empty=True)[1]
+    rm = _prepare(tiny_tokenizer, tiny_model_dir, policy, [], gt, rollout_ids=rollout)[1]
+    assert _same(rm, sft)
+    assert rm.input_ids[rm.meta.prompt_len] == tiny_tokenizer.encode("{", add_special_tokens=False)[0]
+
+
+def test_drop_teacher_forces_the_matched_objects_in_the_plain_sft_token_path(
+    tiny_tokenizer, tiny_model_dir
+) -> None:
+    """A false positive between two matches: the pruned answer's ids are the plain-GT path of the same
+    objects (what the model generates), not a fresh encoding of the whole text."""
+    rollout = _sft_path(tiny_tokenizer, [CAT, BIRD, DOG])
+    _, rm, _ = _prepare(tiny_tokenizer, tiny_model_dir, "drop", [], [CAT, DOG_GT, FISH], rollout_ids=rollout)
+    want = _sft_path(tiny_tokenizer, [CAT, DOG, FISH])[:-1]  # the model's own matched objects, then the FN
+    got = list(rm.input_ids[rm.meta.prompt_len : rm.meta.prompt_len + rm.meta.train_len])
+    assert got == want
+
+
+def test_reorder_is_plain_sft_of_the_ground_truth_in_the_model_order(tiny_tokenizer, tiny_model_dir) -> None:
+    """The model emits DOG before CAT (and a false positive): the target is the GT with DOG first (its GT
+    coordinates), then CAT, then the missed FISH — the plain-SFT segment of that order, FP gone."""
+    rollout = _sft_path(tiny_tokenizer, [DOG, BIRD, CAT])
+    _, rm, outcome = _prepare(
+        tiny_tokenizer, tiny_model_dir, "reorder", [], [CAT, DOG_GT, FISH], rollout_ids=rollout
+    )
+    sft = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], [DOG_GT, CAT, FISH], empty=True)[1]
+    assert _same(rm, sft)
+    # the counters describe the generated rollout: 3 predictions, 2 matched, 1 FP, 1 FN
+    assert outcome.counters["valid_pred_objects"] == 3.0 and outcome.counters["fp"] == 1.0
+    assert outcome.counters["matched"] == 2.0 and outcome.counters["fn"] == 1.0

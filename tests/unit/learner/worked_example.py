@@ -124,7 +124,7 @@ def run_pipeline(
         m,
         tokenizer,
         coords,
-        targets or TargetsConfig(),
+        targets or TargetsConfig(canonical_seam=False),  # the spec's §10 seam, as §21 works it out
         fn_desc_ce=fn_desc_ce,
         prefix_structure_ce=prefix_structure_ce,
     )

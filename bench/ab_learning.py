@@ -1,0 +1,315 @@
+"""A/B of learning recipes from one checkpoint: K seeds x arms, equal steps and samples, held-out F1.
+
+    python bench/ab_learning.py --task text-random --arms sft,rm-keep,rm-drop --seeds 0,1,2
+    python bench/ab_learning.py --smoke            # the CI smoke: tiny model, 2 arms, 1 seed, 2 steps
+
+What it does, per task (a demo config plus one data change):
+1. builds the task's data (its own directory, ``--eval-samples`` held-out rows) and a BASE checkpoint: plain
+   SFT for ``--base-steps`` from the demo's starting model (seed 0), saved by the learner
+   (``output_dir/model``); reused when it exists;
+2. starts ONE rollout server on the base (every run's first rollout step syncs its own weights, so runs can
+   share it) unless ``--server-url`` names one;
+3. for every seed and arm runs ``python -m learner`` from the base for ``--steps`` optimizer steps with the
+   same batch, learning rate (constant, no warm-up) and data order per seed, evaluating the held-out
+   F1 every ``--eval-every`` steps on ``--eval-samples`` rows (greedy);
+4. writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation, then one summary line per arm: mean, sd over
+   seeds and the PAIRED difference to the ``sft`` arm of the same seed) and ``ab.png`` (F1 by step, a band
+   per arm: min-max over seeds, mean line).
+
+Arms are named stage-2 recipes (``ARMS``): each is the task config plus a ``stage2`` override, so an arm is
+exactly what a user gets by writing those keys. ``sft`` is the plain-GT control of the same length.
+Noise: with 64 held-out samples a run's F1 moves by about +-0.05 between numerically equivalent runs; 256
+samples and 3 seeds are the minimum for a 0.03 claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+ARMS: dict[str, dict[str, Any]] = {
+    "sft": {},
+    "rm-keep": {"targets": {"unmatched_prefix": "keep"}},
+    "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
+    "rm-reorder": {"targets": {"unmatched_prefix": "reorder"}},
+}
+"""Arm name → ``stage2`` override (deep-merged over the task config's stage2). Every arm trains on the plain GT
+for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues on
+the plain GT and the others roll out."""
+
+TASKS: dict[str, dict[str, Any]] = {
+    name: {"config": f"configs/demo_{kind}_cpu.yaml", "kind": kind, "ordering": ordering, "model": model}
+    for kind, model in (
+        ("tiny", ".cache/models/tiny-qwen2-copy"),
+        ("vlm", ".cache/models/tiny-qwen3-vl-demo"),
+    )
+    for ordering in ("sorted", "random")
+    for name in [f"{'text' if kind == 'tiny' else 'image'}-{ordering}"]
+}
+
+
+SHM_DIR = f"/dev/shm/rollmatch-ab-{os.getpid()}"
+"""The harness's server and learners share this staging dir (shm syncs), apart from any other server's."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_data(task: dict[str, Any], out: Path, n_eval: int, smoke: bool) -> tuple[Path, Path]:
+    """The task's train/eval JSONL (the demo generator, ``n_eval`` held-out rows)."""
+    sys.path.insert(0, str(REPO))
+    if task["kind"] == "tiny":
+        from learner.data.synthetic import DemoDataConfig, write_demo_dataset
+
+        train, held_out = write_demo_dataset(out, 64 if smoke else 4000, n_eval, 0, DemoDataConfig())
+    else:
+        from learner.data.synthetic_images import write_image_dataset
+
+        train, held_out = write_image_dataset(out, 64 if smoke else 6000, n_eval, 0)
+    return Path(train), Path(held_out)
+
+
+def run_learner(config: dict[str, Any], path: Path, log: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    with log.open("w") as fh:
+        rc = subprocess.run(
+            [PY, "-m", "learner", "--config", str(path)],
+            cwd=REPO,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    if rc != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
+        raise SystemExit(f"learner run {path} failed with exit code {rc}; log {log}:\n{tail}")
+
+
+def start_server(task_config: Path, model: Path, out: Path) -> tuple[subprocess.Popen, str]:
+    """The task's rollout server (its ``server:`` section) on the base checkpoint, on a free port."""
+    port = free_port()
+    cfg = {
+        "extends": str(REPO / task_config),
+        "server": {"port": port, "model": str(model), "shm_dir": SHM_DIR},
+    }
+    path = out / "server.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = (out / "server.log").open("w")
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "scripts/start_rollout_server.sh"), "--config", str(path), "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"rollout server exited with {proc.returncode}; see {out / 'server.log'}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.terminate()
+    raise SystemExit(f"rollout server on {url} not healthy after 300 s; see {out / 'server.log'}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def eval_curve(metrics: Path) -> list[dict[str, float]]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [
+        {"step": int(r["step"]), "f1": r["eval_rollout_f1"], "pred": r["eval_rollout_pred_objects"]}
+        for r in rows
+        if "eval_rollout_f1" in r
+    ]
+
+
+def summarize(task: str, curves: dict[tuple[str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+    """One line per arm: final F1 mean/sd over seeds, and the paired difference to the sft arm."""
+    arms = sorted({a for a, _ in curves})
+    lines = []
+    for arm in arms:
+        seeds = sorted(s for a, s in curves if a == arm)
+        finals = [curves[(arm, s)][-1]["f1"] for s in seeds]
+        line: dict[str, Any] = {
+            "task": task,
+            "arm": arm,
+            "seeds": seeds,
+            "final_f1": finals,
+            "mean": statistics.fmean(finals),
+            "sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "final_pred_objects": [curves[(arm, s)][-1]["pred"] for s in seeds],
+        }
+        if arm != "sft" and all(("sft", s) in curves for s in seeds):
+            diffs = [curves[(arm, s)][-1]["f1"] - curves[("sft", s)][-1]["f1"] for s in seeds]
+            line.update(
+                paired_diff=diffs,
+                paired_mean=statistics.fmean(diffs),
+                paired_sd=statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                paired_min=min(diffs),
+                paired_max=max(diffs),
+            )
+        lines.append(line)
+    return lines
+
+
+def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm in sorted({a for a, _ in curves}):
+        runs = [c for (a, _), c in sorted(curves.items()) if a == arm]
+        steps = [p["step"] for p in runs[0]]
+        by_step = [[r[i]["f1"] for r in runs if i < len(r)] for i in range(len(steps))]
+        mean = [statistics.fmean(v) for v in by_step]
+        ax.plot(steps, mean, label=f"{arm} (n={len(runs)})")
+        ax.fill_between(steps, [min(v) for v in by_step], [max(v) for v in by_step], alpha=0.2)
+    ax.set_xlabel("step (from the base checkpoint)")
+    ax.set_ylabel("held-out rollout F1")
+    ax.set_title(f"{task}: mean and min-max over seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="text-random")
+    parser.add_argument("--arms", default="sft,rm-keep,rm-drop")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--base-steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-samples", type=int, default=256)
+    parser.add_argument("--learning-rate", type=float, default=None, help="constant; default: the config's")
+    parser.add_argument("--out", type=Path, default=None, help="default runs/ab/<task>")
+    parser.add_argument("--server-url", default=None, help="use this running server instead of starting one")
+    parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.arms, args.seeds, args.base_steps, args.steps = "sft,rm-drop", "0", 2, 2
+        args.eval_every, args.eval_samples = 2, 8
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; known: {sorted(ARMS)}")
+    task = TASKS[args.task]
+    out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    train, held_out = build_data(task, out / "data", args.eval_samples, args.smoke)
+    task_config = REPO / task["config"]
+    batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if args.smoke else {}
+    common = {
+        "extends": str(task_config),
+        "data": {
+            "train": [str(train)],
+            "eval": [str(held_out)],
+            "object_ordering": task["ordering"],
+            "max_eval_samples": args.eval_samples,
+        },
+        "training": {"report_to": [], **batch},
+    }
+
+    server = None
+    url = args.server_url
+    if url is None:
+        server, url = start_server(task_config, Path(task["model"]), out)
+    curves: dict[tuple[str, int], list[dict[str, float]]] = {}
+    results = out / "ab.jsonl"
+    try:
+        with results.open("a") as fh:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                for arm in args.arms.split(","):
+                    run_dir = out / f"{arm}-s{seed}-{args.steps}"
+                    metrics = run_dir / "metrics.jsonl"
+                    if (
+                        not metrics.exists()
+                        or not eval_curve(metrics)
+                        or eval_curve(metrics)[-1]["step"] != args.steps
+                    ):
+                        total = args.base_steps + args.steps
+                        training = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
+                        training["eval_steps"] = args.eval_every
+                        if args.learning_rate is not None:
+                            training["learning_rate"] = args.learning_rate
+                        stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": False}})
+                        # every arm: plain GT for the base steps (the same run for a seed), then its recipe
+                        stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
+                        cfg = deep_merge(
+                            common,
+                            {
+                                "output_dir": str(run_dir),
+                                "rollout": {"servers": [{"base_url": url}], "sync": {"shm_dir": SHM_DIR}},
+                                "training": training,
+                                "stage2": stage2,
+                                "save_final_model": False,
+                            },
+                        )
+                        t0 = time.time()
+                        metrics.unlink(missing_ok=True)
+                        run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
+                        print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
+                    curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
+                    curves[(arm, seed)] = curve
+                    for point in curve:
+                        fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
+                        fh.flush()
+            summary = summarize(args.task, curves)
+            for line in summary:
+                fh.write(json.dumps({"summary": True, **line}) + "\n")
+                print(json.dumps(line), flush=True)
+    finally:
+        if server is not None:
+            stop_server(server)
+    plot(args.task, curves, out / "ab.png")
+    print(f"[ab] {results} and {out / 'ab.png'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
