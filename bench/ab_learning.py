@@ -1,25 +1,22 @@
-"""A/B of learning recipes from one checkpoint: K seeds x arms, equal steps and samples, held-out F1.
+"""A/B of learning recipes: K seeds x arms, equal steps and samples, held-out F1 over seeds.
 
-    python bench/ab_learning.py --task text-random --arms sft,rm-keep,rm-drop --seeds 0,1,2
-    python bench/ab_learning.py --smoke            # the CI smoke: tiny model, 2 arms, 1 seed, 2 steps
+    python bench/ab_learning.py --task text-random --arms sft,rm-keep,rm-drop,rm-reorder --seeds 0,1,2
+    python bench/ab_learning.py --task image-random --colocate     # a GPU machine without vLLM
+    python bench/ab_learning.py --smoke --server-url URL           # the CI smoke (< 1 min on a running server)
 
-What it does, per task (a demo config plus one data change):
-1. builds the task's data (its own directory, ``--eval-samples`` held-out rows) and a BASE checkpoint: plain
-   SFT for ``--base-steps`` from the demo's starting model (seed 0), saved by the learner
-   (``output_dir/model``); reused when it exists;
-2. starts ONE rollout server on the base (every run's first rollout step syncs its own weights, so runs can
-   share it) unless ``--server-url`` names one;
-3. for every seed and arm runs ``python -m learner`` from the base for ``--steps`` optimizer steps with the
-   same batch, learning rate (constant, no warm-up) and data order per seed, evaluating the held-out
-   F1 every ``--eval-every`` steps on ``--eval-samples`` rows (greedy);
-4. writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation, then one summary line per arm: mean, sd over
-   seeds and the PAIRED difference to the ``sft`` arm of the same seed) and ``ab.png`` (F1 by step, a band
-   per arm: min-max over seeds, mean line).
+A task is a demo config plus its object order (``TASKS``: text or image demo, ``sorted`` or ``random``). Every
+run of a seed starts with the same ``--base-steps`` of plain-GT training (the demo's own stage 1: runs are
+deterministic, so this phase is one checkpoint shared by the seed's arms, optimizer state included), then
+trains ``--steps`` more with its arm's recipe (``ARMS``: a ``stage2`` override, exactly what a user writes
+in YAML). ``sft`` is the control: plain GT for the same steps and samples. The held-out F1 is evaluated
+every ``--eval-every`` steps on ``--eval-samples`` rows (greedy; 64 rows move F1 by about +-0.05 between
+equivalent runs, so 256 and three seeds are the minimum for a 0.03 claim).
 
-Arms are named stage-2 recipes (``ARMS``): each is the task config plus a ``stage2`` override, so an arm is
-exactly what a user gets by writing those keys. ``sft`` is the plain-GT control of the same length.
-Noise: with 64 held-out samples a run's F1 moves by about +-0.05 between numerically equivalent runs; 256
-samples and 3 seeds are the minimum for a 0.03 claim.
+Writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation; then per arm: the final F1 per seed, mean, sd and
+the PAIRED difference to ``sft`` of the same seed, with its min and max) and ``ab.png`` (F1 by step: mean line
+and min-max band per arm). One rollout server (the task config's ``server:`` section) serves every run unless
+``--server-url`` names one or ``--colocate`` rolls out in-process; a run's first rollout step syncs its
+weights, so runs can share a server. Finished runs are reused (delete the run directory to redo one).
 """
 
 from __future__ import annotations
@@ -230,11 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=None, help="constant; default: the config's")
     parser.add_argument("--out", type=Path, default=None, help="default runs/ab/<task>")
     parser.add_argument("--server-url", default=None, help="use this running server instead of starting one")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="roll out in-process (HF engine) instead of a server: GPU machines",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.arms, args.seeds, args.base_steps, args.steps = "sft,rm-drop", "0", 2, 2
+        args.seeds, args.base_steps, args.steps = "0", 2, 2
         args.eval_every, args.eval_samples = 2, 8
+        args.arms = "sft,rm-reorder"
     unknown = sorted(set(args.arms.split(",")) - set(ARMS))
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; known: {sorted(ARMS)}")
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     train, held_out = build_data(task, out / "data", args.eval_samples, args.smoke)
     task_config = REPO / task["config"]
     batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if args.smoke else {}
+    smoke_decoding = {"decoding": {"max_new_tokens": 48}} if args.smoke else {}
     common = {
         "extends": str(task_config),
         "data": {
@@ -253,12 +257,20 @@ def main(argv: list[str] | None = None) -> int:
             "max_eval_samples": args.eval_samples,
         },
         "training": {"report_to": [], **batch},
+        "rollout": smoke_decoding,
     }
 
     server = None
     url = args.server_url
-    if url is None:
+    if url is None and not args.colocate:
         server, url = start_server(task_config, Path(task["model"]), out)
+    rollout = (
+        {"mode": "colocate", "backend": "hf"}
+        if args.colocate
+        else {"servers": [{"base_url": url}], "sync": {"shm_dir": SHM_DIR}}
+        if server is not None
+        else {"servers": [{"base_url": url}], "sync": {"transport": "http"}}  # another host's staging dir
+    )
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
     results = out / "ab.jsonl"
     try:
@@ -284,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                             common,
                             {
                                 "output_dir": str(run_dir),
-                                "rollout": {"servers": [{"base_url": url}], "sync": {"shm_dir": SHM_DIR}},
+                                "rollout": rollout,
                                 "training": training,
                                 "stage2": stage2,
                                 "save_final_model": False,
