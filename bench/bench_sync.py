@@ -13,6 +13,11 @@ encode, `upload_s`, `commit_s`; server: `server_receive_s`, `server_apply_s` and
 Usage: ``python bench/bench_sync.py [--bucket-mb 128] [--repeats 3] [--server-cpus 1 --learner-cpus 0]``.
 With `--server-cpus`/`--learner-cpus` the server is started under `taskset -c` and the learner process pins
 itself (the output says which cores); without them both share every core.
+
+``python bench/bench_sync.py --gpu [--models 1b 7b] [--transports nccl http shm] [--out FILE]``: two GPUs, the
+learner on GPU 0 and an HF-backend server on GPU 1, against the raw GPU 0 → GPU 1 copy and a raw 2-process NCCL
+broadcast of the same bytes, with the effect check (`bench/_sync_gpu.py` says what each line holds).
+``--gpu --cpu-check`` runs that flow on CPU (gloo, a tiny model) to check the script without a GPU.
 """
 
 from __future__ import annotations
@@ -133,19 +138,45 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bucket-mb", type=int, default=128)
+    parser.add_argument("--bucket-mb", type=int, default=None, help="default 128, or 512 with --gpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--transports", nargs="+", default=["http", "shm", "gloo"], choices=["http", "shm", "gloo", "nccl"]
+        "--transports", nargs="+", default=None, choices=["http", "shm", "gloo", "nccl"],
+        help="default http shm gloo, or nccl http shm with --gpu",
+    )  # fmt: skip
+    parser.add_argument("--gpu", action="store_true", help="learner GPU 0 -> HF server GPU 1 (see above)")
+    parser.add_argument("--cpu-check", action="store_true", help="with --gpu: the same flow on CPU (gloo)")
+    parser.add_argument("--models", nargs="+", default=["1b", "7b"], choices=["1b", "7b", "tiny"])
+    parser.add_argument("--server-gpu", default="1", help="--gpu: CUDA_VISIBLE_DEVICES of the server")
+    parser.add_argument("--staging", default="auto", choices=["auto", "device", "host"])
+    parser.add_argument("--prompts", type=int, default=8, help="--gpu: prompts of the effect check")
+    parser.add_argument("--out", default=None, help="--gpu: also append the JSON lines to this file")
+    parser.add_argument(
+        "--slow-repeats", type=int, default=1, help="--gpu: timed http/shm syncs of models > 4 GB"
     )
+    parser.add_argument(
+        "--kill-check", nargs="*", default=[], help="--gpu: models to kill a learner mid-sync on"
+    )
+    parser.add_argument("--server-log-dir", default=None, help="--gpu: copy each server's log here")
+    parser.add_argument("--no-raw-copy", action="store_true", help="--gpu: skip the raw GPU 0 -> GPU 1 copy")
+    parser.add_argument("--kill-timeout-s", type=float, default=15, help="--kill-check: the group timeout")
     parser.add_argument("--server-cpus", default=None, help="taskset -c list for the server, e.g. 1")
     parser.add_argument("--learner-cpus", default=None, help="cores this (learner) process pins to, e.g. 0")
     args = parser.parse_args(argv)
+    if args.bucket_mb is None:
+        args.bucket_mb = 512 if args.gpu else 128
+    if args.transports is None:
+        args.transports = ["nccl", "http", "shm"] if args.gpu else ["http", "shm", "gloo"]
     if args.learner_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.learner_cpus.split(",")})
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
-        bench(args, tmp)
+        if args.gpu:
+            from _sync_gpu import bench_gpu
+
+            bench_gpu(args, tmp)
+        else:
+            bench(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -153,6 +153,11 @@ class ServerConfig(_Section):
     """Staging directory for same-host bucket files (e.g. `/dev/shm/rollmatch`); None disables shm."""
     sync_timeout_s: float = Field(default=600.0, gt=0.0)
     """A staged sync idle for this long is discarded."""
+    sync_staging: Literal["auto", "device", "host"] = "auto"
+    """Collective transport (`gloo`/`nccl`): where received buckets wait for the commit. `device`: in GPU memory
+    (one model's worth; the commit is a device copy); `host`: in pinned host memory (two buckets of GPU memory
+    while receiving; the commit copies host to device); `auto`: device when free GPU memory exceeds 1.25x the
+    model + 1 GiB at the sync's begin, else host. HTTP/shm syncs always stage in files on /dev/shm."""
     vllm: VllmServerConfig = Field(default_factory=VllmServerConfig)
     """vLLM engine knobs."""
     hf: HfServerConfig = Field(default_factory=HfServerConfig)

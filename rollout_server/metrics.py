@@ -17,6 +17,7 @@ response sizes); this module adds the rollout series the instrumentator cannot s
 | `rollmatch_weight_syncs_total` | counter | mode, transport, outcome | syncs by outcome (`committed`, `rejected`, `aborted`, `expired`, `superseded`, `failed`) |
 | `rollmatch_weight_sync_bytes_total` | counter | mode, transport | tensor bytes of committed syncs |
 | `rollmatch_weight_sync_seconds` | histogram | mode, transport | begin → commit of committed syncs |
+| `rollmatch_weight_sync_staging_bytes` | gauge | where | bytes the last committed full sync staged before its commit, by `where` (`device`: GPU memory, `host`: pinned host memory or /dev/shm files; `auto` when the vLLM workers chose); see `server.sync_staging` |
 | `rollmatch_weight_version` | gauge | | weight version served |
 | `rollmatch_health_status` | gauge | status | 1 for the current `/health` status (`ok`, `loading`, `error`), 0 for the others |
 
@@ -27,7 +28,7 @@ scheduler stats are not collected; `rollmatch_infer_samples_in_flight` counts th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -85,6 +86,12 @@ class ServerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
             registry=r,
         )
+        self.sync_staging = Gauge(
+            "rollmatch_weight_sync_staging_bytes",
+            "Bytes the last committed full sync staged before its commit, by where they waited",
+            ["where"],
+            registry=r,
+        )
         self.weight_version = Gauge("rollmatch_weight_version", "Weight version served", registry=r)
         self.health = Gauge(
             "rollmatch_health_status", "1 for the current /health status", ["status"], registry=r
@@ -99,14 +106,25 @@ class ServerMetrics:
         self.generation_tokens.inc(sum(len(c.token_ids) for r in results for c in r.choices))
 
     def sync_finished(
-        self, *, mode: str, transport: str, outcome: str, nbytes: int = 0, seconds: float | None = None
+        self,
+        *,
+        mode: str,
+        transport: str,
+        outcome: str,
+        nbytes: int = 0,
+        seconds: float | None = None,
+        stages: Mapping[str, float] | None = None,
     ) -> None:
-        """Counts one sync's end; committed syncs also add their bytes and duration."""
+        """Counts one sync's end; committed syncs also add their bytes and duration, and full ones set the
+        staging gauge from their `stages` (`staging_<where>_bytes`)."""
         self.syncs.labels(mode, transport, outcome).inc()
         if outcome == "committed":
             self.sync_bytes.labels(mode, transport).inc(nbytes)
             if seconds is not None:
                 self.sync_seconds.labels(mode, transport).observe(seconds)
+            if mode == "full" and stages:
+                for where in ("device", "host", "auto"):
+                    self.sync_staging.labels(where).set(stages.get(f"staging_{where}_bytes", 0.0))
 
     def render(self, *, status: str, weight_version: int) -> bytes:
         """The exposition text, with the state gauges set to `status` and `weight_version` first."""

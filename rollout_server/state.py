@@ -41,6 +41,7 @@ class ServerState:
             Path(cfg.shm_dir).expanduser() if cfg.shm_dir else None,
             default_timeout_s=cfg.sync_timeout_s,
             on_finish=self.metrics.sync_finished,
+            collective_staging=cfg.sync_staging,
         )
 
     @property

@@ -121,7 +121,8 @@ class SyncReport:
         version: the weight version now served.
         bytes: raw tensor bytes sent (per engine; safetensors headers excluded).
         seconds: wall time of the whole sync, export included.
-        transport: `http`, `shm` or `in_process`.
+        transport: how the bytes travelled: `http`, `shm`, `gloo`, `nccl` (server transports; an adapter sync
+            of a collective source reports `http`, which carried it) or `in_process` (colocated engine).
         endpoints: where it was applied (server base URLs, or the colocated engine).
     """
 
@@ -129,7 +130,7 @@ class SyncReport:
     version: int
     bytes: int
     seconds: float
-    transport: Literal["http", "shm", "in_process"]
+    transport: Literal["http", "shm", "gloo", "nccl", "in_process"]
     endpoints: tuple[str, ...] = field(default=())
 
 

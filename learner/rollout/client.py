@@ -33,7 +33,6 @@ from learner.rollout.base import (
     check_results,
     staleness,
 )
-from learner.rollout.collective import CollectiveSender, flat_bucket
 from learner.rollout.errors import (
     InferFailed,
     RolloutClientError,
@@ -44,7 +43,7 @@ from learner.rollout.errors import (
     format_indices,
 )
 from learner.rollout.server_api import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
-from learner.rollout.sync_stream import BucketParts, ShmStager, bucket_payloads, is_loopback_url, prefetched
+from learner.rollout.transports import Transport, TransportOptions, build_transport
 from shared_schemas.buckets import plan_buckets
 from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
@@ -109,21 +108,29 @@ class ServerRolloutSource:
       so splitting cannot help and `InferFailed` is raised after the retry.
 
     Every call is bounded by the client timeouts, so a failure is raised, never a hang, never a drop.
-    `sync_weights` sends every bucket to EVERY server, as HTTP bodies or (all servers on this host) as
-    files in the shared staging directory.
+    `sync_weights` sends every bucket to EVERY server through one weight-sync transport
+    (`learner.rollout.transports`): `http` (bucket bodies), `shm` (files in the shared staging directory, all
+    servers on this host), `gloo` (one broadcast per bucket over a process group with each server, packed on the
+    host) or `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always
+    carries the control (begin, commit, abort); adapter syncs go over `http` when the transport is collective.
 
     Args:
         servers: server base URLs, one per server process (a DP server is one entry).
         timeout_s: connect timeout cap and health deadline (`rollout.timeout_s`).
         infer_timeout_s: read timeout of one call (`rollout.infer_timeout_s`, default `timeout_s`).
         auth_token: bearer token (`rollout.auth_token`).
-        transport: `http` or `shm` (`rollout.sync.transport`).
+        transport: `http`, `shm`, `gloo` or `nccl` (`rollout.sync.transport`).
         shm_dir: staging directory for `shm` (`rollout.sync.shm_dir`, = the servers' `server.shm_dir`).
         bucket_mb: bucket size bound in MiB (`rollout.sync.bucket_mb`).
+        collective_address: `gloo`/`nccl`: this host's address as the servers reach it
+            (`rollout.sync.collective_address`); None = `127.0.0.1`, allowed only when every server is local.
+        collective_timeout_s: `gloo`/`nccl`: limit of each group rendezvous and each broadcast
+            (`rollout.sync.collective_timeout_s`).
         transport_factory: httpx transport factory for tests (see `RolloutClient`).
 
     Raises:
-        ValueError: no server, or `shm` without `shm_dir` or with a server on another host.
+        ValueError: no server, an unknown transport, `shm` without `shm_dir` or with a server on another
+            host, or `gloo`/`nccl` with a server on another host and no `collective_address`.
     """
 
     def __init__(
@@ -145,8 +152,6 @@ class ServerRolloutSource:
         if bucket_mb <= 0:
             raise ValueError(f"rollout.sync.bucket_mb must be > 0, got {bucket_mb}")
         urls = [normalize_base_url(url) for url in servers]
-        self._shm = _shm_stager(transport, shm_dir, urls)
-        self._collective = _collective_sender(transport, collective_address, collective_timeout_s, urls)
         self.transport = transport
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._clients = [
@@ -160,6 +165,23 @@ class ServerRolloutSource:
             for url in urls
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="rollout-server")
+        options = TransportOptions(
+            urls=tuple(urls),
+            pool=self._pool,
+            shm_dir=shm_dir,
+            collective_address=collective_address,
+            collective_timeout_s=collective_timeout_s,
+        )
+        try:
+            self._transport: Transport = build_transport(transport, options)
+            self._http: Transport = (
+                self._transport if transport == "http" else build_transport("http", options)
+            )
+        except ValueError:
+            self._pool.shutdown(wait=False)
+            for client in self._clients:
+                client.close()
+            raise
         self.weight_version: int | None = None
         """Version of the last sync this source committed (None before the first)."""
         self.last_infer = InferStats()
@@ -168,7 +190,8 @@ class ServerRolloutSource:
         either order: read the staleness of a batch from its results' `weight_version` instead."""
         self.last_sync_stages: dict[str, float] = {}
         """Seconds per stage of the last sync: learner side (`begin_s`, `produce_s` = export + encode,
-        `upload_s`, `commit_s`) and the first server's own split (`server_*`), for profiling."""
+        `upload_s`, `commit_s`, and the transport's own figures, e.g. nccl's `wire_wait_s`) and the first
+        server's own split (`server_*`, with its `server_staging_*_bytes`), for profiling."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> ServerRolloutSource:
@@ -193,8 +216,7 @@ class ServerRolloutSource:
     def close(self) -> None:
         """Closes every connection pool and the worker threads; idempotent."""
         self._pool.shutdown(wait=True)
-        if self._collective is not None:
-            self._collective.close()
+        self._transport.close()
         for client in self._clients:
             client.close()
 
@@ -338,47 +360,24 @@ class ServerRolloutSource:
             adapter_config=update.adapter_config,
         )
         stages = {"begin_s": 0.0, "produce_s": 0.0, "upload_s": 0.0, "commit_s": 0.0}
-        collective = (
-            self._collective if update.mode == "full" else None
-        )  # adapters are small: HTTP carries them
+        # Adapters are small and only the file transports stage them: collective transports send them over HTTP.
+        transport = self._http if update.mode != "full" and self._transport.full_only else self._transport
         urls = [c.base_url for c in self._clients]
         try:
             with ExitStack() as stack:
                 sessions = [
-                    stack.enter_context(
-                        c.weight_sync(
-                            manifest, collective=collective.spec(c.base_url) if collective else None
-                        )
-                    )
+                    stack.enter_context(c.weight_sync(manifest, collective=transport.rendezvous(c.base_url)))
                     for c in self._clients
                 ]
-                if collective is not None:
-                    collective.connect(urls, [session.begin for session in sessions])
+                transport.joined(urls, [session.begin for session in sessions])
+                stages["begin_s"] = time.perf_counter() - started
+                transport.send(sessions, manifest, update.iter_tensors(), stages)
                 mark = time.perf_counter()
-                stages["begin_s"] = mark - started
-                payloads = prefetched(bucket_payloads(manifest.buckets, update.iter_tensors()))
-                try:
-                    for bucket, parts in payloads:
-                        now = time.perf_counter()
-                        stages["produce_s"] += now - mark  # waiting for the export, net of the overlap
-                        if collective is not None:
-                            flat = flat_bucket(parts, bucket.nbytes, collective.device)
-                            collective.broadcast(urls, flat, bucket.index)
-                        else:
-                            self._upload(sessions, bucket.index, update.version, parts)
-                        mark = time.perf_counter()
-                        stages["upload_s"] += mark - now
-                finally:
-                    payloads.close()
         except SyncError:
-            if collective is not None:
-                for url in urls:  # a group may be out of step with its server now: form new ones next time
-                    collective.drop(url)
+            transport.failed(urls)
             raise
         except (ServerError, ServerUnreachable) as exc:
-            if collective is not None:
-                for url in urls:
-                    collective.drop(url)
+            transport.failed(urls)
             hint = ""
             if isinstance(exc, ServerError) and exc.type == "shm_file_not_found":
                 hint = "; rollout.sync.shm_dir must equal the server's server.shm_dir"
@@ -396,51 +395,6 @@ class ServerRolloutSource:
             version=update.version,
             bytes=manifest.nbytes,
             seconds=time.perf_counter() - started,
-            transport=self.transport,
+            transport=transport.name,  # type: ignore[arg-type]
             endpoints=self.endpoints,
         )
-
-    def _upload(self, sessions: list[SyncSession], index: int, version: int, parts: BucketParts) -> None:
-        """Sends one bucket to every server concurrently; raises the first failure in server order."""
-        if self._shm is None:
-            list(self._pool.map(lambda s: s.upload(index, parts), sessions))
-            return
-        with self._shm.staged(version, index, parts) as file_name:
-            list(self._pool.map(lambda s: s.upload_shm(index, file_name), sessions))
-
-
-def _collective_sender(
-    transport: str, address: str | None, timeout_s: float, urls: Sequence[str]
-) -> CollectiveSender | None:
-    """The group sender when `transport` is `gloo` or `nccl` (checked: an address the servers can reach)."""
-    if transport not in ("gloo", "nccl"):
-        return None
-    if address is None:
-        remote = [url for url in urls if not is_loopback_url(url)]
-        if remote:
-            raise ValueError(
-                f"rollout.sync.transport {transport!r} with server {remote[0]} on another host needs"
-                " rollout.sync.collective_address: this host's address as the servers reach it"
-            )
-        address = "127.0.0.1"
-    return CollectiveSender(transport, address, timeout_s)  # type: ignore[arg-type]
-
-
-def _shm_stager(transport: str, shm_dir: str | Path | None, urls: Sequence[str]) -> ShmStager | None:
-    """The shm stager when `transport == "shm"` (checked: a dir is given, every server is local)."""
-    if transport in ("http", "gloo", "nccl"):
-        return None
-    if transport != "shm":
-        raise ValueError(f"rollout.sync.transport must be 'http', 'shm', 'gloo' or 'nccl', got {transport!r}")
-    if shm_dir is None:
-        raise ValueError(
-            "rollout.sync.transport 'shm' needs rollout.sync.shm_dir, the servers' server.shm_dir"
-            " (/health does not expose it)"
-        )
-    remote = [url for url in urls if not is_loopback_url(url)]
-    if remote:
-        raise ValueError(
-            f"rollout.sync.transport 'shm' needs every server on this host, but {remote[0]} is not a"
-            " loopback address; use transport 'http'"
-        )
-    return ShmStager(shm_dir)

@@ -4,8 +4,10 @@ Learner rank 0 hosts a `TCPStore` and forms ONE process group with each server (
 server's receivers = ranks 1..n, n from the server's `begin` answer); HTTP carries only the control (begin
 with the manifest and the rendezvous, commit, abort). Each manifest bucket is then one broadcast of a flat
 `uint8` buffer — the bucket's tensors back to back in manifest order, no header (the manifest is the header) —
-sent to every server's group concurrently. The server side is `rollout_server.engines.collective` (the vLLM
-workers receive through vLLM's weight-transfer engine API, the HF engine in its process).
+sent to every server's group concurrently. The group is built by `rollout_server.engines.collective.
+process_group`, the same builder the receivers use; the server side is that module (the vLLM workers receive
+through vLLM's weight-transfer engine API, the HF engine in its process). How buckets are packed — on the host
+for gloo, on the GPU for NCCL — is `learner.rollout.transports.collective`.
 
 A group outlives one sync (the same token is sent again, and the server reuses its group); any failure drops
 it on both sides, and the next sync forms a new one. Every rendezvous and broadcast is bounded by
@@ -26,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from learner.rollout.base import SyncError
+from rollout_server.engines.collective import process_group, retire_group, wait_works
 from shared_schemas.sync import CollectiveSpec, SyncBeginResponse
 
 __all__ = ["CollectiveSender", "flat_bucket"]
@@ -127,8 +130,43 @@ class CollectiveSender:
         if todo:
             list(self._threads(len(todo)).map(lambda job: self._join(*job), todo))
 
+    def start_broadcast(self, urls: Sequence[str], flat: torch.Tensor, index: int) -> list[Any]:
+        """Enqueues one flat bucket's broadcast to every server's group (NCCL: asynchronous, on each group's
+        own stream, ordered after the current stream's work); returns the works, one per server.
+
+        Raises:
+            SyncError: a group refused the broadcast at once (its group is dropped).
+        """
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        works = []
+        for url in urls:
+            try:
+                works.append(self._groups[url].group.broadcast(flat, 0, timeout))
+            except Exception as exc:
+                self.drop(url)
+                raise SyncError(
+                    f"{self.backend} broadcast of bucket {index} to {url} failed ({type(exc).__name__}: {exc})"
+                ) from exc
+        return works
+
+    def finish(self, urls: Sequence[str], works: Sequence[Any], index: int) -> None:
+        """Waits on the host, bounded by the timeout, until `works` (the last bucket's, per server) are done.
+
+        Raises:
+            SyncError: a broadcast failed or did not complete in time (names the server; groups dropped).
+        """
+        try:
+            wait_works(works, self.timeout_s, [f"broadcast of bucket {index} to {url}" for url in urls])
+        except Exception as exc:
+            for url in urls:
+                self.drop(url)
+            raise SyncError(
+                f"{self.backend} broadcast failed ({type(exc).__name__}: {exc}); the server's receiver died or"
+                " timed out (its log says which)"
+            ) from exc
+
     def broadcast(self, urls: Sequence[str], flat: torch.Tensor, index: int) -> None:
-        """Broadcasts one flat bucket to every server's group at once.
+        """Broadcasts one flat bucket to every server's group at once, waiting on the host (gloo).
 
         Raises:
             SyncError: a broadcast failed or timed out (names the server; its group is dropped).
@@ -148,8 +186,11 @@ class CollectiveSender:
         list(self._threads(len(urls)).map(send, urls))
 
     def drop(self, url: str) -> None:
-        """Forgets `url`'s group (after a failure: the next sync forms a new one)."""
-        self._groups.pop(url, None)
+        """Forgets `url`'s group (after a failure: the next sync forms a new one). The group object is retired,
+        not torn down here: a broadcast to a dead server may still be pending in it (`retire_group`)."""
+        entry = self._groups.pop(url, None)
+        if entry is not None:
+            retire_group(entry.group)
 
     def close(self) -> None:
         """Drops every group and the helper threads."""
@@ -162,18 +203,9 @@ class CollectiveSender:
         import torch.distributed as dist
 
         entry = self._groups[url]
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         prefixed = dist.PrefixStore(entry.token, entry.store)
         try:
-            if self.backend == "gloo":
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = timeout
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
-                entry.group = dist.ProcessGroupGloo(prefixed, 0, world_size, options)
-            else:
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                entry.group = dist.ProcessGroupNCCL(prefixed, 0, world_size, options)
+            entry.group = process_group(self.backend, prefixed, 0, world_size, self.timeout_s, self.address)
         except Exception as exc:
             self.drop(url)
             raise SyncError(

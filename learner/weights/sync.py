@@ -44,7 +44,7 @@ from learner.weights.export import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_ADAPTER_NAME", "SyncConfig", "WeightSyncPolicy"]
+__all__ = ["DEFAULT_ADAPTER_NAME", "SyncConfig", "WeightSyncPolicy", "stage2_seed_plan"]
 
 DEFAULT_ADAPTER_NAME = "rollmatch"
 """Name the synced adapter is served under (requests reference it in `request_config.adapter`)."""
@@ -62,8 +62,9 @@ class SyncConfig(BaseModel):
     """On any adapter-sync failure: warn once, sync full now and for the rest of the run."""
     transport: Literal["http", "shm", "gloo", "nccl"] = "http"
     """Server mode: buckets as HTTP bodies; as files in the shared staging dir (same host only); or broadcast
-    over a process group with each server (`gloo` on CPU hosts, `nccl` on GPUs: HTTP then carries only the
-    control; full syncs only, adapter syncs stay on HTTP)."""
+    over a process group with each server (`gloo` on CPU hosts, packed on the host; `nccl` on GPUs, packed on
+    the learner's GPU and never through host memory: HTTP then carries only the control; full syncs only,
+    adapter syncs stay on HTTP). Implementations: `learner.rollout.transports`."""
     bucket_mb: int = Field(default=512, ge=1)
     """Upper bound of one safetensors bucket, MiB."""
     shm_dir: str | None = None
@@ -85,8 +86,11 @@ class WeightSyncPolicy:
             process, returns its argument).
         dtype: cast floating-point weights of a full sync to the engine's dtype (the server rejects a
             dtype mismatch); None sends the training dtype.
-        seed: `training.seed`, logged with each sync's seed plan.
+        seed: `training.seed`, logged with each sync.
         adapter_name: name the adapter is served under in adapter mode.
+        seed_plan: the trainer's per-request seed formula for a step, logged with each sync (stage 2:
+            `stage2_seed_plan(seed)`); None logs only `training.seed`, never another trainer's formula
+            (GRPO seeds its requests per prompt, `learner.grpo.rollouts.prompt_seed`).
     """
 
     def __init__(
@@ -98,8 +102,10 @@ class WeightSyncPolicy:
         dtype: torch.dtype | None = None,
         seed: int | None = None,
         adapter_name: str = DEFAULT_ADAPTER_NAME,
+        seed_plan: Callable[[int], str] | None = None,
     ) -> None:
         self.config = config
+        self._seed_plan_of = seed_plan
         self._is_rank0 = is_rank0
         self._all_ok = all_ok
         self._dtype = dtype
@@ -271,13 +277,24 @@ class WeightSyncPolicy:
         return full_state_items(model, self._dtype, bucket_bytes=self.config.bucket_mb * 2**20)
 
     def _seed_plan(self, global_step: int) -> str:
+        if self._seed_plan_of is not None:
+            return self._seed_plan_of(global_step)
         if self._seed is None:
             return "seed plan: per-request seeds from the batch"
-        base = request_seed(self._seed, global_step, 0, 0)
+        return f"seed plan: training.seed {self._seed} (per-request seeds set by the trainer)"
+
+
+def stage2_seed_plan(seed: int) -> Callable[[int], str]:
+    """The stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`learner.stage2.seeds`)."""
+
+    def plan(global_step: int) -> str:
+        base = request_seed(seed, global_step, 0, 0)
         return (
-            f"seed plan: training.seed {self._seed} + step {global_step} x {STEP_STRIDE}"
+            f"seed plan: training.seed {seed} + step {global_step} x {STEP_STRIDE}"
             f" + micro x {MICRO_STRIDE} + request index (step base {base})"
         )
+
+    return plan
 
 
 def _drain(items: Iterator[object]) -> None:

@@ -120,6 +120,8 @@ class Rendezvous:
         group: group token (a new token means a new group).
         world_size: learner + every receiver of this server.
         timeout_s: limit of the rendezvous and of each broadcast.
+        staging: where the receivers keep the received buckets until the commit (`server.sync_staging`:
+            `device`, `host`, or `auto` = device when the GPU has room; `engines.collective.resolve_staging`).
     """
 
     backend: Literal["gloo", "nccl"]
@@ -128,6 +130,7 @@ class Rendezvous:
     group: str
     world_size: int
     timeout_s: float
+    staging: Literal["auto", "device", "host"] = "auto"
 
 
 BucketLayout = list[list[tuple[str, str, tuple[int, ...]]]]

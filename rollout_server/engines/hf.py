@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,7 @@ from rollout_server.engines.base import (
     check_prompt_lengths,
     request_prompt_ids,
 )
-from rollout_server.engines.collective import open_receiver_group, receive_buckets
+from rollout_server.engines.collective import open_receiver_group, receive_buckets, retire_group
 from rollout_server.engines.hf_decode import RowOutput, decode_requests
 from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
@@ -124,6 +125,15 @@ class HfEngine:
         )
         self._group_token: str | None = None
         self._received: dict[str, torch.Tensor] = {}
+        self.last_update_stages: dict[str, float] = {}
+        """The last collective receive's staging figures (`staging_device_bytes`, `staging_host_bytes`) and the
+        last apply's `commit_copy_s`, added to the sync's `stages`."""
+        self._receive_stages: dict[str, float] = {}
+        self._received_buffers: list[torch.Tensor] = []
+        self._live_buffers: list[torch.Tensor] = []
+        """Bucket buffers the parameters are views of since the last swapped commit (see `_swap_in`)."""
+        self._spare_buffers: list[torch.Tensor] = []
+        """Bucket buffers no parameter reads any more: the next collective receive lands in them."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._eos_ids = _eos_ids(model, tokenizer)
         self._end_of_turn_id = _end_of_turn_id(tokenizer, self._eos_ids)
@@ -242,12 +252,13 @@ class HfEngine:
         self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout
     ) -> None:
         """Collective transport: receives every bucket on a thread of its own (generation goes on) into the
-        model's device and keeps it for `apply_update(ReceivedUpdate)`; the same receiver as the vLLM workers'.
+        model's device and stages it (`rendezvous.staging`: GPU or pinned host memory) for
+        `apply_update(ReceivedUpdate)`; the same receive function as the vLLM workers'.
         """
         try:
             await asyncio.to_thread(self._receive, rendezvous, first_rank, buckets)
         except Exception as exc:
-            self._group = self._group_token = None
+            self._group = self._group_token = None  # retired by `_receive` when a broadcast failed
             raise EngineError(
                 f"receiving weights over the {rendezvous.backend} group at {rendezvous.master_address}:"
                 f"{rendezvous.master_port} failed ({type(exc).__name__}: {exc})"
@@ -255,12 +266,29 @@ class HfEngine:
 
     def _receive(self, rendezvous: Rendezvous, first_rank: int, buckets: BucketLayout) -> None:
         self._received = {}
+        self._receive_stages = {}
         if self._group_token != rendezvous.group:
+            self._group = None  # the previous group (no broadcast pending) is torn down before the new one
             self._group = open_receiver_group(rendezvous, first_rank)
             self._group_token = rendezvous.group
         device = next(self._model.parameters()).device
-        received = receive_buckets(self._group, buckets, device=device, timeout_s=rendezvous.timeout_s)
-        self._received = dict(received)
+        spare, self._spare_buffers = self._spare_buffers, []
+        try:
+            received = receive_buckets(
+                self._group,
+                buckets,
+                device=device,
+                timeout_s=rendezvous.timeout_s,
+                staging=rendezvous.staging,
+                reuse=spare,
+            )
+        except Exception:
+            retire_group(self._group)  # a broadcast may still be pending: never torn down on this thread
+            self._group = self._group_token = None
+            raise
+        self._received = dict(received.tensors)
+        self._received_buffers = received.buffers
+        self._receive_stages = received.stages
 
     async def apply_update(self, update: StagedUpdate) -> None:
         """Loads full weights atomically on the worker thread (after any running generation)."""
@@ -289,12 +317,55 @@ class HfEngine:
             if spec is None or (torch_dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
                 raise SyncValidationError(f"tensor {name!r} does not match the served parameter table")
         state = self._model.state_dict()
-        # Everything is decoded and checked before the first copy: a bad bucket leaves the model untouched.
-        with torch.no_grad():
-            for name, tensor in staged.items():
-                state[name].copy_(tensor)
+        started = time.perf_counter()
+        buffers, self._received_buffers = self._received_buffers, []
+        # Everything is decoded and checked before the first write: a bad bucket leaves the model untouched.
+        if isinstance(update, ReceivedUpdate) and self._swap_in(staged, buffers):
+            stages = {"commit_swap_s": time.perf_counter() - started}
+        else:
+            with torch.no_grad():
+                for name, tensor in staged.items():
+                    state[name].copy_(tensor, non_blocking=True)
+            if any(t.is_cuda for t in state.values()):
+                torch.cuda.synchronize()  # the staged buffers are freed after this; the copies must be done
+            stages = {"commit_copy_s": time.perf_counter() - started}
+        if isinstance(update, ReceivedUpdate):
+            stages.update(self._receive_stages)
+        self.last_update_stages = stages
         self._version = update.version
         logger.info("hf engine: weights version %d applied (%d tensors)", update.version, len(staged))
+
+    def _swap_in(self, staged: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> bool:
+        """Commits a collective sync staged on the model's device WITHOUT copying: every parameter is rebound
+        to its received tensor (a view of a received bucket buffer), on the engine thread between generations,
+        so no request sees a mix. The bucket buffers the parameters viewed until now become the spares the next
+        sync is received into (no allocation, no copy; steady state: two model copies, as with a copy commit).
+
+        Only when the update covers every parameter and buffer of the model, each received on its device (else
+        False: the caller copies).
+        """
+        params = dict(self._model.named_parameters())
+        persistent = {
+            name: value
+            for name, value in self._model.state_dict(keep_vars=True).items()
+            if name not in params and not isinstance(value, torch.nn.Parameter)
+        }
+        if set(staged) != set(params) | set(persistent):
+            return False
+        if any(staged[name].device != p.device for name, p in params.items()):
+            return False
+        with torch.no_grad():
+            for name, param in params.items():
+                param.data = staged[name]
+            for name, value in persistent.items():
+                value.copy_(staged[name])
+        first = not self._live_buffers
+        if any(p.is_cuda for p in params.values()):
+            torch.cuda.synchronize()
+            if first:
+                torch.cuda.empty_cache()  # the loaded weights' memory, in a pool the receives never draw from
+        self._spare_buffers, self._live_buffers = self._live_buffers, buffers
+        return True
 
     async def health(self) -> EngineHealth:
         """Status without touching the worker thread (answers during a generation)."""

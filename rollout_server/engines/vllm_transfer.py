@@ -9,7 +9,9 @@ uses. It differs from vLLM's NCCL engine in one way, on purpose: it does not loa
 tensors are STAGED in the worker and loaded only at the sync's commit, through the same `reload_weights` as
 every other transport (`vllm_worker.rollmatch_stage_received` + `rollmatch_commit_weights`), so a learner that
 dies mid-broadcast leaves the served weights untouched; the cost is one model's worth of staging memory per
-worker, which the file transports pay too.
+worker (GPU memory with `server.sync_staging: device`, pinned host memory with `host`), which the file
+transports pay too. The receive itself is `engines.collective.receive_buckets`, the function the HF engine
+uses: broadcasts land in device buffers, no host wait inside the loop.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_server.engines.collective import ReceivedTensors, open_receiver_group, receive_buckets
+from rollout_server.engines.collective import (
+    ReceivedTensors,
+    open_receiver_group,
+    receive_buckets,
+    retire_group,
+)
 from rollout_server.engines.vllm_worker import COLLECTIVE_BACKEND
 
 __all__ = ["COLLECTIVE_BACKEND", "CollectiveInitInfo", "CollectiveTransferEngine", "CollectiveUpdateInfo"]
@@ -52,6 +59,8 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
 
     buckets: list[list[list[Any]]] = field(default_factory=list)
     timeout_s: float = 120.0
+    staging: str = "auto"
+    """`server.sync_staging`: `device`, `host` or `auto` (`engines.collective.resolve_staging`)."""
 
 
 class CollectiveTransferEngine(WeightTransferEngine):
@@ -93,9 +102,11 @@ class CollectiveTransferEngine(WeightTransferEngine):
                 [[(n, c, s) for n, c, s in bucket] for bucket in update_info.buckets],
                 device=self.device,
                 timeout_s=update_info.timeout_s,
-            )
+                staging=update_info.staging,
+            ).tensors
         except BaseException:
             self.received = []
+            retire_group(self.group)  # a broadcast may still be pending in it: never torn down on this thread
             self.shutdown()  # the group is out of step with the learner: the next sync joins a new one
             raise
 

@@ -106,7 +106,11 @@ class WeightUpdater:
                 }
                 await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
                 self.group = rendezvous.group
-            update = {"buckets": [[list(t) for t in b] for b in buckets], "timeout_s": rendezvous.timeout_s}
+            update = {
+                "buckets": [[list(t) for t in b] for b in buckets],
+                "timeout_s": rendezvous.timeout_s,
+                "staging": rendezvous.staging,
+            }
             await self._llm.start_weight_update()
             await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update))
             await self._llm.finish_weight_update()

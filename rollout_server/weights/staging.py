@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from rollout_server.engines.base import (
     AdapterUpdate,
@@ -100,7 +101,8 @@ class SyncStaging:
         default_timeout_s: idle seconds after which a staged sync is discarded.
         clock: monotonic clock (injectable for tests).
         on_finish: called once per sync that ends (`metrics.ServerMetrics.sync_finished`'s keywords: mode,
-            transport, outcome, nbytes, seconds).
+            transport, outcome, nbytes, seconds; committed syncs add `stages`, which carry the staging bytes).
+        collective_staging: `server.sync_staging`, handed to the engine's receivers with each collective sync.
     """
 
     def __init__(
@@ -109,8 +111,10 @@ class SyncStaging:
         default_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_finish: Callable[..., None] | None = None,
+        collective_staging: Literal["auto", "device", "host"] = "auto",
     ) -> None:
         self._on_finish = on_finish
+        self._collective_staging = collective_staging
         self._shm_dir = shm_dir
         self._default_timeout_s = default_timeout_s
         self._clock = clock
@@ -148,19 +152,21 @@ class SyncStaging:
         pending.owned.add(path)
         return path
 
-    def _finish(self, pending: _Pending, *, outcome: str) -> None:
+    def _finish(self, pending: _Pending, *, outcome: str, stages: dict[str, float] | None = None) -> None:
         """Ends a sync: removes its files (after a commit its pool files become the spares) and reports its
         `outcome` (`committed`, `rejected`, `aborted`, `expired`, `superseded`, `failed`, `closed`).
         A collective receive still running is cancelled here (its engine drops the group when the learner's
         side goes quiet past the group's timeout; the next sync joins a new one)."""
         recycle = outcome == "committed"
         if self._on_finish is not None and outcome != "closed":
+            extra = {"stages": stages} if stages is not None else {}
             self._on_finish(
                 mode=pending.manifest.mode,
                 transport=pending.collective.backend if pending.collective else pending.transport,
                 outcome=outcome,
                 nbytes=pending.manifest.nbytes,
                 seconds=self._clock() - pending.began,
+                **extra,
             )
         if pending.receiving is not None and not pending.receiving.done():
             pending.receiving.cancel()
@@ -231,7 +237,7 @@ class SyncStaging:
                 lora_enabled=engine.lora_enabled,
                 specs=engine.parameter_specs() if manifest.mode == "full" else {},
             )
-            rendezvous = _rendezvous(request, engine)
+            rendezvous = _rendezvous(request, engine, self._collective_staging)
             if self._pending is not None:
                 self._discard(self._pending, "superseded by a new begin", "superseded")
             timeout_s = request.timeout_s or self._default_timeout_s
@@ -402,6 +408,7 @@ class SyncStaging:
                 )
             started = time.perf_counter()
             applied = False
+            stages: dict[str, float] = {}
             try:
                 update = (
                     ReceivedUpdate(version=manifest.version, names=tuple(t.name for t in manifest.tensors))
@@ -414,6 +421,9 @@ class SyncStaging:
                 finally:
                     self.applying = False
                 applied = True
+                stages = {"receive_s": pending.receive_s, "apply_s": time.perf_counter() - started}
+                stages.update(getattr(engine, "last_update_stages", None) or {})
+                stages.update(_staging_stages(pending, stages))
             except RolloutServerError:
                 raise
             except Exception as exc:
@@ -424,7 +434,9 @@ class SyncStaging:
                 ) from exc
             finally:
                 # Applied: the workers have loaded and dropped their mappings, so the pool files may be reused.
-                self._finish(pending, outcome="committed" if applied else "failed")
+                self._finish(
+                    pending, outcome="committed" if applied else "failed", stages=stages if applied else None
+                )
             apply_s = time.perf_counter() - started
             logger.info(
                 "sync %s committed: version %d (%s) in %.2f s",
@@ -433,8 +445,7 @@ class SyncStaging:
                 manifest.mode,
                 apply_s,
             )
-            stages = {"receive_s": pending.receive_s, "apply_s": apply_s}
-            stages.update(getattr(engine, "last_update_stages", None) or {})
+            stages["apply_s"] = apply_s
             return SyncCommitResponse(
                 sync_id=sync_id,
                 mode=manifest.mode,
@@ -475,7 +486,22 @@ class SyncStaging:
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
 
 
-def _rendezvous(request: SyncBeginRequest, engine: Engine) -> Rendezvous | None:
+def _staging_stages(pending: _Pending, stages: dict[str, float]) -> dict[str, float]:
+    """Where the sync's bytes waited for the commit, in bytes: the engine's own figures when it reports them
+    (the HF engine), else HTTP/shm: the bucket files (host tmpfs), collective: the configured place."""
+    if "staging_device_bytes" in stages or "staging_host_bytes" in stages:
+        return {}
+    nbytes = float(pending.manifest.nbytes)
+    if pending.collective is not None and pending.collective.staging == "device":
+        return {"staging_device_bytes": nbytes, "staging_host_bytes": 0.0}
+    if pending.collective is not None and pending.collective.staging == "auto":
+        return {"staging_auto_bytes": nbytes}
+    return {"staging_device_bytes": 0.0, "staging_host_bytes": nbytes}
+
+
+def _rendezvous(
+    request: SyncBeginRequest, engine: Engine, staging: Literal["auto", "device", "host"] = "auto"
+) -> Rendezvous | None:
     """The collective group of a begin (None for HTTP/shm), checked against the manifest and the engine."""
     spec = request.collective
     if spec is None:
@@ -500,6 +526,7 @@ def _rendezvous(request: SyncBeginRequest, engine: Engine) -> Rendezvous | None:
         group=spec.group,
         world_size=1 + ranks,
         timeout_s=spec.timeout_s,
+        staging=staging,
     )
 
 

@@ -1,0 +1,158 @@
+"""The one interface of the weight-sync transports (`rollout.sync.transport`), and their registry.
+
+A transport moves a full or adapter sync's buckets from the learner to every server between the sync's
+`begin` and its `commit`, which `ServerRolloutSource.sync_weights` drives over HTTP for every transport alike.
+It answers four questions, one method each (the shape of vLLM's `distributed/weight_transfer` engines, sender
+side: init info, then send):
+
+- `rendezvous(url)`: what the server's `begin` must carry (a collective group to join; None otherwise);
+- `joined(urls, begins)`: what to do once every server has answered its `begin` (form the groups);
+- `send(sessions, manifest, items, stages)`: move every bucket, in manifest order;
+- `failed(urls)` / `close()`: forget per-server state after a failure, release everything at the end.
+
+Implementations register under their configuration name (`register`); `build_transport(name, ...)` makes one.
+`http` (`transports.http`), `shm` (`transports.shm`), `gloo` and `nccl` (`transports.collective`) are
+registered when this package is imported. The server side mirrors the names
+(`rollout_server.weights.receivers`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from learner.rollout.sync_stream import BucketParts, bucket_payloads, prefetched
+from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncBeginResponse, SyncManifest
+
+if TYPE_CHECKING:
+    from learner.rollout.server_api import SyncSession
+
+__all__ = ["TRANSPORTS", "Transport", "TransportOptions", "build_transport", "register"]
+
+TensorItems = Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """What a transport may need, from `rollout.sync` and the source (each takes what it uses).
+
+    Attributes:
+        urls: the servers' base URLs, in order.
+        pool: the source's worker threads (one per server), for concurrent per-server calls.
+        shm_dir: `shm`: the servers' staging directory.
+        collective_address: `gloo`/`nccl`: this host's address as the servers reach it.
+        collective_timeout_s: `gloo`/`nccl`: limit of each rendezvous and broadcast.
+    """
+
+    urls: tuple[str, ...]
+    pool: ThreadPoolExecutor
+    shm_dir: str | Path | None = None
+    collective_address: str | None = None
+    collective_timeout_s: float = 120.0
+
+
+class Transport:
+    """One weight-sync transport (see the module docstring). Subclasses set `name` and implement `send`."""
+
+    name: ClassVar[str] = ""
+    full_only: ClassVar[bool] = False
+    """True when adapter syncs cannot use it (they then go over `http`)."""
+
+    def __init__(self, options: TransportOptions) -> None:
+        self.options = options
+
+    def rendezvous(self, url: str) -> CollectiveSpec | None:
+        """The collective group `url`'s begin carries (None: buckets come over HTTP/shm)."""
+        return None
+
+    def joined(self, urls: Sequence[str], begins: Sequence[SyncBeginResponse]) -> None:
+        """Called once every server has answered its begin."""
+
+    def send(
+        self,
+        sessions: Sequence[SyncSession],
+        manifest: SyncManifest,
+        items: TensorItems,
+        stages: dict[str, float],
+    ) -> None:
+        """Moves every bucket of `manifest` (tensors from `items`, in manifest order) to every session.
+
+        Adds its seconds to `stages["produce_s"]` (waiting for the export) and `stages["upload_s"]`.
+
+        Raises:
+            SyncError: a bucket could not be delivered (names the server); `ServerError`/`ServerUnreachable`
+                from the HTTP calls pass through.
+        """
+        raise NotImplementedError
+
+    def failed(self, urls: Sequence[str]) -> None:
+        """Forgets whatever state the servers may now be out of step with (the next sync starts afresh)."""
+
+    def close(self) -> None:
+        """Releases threads, groups, files."""
+
+
+class PartsTransport(Transport):
+    """A transport that sends each bucket as safetensors parts (header + tensor bytes on the host), built one
+    bucket ahead on a helper thread (`sync_stream.prefetched`); subclasses implement `send_bucket`."""
+
+    def send(
+        self,
+        sessions: Sequence[SyncSession],
+        manifest: SyncManifest,
+        items: TensorItems,
+        stages: dict[str, float],
+    ) -> None:
+        mark = time.perf_counter()
+        payloads = prefetched(bucket_payloads(manifest.buckets, items))
+        try:
+            for bucket, parts in payloads:
+                now = time.perf_counter()
+                stages["produce_s"] += now - mark  # waiting for the export, net of the overlap
+                self.send_bucket(sessions, manifest, bucket, parts)
+                mark = time.perf_counter()
+                stages["upload_s"] += mark - now
+        finally:
+            payloads.close()
+
+    def send_bucket(
+        self, sessions: Sequence[SyncSession], manifest: SyncManifest, bucket: BucketSpec, parts: BucketParts
+    ) -> None:
+        raise NotImplementedError
+
+
+TRANSPORTS: dict[str, type[Transport]] = {}
+"""Transport classes by `rollout.sync.transport` name."""
+
+
+def register(name: str) -> Callable[[type[Transport]], type[Transport]]:
+    """Class decorator: registers a transport under `name` (a name is registered once)."""
+
+    def add(cls: type[Transport]) -> type[Transport]:
+        if name in TRANSPORTS and TRANSPORTS[name] is not cls:
+            raise ValueError(f"weight-sync transport {name!r} is registered already ({TRANSPORTS[name]})")
+        cls.name = name
+        TRANSPORTS[name] = cls
+        return cls
+
+    return add
+
+
+def build_transport(name: str, options: TransportOptions) -> Transport:
+    """The transport registered as `name`, checked against `options` (e.g. `shm` needs local servers).
+
+    Raises:
+        ValueError: an unknown name, or options the transport cannot work with (names the knob).
+    """
+    try:
+        cls = TRANSPORTS[name]
+    except KeyError:
+        known = ", ".join(repr(n) for n in sorted(TRANSPORTS))
+        raise ValueError(f"rollout.sync.transport must be one of {known}, got {name!r}") from None
+    return cls(options)

@@ -1,0 +1,45 @@
+"""`shm`: each bucket is written once into the servers' shared staging directory; the servers adopt the file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from learner.rollout.sync_stream import BucketParts, ShmStager, is_loopback_url
+from learner.rollout.transports.base import PartsTransport, TransportOptions, register
+from shared_schemas.sync import BucketSpec, SyncManifest
+
+if TYPE_CHECKING:
+    from learner.rollout.server_api import SyncSession
+
+__all__ = ["ShmTransport"]
+
+
+@register("shm")
+class ShmTransport(PartsTransport):
+    """Bucket files in `rollout.sync.shm_dir` (= the servers' `server.shm_dir`); every server on this host.
+
+    Raises:
+        ValueError: no `shm_dir`, or a server that is not on a loopback address.
+    """
+
+    def __init__(self, options: TransportOptions) -> None:
+        super().__init__(options)
+        if options.shm_dir is None:
+            raise ValueError(
+                "rollout.sync.transport 'shm' needs rollout.sync.shm_dir, the servers' server.shm_dir"
+                " (/health does not expose it)"
+            )
+        remote = [url for url in options.urls if not is_loopback_url(url)]
+        if remote:
+            raise ValueError(
+                f"rollout.sync.transport 'shm' needs every server on this host, but {remote[0]} is not a"
+                " loopback address; use transport 'http'"
+            )
+        self.stager = ShmStager(options.shm_dir)
+
+    def send_bucket(
+        self, sessions: Sequence[SyncSession], manifest: SyncManifest, bucket: BucketSpec, parts: BucketParts
+    ) -> None:
+        with self.stager.staged(manifest.version, bucket.index, parts) as file_name:
+            list(self.options.pool.map(lambda s: s.upload_shm(bucket.index, file_name), sessions))
