@@ -68,6 +68,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def build_model(task: dict[str, Any]) -> None:
+    """The task's starting model, as ``scripts/demo.sh`` builds it (idempotent)."""
+    script = (
+        ["scripts/build_tiny_models.py", "--out", ".cache/models"]
+        if task["kind"] == "tiny"
+        else ["scripts/build_tiny_vlm.py", "--out", ".cache/models", "--preset", "tiny-qwen3-vl-demo"]
+    )
+    subprocess.run([PY, *script], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
 def build_data(task: dict[str, Any], out: Path, n_eval: int, smoke: bool) -> tuple[Path, Path]:
     """The task's train/eval JSONL (the demo generator, ``n_eval`` held-out rows)."""
     sys.path.insert(0, str(REPO))
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    build_model(task)
     train, held_out = build_data(task, out / "data", args.eval_samples, args.smoke)
     task_config = REPO / task["config"]
     batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if args.smoke else {}
