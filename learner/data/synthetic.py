@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +51,7 @@ __all__ = [
     "generate_records",
     "make_record",
     "record_objects",
+    "record_user_text",
     "sample_scene",
     "scene_user_text",
     "write_demo_dataset",
@@ -290,6 +291,13 @@ def describe_scene(objects: Sequence[SceneObject], style: SceneStyle = "tight") 
 def scene_user_text(user_prompt: str, scene: str) -> str:
     """The user text of a demo sample: the configured user prompt, a newline, then ``metadata.scene``."""
     return f"{user_prompt}\n{scene}"
+
+
+def record_user_text(record: Mapping[str, Any], user_prompt: str) -> str:
+    """The user text of any record: ``user_prompt``, with the record's ``metadata.scene`` appended on a new line
+    when it has one (the text demo describes its scene in the prompt)."""
+    scene = (record.get("metadata") or {}).get("scene")
+    return scene_user_text(user_prompt, scene) if scene else user_prompt
 
 
 def record_objects(objects: Sequence[SceneObject]) -> list[dict[str, Any]]:

@@ -1,6 +1,12 @@
 """GRPO prompt data (spec/GRPO_SUMMARY.md §3.3–§3.5, §4.1): prompt rows from JSONL and the slot dataset.
 
-A JSONL row is a JSON object with:
+A JSONL row is either a DETECTION record — the stage-2 record of docs/DATA.md (``images``, ``width``,
+``height``, ``objects``; ``task_mode`` absent or ``detection``), the JSONL rollout-matching SFT trains on, text-only
+demo records with their ``metadata.scene`` included — or a prompt row. A detection record goes through the
+stage-2 sample builder (:func:`learner.data.records.validate_record` and ``build_sample``: images resolved, the
+``prompts.system`` / ``prompts.user`` texts, the scene appended to the user text, objects in §1.4 order), and its
+reward row is ``{"task_mode": "detection", "objects": [...], "sample_id": ...}`` for the ``detection.*`` rewards
+(``learner.rewards.detection``). A prompt row is a JSON object with:
 
 - ``messages``: chat messages (system/user; trailing assistant turns, e.g. an SFT answer, are dropped), or
   ``prompt``: the user text (with ``system`` as an optional system text);
@@ -44,7 +50,10 @@ from typing import Any, Protocol
 from torch.utils.data import Dataset
 
 from learner.data.errors import DataRecordError
-from learner.data.records import resolve_image
+from learner.data.records import build_sample, resolve_image, validate_record
+from learner.data.synthetic import record_user_text
+from learner.rewards.detection import DETECTION_TASK
+from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from shared_schemas.infer import iter_image_refs
 
 __all__ = [
@@ -53,6 +62,7 @@ __all__ = [
     "PromptSet",
     "attach_images",
     "chat_messages",
+    "is_detection_record",
     "load_prompt_rows",
     "prompt_order",
 ]
@@ -85,7 +95,8 @@ class PromptRow:
         messages: the chat messages sent for generation (no assistant turn).
         prompt_ids: templated prompt token ids (generation prompt included, image placeholders expanded): the
             ids sent to the server for a text row, the ids the server must return for an image row.
-        reward_row: ``task_mode``/``domain``/``summary_ref`` for the rewards (§4.1).
+        reward_row: ``task_mode``/``domain``/``summary_ref`` for the summary rewards (§4.1), or
+            ``task_mode: detection``, ``objects``, ``sample_id`` for the detection rewards.
         meta: every other key of the JSONL row.
         rope_positions: the prompt's 3-row M-RoPE positions (Qwen-VL policies), else None.
         n_images: images in the prompt (0 = text row).
@@ -205,25 +216,94 @@ def attach_images(
     return out
 
 
-def _row_from_record(
-    record: Any, *, path: Path, line_no: int, image_root: str | Path | None
+def is_detection_record(record: Mapping[str, Any]) -> bool:
+    """A stage-2 detection record: ``task_mode: detection``, or ``objects`` without a ``task_mode``."""
+    return record.get("task_mode") == DETECTION_TASK or ("task_mode" not in record and "objects" in record)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a record sits: its file, 1-based line, index among the file's records and the file's index."""
+
+    path: Path
+    line_no: int
+    base_idx: int
+    namespace: int
+
+
+@dataclass(frozen=True)
+class _Prompts:
+    system: str | None
+    user: str
+
+
+def _detection_row(
+    record: dict[str, Any],
+    where: _Where,
+    *,
+    image_root: str | Path | None,
+    max_images: int | None,
+    prompts: _Prompts,
 ) -> tuple[str, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    where = f"{path}:{line_no}"
+    """A detection record through the stage-2 sample builder (the rules of docs/DATA.md)."""
+    n_images = len(record["images"]) if isinstance(record.get("images"), list) else 0
+    validated = validate_record(
+        record,
+        path=str(where.path),
+        line_no=where.line_no,
+        image_root=image_root,
+        max_images_per_sample=max_images if max_images is not None else n_images,
+    )
+    sample = build_sample(
+        validated,
+        base_idx=where.base_idx,
+        dataset=where.path.stem,
+        dataset_namespace=where.namespace,
+        system_prompt=prompts.system,
+        user_prompt=record_user_text(validated, prompts.user),
+    )
+    reward_row = {
+        "task_mode": DETECTION_TASK,
+        "objects": sample["gt_objects"],
+        "sample_id": sample["sample_id"],
+    }
+    skip = {"task_mode", "objects", "images", "id"}
+    meta = {key: value for key, value in record.items() if key not in skip}
+    row_id = str(record.get("id", f"{where.path.stem}:{where.line_no}"))
+    return row_id, sample["messages"], reward_row, meta
+
+
+def _row_from_record(
+    record: Any,
+    where: _Where,
+    *,
+    image_root: str | Path | None,
+    max_images: int | None,
+    prompts: _Prompts,
+) -> tuple[str, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    path, line_no = where.path, where.line_no
     if not isinstance(record, dict):
         raise DataRecordError(str(path), line_no, f"a row must be a JSON object, got {type(record).__name__}")
+    if is_detection_record(record):
+        return _detection_row(record, where, image_root=image_root, max_images=max_images, prompts=prompts)
+    at = f"{path}:{line_no}"
     if "task_mode" not in record:
-        raise DataRecordError(str(path), line_no, "missing 'task_mode' (summary or dense; §4.1)")
+        raise DataRecordError(
+            str(path),
+            line_no,
+            "missing 'task_mode' (summary or dense; §4.1), and no 'objects' of a detection record (docs/DATA.md)",
+        )
     images = record.get("images") or []
     try:
         if not isinstance(images, list):
             raise ValueError("'images' must be a list of non-empty strings (paths, file:// or data: URLs)")
         messages = attach_images(
-            chat_messages(record, where=where),
+            chat_messages(record, where=at),
             images,
             lambda ref: resolve_image(ref, path.parent, image_root),
         )
     except ValueError as exc:
-        raise DataRecordError(str(path), line_no, str(exc).removeprefix(f"{where}: ")) from None
+        raise DataRecordError(str(path), line_no, str(exc).removeprefix(f"{at}: ")) from None
     reward_row = {key: record[key] for key in REWARD_KEYS if key in record}
     skip = {*REWARD_KEYS, "messages", "prompt", "system", "images", "id"}
     meta = {key: value for key, value in record.items() if key not in skip}
@@ -247,6 +327,8 @@ def load_prompt_rows(
     budget: int,
     image_root: str | Path | None = None,
     max_images: int | None = None,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    user_prompt: str = DEFAULT_USER_PROMPT,
 ) -> PromptSet:
     """Reads GRPO prompt rows from JSONL files, in file then line order, deleting overlong prompts (§3.5).
 
@@ -255,7 +337,9 @@ def load_prompt_rows(
         encode: messages → the encoded prompt (``PromptEncoder.encode``) or plain templated ids.
         budget: largest allowed prompt length in tokens (``global_max_length − max_completion_length``).
         image_root: ``data.image_root`` (relative image refs; default: the JSONL file's directory).
-        max_images: ``data.max_images_per_sample`` (None: no limit); a row with more images is an error.
+        max_images: ``data.max_images_per_sample`` (None: no limit); a row with more images is an error (a
+            detection record follows the stage-2 rule: 1 to this many images, none when it is 0).
+        system_prompt, user_prompt: ``prompts.system`` / ``prompts.user``, the texts of detection records.
 
     Returns:
         :class:`PromptSet`.
@@ -266,8 +350,10 @@ def load_prompt_rows(
     """
     rows: list[PromptRow] = []
     deleted = 0
-    for file in files:
+    prompts = _Prompts(system_prompt, user_prompt)
+    for namespace, file in enumerate(files):
         path = Path(file)
+        base_idx = 0
         with path.open(encoding="utf-8") as fh:
             for line_no, line in enumerate(fh, start=1):
                 if not line.strip():
@@ -277,8 +363,13 @@ def load_prompt_rows(
                 except json.JSONDecodeError as exc:
                     raise DataRecordError(str(path), line_no, f"invalid JSON: {exc.msg}") from None
                 row_id, messages, reward_row, meta = _row_from_record(
-                    record, path=path, line_no=line_no, image_root=image_root
+                    record,
+                    _Where(path, line_no, base_idx, namespace),
+                    image_root=image_root,
+                    max_images=max_images,
+                    prompts=prompts,
                 )
+                base_idx += 1
                 n_images = len(iter_image_refs(messages))
                 if max_images is not None and n_images > max_images:
                     raise DataRecordError(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from learner.grpo.data import PromptRow
 from learner.grpo.dynamic_sampling import DynamicSampleResult, dynamic_sample
 from learner.grpo.rollouts import Group, build_infer_batch, group_results
+from learner.rewards.detection import DetectionScorer
 from learner.rewards.registry import total_reward
 from learner.rewards.summary_schema import SummarySchemas
 from learner.rollout.base import RolloutSource
@@ -101,6 +102,8 @@ class GroupGenerator:
         resample_pool: where dynamic sampling draws new prompts.
         dynamic_sample: ``grpo.dynamic_sample``.
         max_resample_times: ``grpo.max_resample_times``.
+        detection: the detection scorer (policy tokenizer, ``stage2.matching``) when a ``detection.*`` reward
+            is configured; it parses the completions' sampled token ids.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class GroupGenerator:
         resample_pool: ResamplePool,
         dynamic_sample: bool = True,
         max_resample_times: int = 1,
+        detection: DetectionScorer | None = None,
     ) -> None:
         if config.n < 2:
             raise ValueError(f"GRPO needs n = num_generations >= 2 completions per prompt, got {config.n}")
@@ -125,6 +129,7 @@ class GroupGenerator:
         self.resample_pool = resample_pool
         self.dynamic_sample = dynamic_sample
         self.max_resample_times = max_resample_times
+        self.detection = detection
 
     def generate_step(self, prompts: Sequence[PromptRow], global_step: int) -> StepRollout:
         """Generates, scores and selects the step's groups (§1, §3.4, §3.6).
@@ -177,8 +182,16 @@ class GroupGenerator:
     def score(self, groups: Sequence[Group]) -> None:
         """Fills ``rewards`` and ``per_reward`` of every group (total reward of §3.6)."""
         texts = [c.text for g in groups for c in g.completions]
+        token_ids = [c.token_ids for g in groups for c in g.completions]
         reward_rows = [g.row.reward_row for g in groups for _ in g.completions]
-        totals, per_reward = total_reward(texts, reward_rows, self.reward_weights, schemas=self.schemas)
+        totals, per_reward = total_reward(
+            texts,
+            reward_rows,
+            self.reward_weights,
+            schemas=self.schemas,
+            token_ids=token_ids,
+            detection=self.detection,
+        )
         start = 0
         for group in groups:
             stop = start + len(group.completions)

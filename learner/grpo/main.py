@@ -35,6 +35,8 @@ from learner.grpo.rollouts import request_config
 from learner.grpo.sections import GrpoConfig
 from learner.grpo.trainer import GrpoTrainer
 from learner.policy import is_vl_checkpoint, load_policy
+from learner.rewards.detection import DETECTION_TASK, DetectionScorer
+from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
@@ -43,7 +45,14 @@ from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
 
-__all__ = ["TRAIN_GPUS_ENV", "GrpoRun", "build_grpo_trainer", "resolve_grpo_config", "run_grpo"]
+__all__ = [
+    "TRAIN_GPUS_ENV",
+    "GrpoRun",
+    "build_grpo_trainer",
+    "check_reward_rows",
+    "resolve_grpo_config",
+    "run_grpo",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +161,50 @@ def _build_source(cfg: RunConfig) -> RolloutSource:
     return source
 
 
+def check_reward_rows(weights: dict[str, float], prompts: PromptSet) -> None:
+    """The configured rewards must have rows of their task: detection rewards need detection records, and
+    rewards that are all summary rewards cannot score a set of detection records only (every group would have
+    zero variance, silently).
+
+    Raises:
+        ConfigError: naming ``grpo.reward_preset`` and the fix.
+    """
+    optimized = [name for name, w in weights.items() if w != 0]
+    detection_rows = sum(r.reward_row.get("task_mode") == DETECTION_TASK for r in prompts.rows)
+    if any(n in DETECTION_REWARDS for n in optimized) and detection_rows == 0:
+        raise ConfigError(
+            "grpo.reward_preset: detection rewards are configured but data.train holds no detection records "
+            "(rows with `objects`, docs/DATA.md); point data.train at detection records or use a summary preset"
+        )
+    if (
+        optimized
+        and detection_rows == len(prompts.rows)
+        and not any(n in DETECTION_REWARDS for n in optimized)
+    ):
+        raise ConfigError(
+            "grpo.reward_preset: data.train holds detection records only but no detection reward is weighted; "
+            "set grpo.reward_preset: detection (or weight detection.* in grpo.reward_weights)"
+        )
+
+
 def _generator(
-    resolved: ResolvedGrpoRun, source: RolloutSource, prompts: PromptSet, seed: int
+    resolved: ResolvedGrpoRun,
+    cfg: RunConfig,
+    tokenizer: Any,
+    source: RolloutSource,
+    prompts: PromptSet,
+    seed: int,
 ) -> GroupGenerator:
-    """The rank-0 generation step: requests, rewards (§5 weights, schema file when configured), resampling."""
+    """The rank-0 generation step: requests, rewards (§5 weights, schema file when configured, the detection
+    scorer on the policy tokenizer and `stage2.matching` when a detection reward is), resampling."""
     grpo = resolved.grpo
+    detection = (
+        DetectionScorer.from_tokenizer(
+            tokenizer, matching=cfg.stage2.matching, stop_markers=cfg.stage2.parse.stop_markers
+        )
+        if uses_detection(resolved.reward_weights)
+        else None
+    )
     return GroupGenerator(
         source=source,
         config=request_config(grpo),
@@ -166,6 +214,7 @@ def _generator(
         resample_pool=ResamplePool(prompts.rows, seed),
         dynamic_sample=grpo.dynamic_sample,
         max_resample_times=grpo.max_resample_times,
+        detection=detection,
     )
 
 
@@ -221,9 +270,12 @@ def build_grpo_trainer(
             budget=budget,
             image_root=_resolve(cfg.data.image_root) if cfg.data.image_root else None,
             max_images=cfg.data.max_images_per_sample,
+            system_prompt=cfg.prompts.system,
+            user_prompt=cfg.prompts.user,
         )
     except (DataRecordError, OSError) as exc:
         raise ConfigError(f"data.train: {exc}") from exc
+    check_reward_rows(resolved.reward_weights, prompts)
     prompts_per_step = resolved.prompts_per_step
     num_steps = _num_steps(cfg, len(prompts.rows), prompts_per_step)
     args = _training_args(cfg, resolved.output_dir, num_steps)
@@ -242,7 +294,9 @@ def build_grpo_trainer(
         dtype=_sync_dtype(resolved),
         seed=args.seed,
     )
-    generator = _generator(resolved, source, prompts, args.seed) if args.process_index == 0 else None
+    generator = (
+        _generator(resolved, cfg, tokenizer, source, prompts, args.seed) if args.process_index == 0 else None
+    )
     dataset = GenerationSlots(
         num_rows=len(prompts.rows),
         prompts_per_step=prompts_per_step,

@@ -113,8 +113,9 @@ class GrpoConfig(_Section):
     freeze_vision_tower: bool = True
     """Freeze the vision tower of a VL model (GRPO_SUMMARY §1 spelling of `model.freeze_vision`; the two must
     agree when both are set). The server presets keep it frozen."""
-    reward_preset: Literal["server", "attr_key"] = "server"
-    """§5.3 weight preset."""
+    reward_preset: Literal["server", "attr_key", "detection"] = "server"
+    """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching gate,
+    mean maskIoU of the matches, format; docs/GRPO.md)."""
     reward_weights: dict[str, float] = Field(default_factory=dict)
     """Per-reward overrides on top of the preset (weight 0 = logged only)."""
     reward_schema_path: str | None = None

@@ -1,6 +1,8 @@
-"""Summary rewards by name, the preset weights and the total reward (spec/GRPO_SUMMARY.md §3.6, §5.3).
+"""Rewards by name, the preset weights and the total reward (spec/GRPO_SUMMARY.md §3.6, §5.3).
 
-Every reward is a pure ``(SummarySample) -> float``; :func:`total_reward` parses each completion once and
+Two tasks: the summary rewards (``summary.*``, pure ``(SummarySample) -> float``) and the detection rewards
+(``detection.*``, pure ``(DetectionSample) -> float``, ``learner.rewards.detection``: stage-2 parse + GT +
+Hungarian match). :func:`total_reward` parses each completion once per task that a named reward belongs to and
 evaluates the rewards named in ``weights`` (weight 0 means "logged, not optimized").
 """
 
@@ -10,6 +12,16 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from learner.rewards.detection import (
+    DetectionSample,
+    DetectionScorer,
+    detection_samples,
+    f1_reward,
+    maskiou_reward,
+    precision_reward,
+    recall_reward,
+)
+from learner.rewards.detection import format_reward as detection_format_reward
 from learner.rewards.summary_facts import (
     content_eq_reward,
     content_f1_reward,
@@ -39,6 +51,7 @@ from learner.rewards.summary_text import (
 )
 
 SampleReward = Callable[[SummarySample], float]
+DetectionReward = Callable[[DetectionSample], float]
 
 SCHEMA_TREE = "summary.schema_tree"
 
@@ -63,7 +76,16 @@ SUMMARY_REWARDS: Mapping[str, SampleReward] = {
 }
 """Rewards that need no data; ``summary.schema_tree`` needs a schema and is built by :func:`get_reward`."""
 
-REWARD_NAMES: tuple[str, ...] = (*SUMMARY_REWARDS, SCHEMA_TREE)
+DETECTION_REWARDS: Mapping[str, DetectionReward] = {
+    "detection.f1": f1_reward,
+    "detection.maskiou": maskiou_reward,
+    "detection.format": detection_format_reward,
+    "detection.precision": precision_reward,
+    "detection.recall": recall_reward,
+}
+"""Rewards of detection rows (``task_mode: detection``); they need a :class:`DetectionScorer` (the tokenizer)."""
+
+REWARD_NAMES: tuple[str, ...] = (*SUMMARY_REWARDS, SCHEMA_TREE, *DETECTION_REWARDS)
 
 _LOGGED_ONLY = {
     "summary.content_f1": 0.0,
@@ -103,12 +125,26 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "summary.group_stats_presence": 0.2,
         **_LOGGED_ONLY,
     },
+    "detection": {
+        "detection.f1": 1.0,
+        "detection.maskiou": 0.5,
+        "detection.format": 0.25,
+        "detection.precision": 0.0,
+        "detection.recall": 0.0,
+    },
 }
-"""§5.3 weights; the six rewards no preset lists are included with weight 0 so they are logged."""
+"""§5.3 weights of the summary presets (the six rewards no preset lists are included with weight 0 so they are
+logged), and the detection preset: F1 at the matching gate, the matches' mean maskIoU, the format term; precision
+and recall logged."""
 
 
-def get_reward(name: str, schemas: SummarySchemas | None = None) -> SampleReward:
-    """The per-sample reward called ``name``.
+def uses_detection(weights: Mapping[str, float]) -> bool:
+    """Whether ``weights`` names a detection reward (the scorer, i.e. the tokenizer, is then needed)."""
+    return any(name in DETECTION_REWARDS for name in weights)
+
+
+def get_reward(name: str, schemas: SummarySchemas | None = None) -> SampleReward | DetectionReward:
+    """The per-sample reward called ``name`` (a detection reward takes a ``DetectionSample``).
 
     Raises:
         KeyError: unknown name (the message lists the known ones).
@@ -120,6 +156,8 @@ def get_reward(name: str, schemas: SummarySchemas | None = None) -> SampleReward
                 "summary.schema_tree needs a schema; set grpo.reward_schema_path or drop the reward from the weights"
             )
         return functools.partial(schema_tree_reward, schemas=schemas)
+    if name in DETECTION_REWARDS:
+        return DETECTION_REWARDS[name]
     if name not in SUMMARY_REWARDS:
         raise KeyError(f"unknown reward {name!r}; known rewards: {', '.join(REWARD_NAMES)}")
     return SUMMARY_REWARDS[name]
@@ -131,27 +169,46 @@ def total_reward(
     weights: Mapping[str, float],
     *,
     schemas: SummarySchemas | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    detection: DetectionScorer | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """``R = Σ_k w_k · r_k`` for every completion (§3.6).
 
     Args:
         completions: decoded completion texts (end-of-turn markers may remain; they are removed).
-        rows: one dataset row per completion with ``task_mode``, ``domain``, ``summary_ref``.
+        rows: one dataset row per completion: ``task_mode``, ``domain``, ``summary_ref`` (summary rows) or
+            ``task_mode: detection``, ``objects`` (detection rows).
         weights: reward name → weight; every named reward is evaluated (weight 0: logged only).
         schemas: domain schemas, required when ``summary.schema_tree`` is named.
+        token_ids: the sampled ids of every completion (the detection parser's input; without them the texts
+            are encoded with the scorer's tokenizer).
+        detection: the detection scorer, required when a ``detection.*`` reward is named and a row is a
+            detection row (other rows score 0.0 on the detection rewards without it).
 
     Returns:
         ``(totals, per_reward)``: one total per completion, and each named reward's raw (unweighted) values
         in completion order.
 
     Raises:
-        ValueError: ``completions`` and ``rows`` differ in length, or schema_tree lacks ``schemas``.
+        ValueError: ``completions``, ``rows`` (or ``token_ids``) differ in length, schema_tree lacks
+            ``schemas``, or a detection reward meets a detection row without ``detection``.
         KeyError: an unknown reward name.
     """
     if len(completions) != len(rows):
         raise ValueError(f"{len(completions)} completions but {len(rows)} rows; pass one row per completion")
+    if token_ids is not None and len(token_ids) != len(completions):
+        raise ValueError(f"{len(token_ids)} token id lists for {len(completions)} completions")
     functions = {name: get_reward(name, schemas) for name in weights}
-    samples = [make_sample(text, make_row(row)) for text, row in zip(completions, rows, strict=True)]
-    per_reward = {name: [fn(sample) for sample in samples] for name, fn in functions.items()}
-    totals = [sum(weights[name] * per_reward[name][i] for name in weights) for i in range(len(samples))]
-    return totals, per_reward
+    per_reward: dict[str, list[float]] = {}
+    summary = [name for name in functions if name not in DETECTION_REWARDS]
+    if summary:
+        samples = [make_sample(text, make_row(row)) for text, row in zip(completions, rows, strict=True)]
+        per_reward.update({name: [functions[name](s) for s in samples] for name in summary})  # type: ignore[arg-type]
+    if uses_detection(weights):
+        ids = token_ids if token_ids is not None else [None] * len(completions)
+        found = detection_samples(completions, rows, ids, detection)
+        per_reward.update(
+            {name: [functions[name](s) for s in found] for name in functions if name in DETECTION_REWARDS}  # type: ignore[arg-type]
+        )
+    totals = [sum(weights[name] * per_reward[name][i] for name in weights) for i in range(len(completions))]
+    return totals, {name: per_reward[name] for name in weights}

@@ -18,7 +18,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from learner.config import REPO_ROOT, ConfigError, RunConfig, check_runtime_guards, resolve_path
 from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
 from learner.data.records import build_sample, load_records
-from learner.data.synthetic import scene_user_text
+from learner.data.synthetic import record_user_text
 from learner.policy import Policy, load_policy
 from learner.rollout.base import RolloutSource
 from learner.stage2.buffer import RolloutBuffer
@@ -74,8 +74,7 @@ def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
                 path, image_root=cfg.data.image_root, max_images_per_sample=cfg.data.max_images_per_sample
             )
         ):
-            scene = (record.get("metadata") or {}).get("scene")
-            user = scene_user_text(cfg.prompts.user, scene) if scene else cfg.prompts.user
+            user = record_user_text(record, cfg.prompts.user)
             samples.append(
                 build_sample(
                     record,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from learner.rewards import DETECTION_REWARDS
 from learner.rewards.registry import PRESETS, REWARD_NAMES, SUMMARY_REWARDS, get_reward, total_reward
 from learner.rewards.summary_schema import load_schemas
 from tests.unit.learner.rewards.summary_examples import (
@@ -107,4 +108,4 @@ def test_unknown_name_and_length_mismatch() -> None:
         get_reward("summary.nope")
     with pytest.raises(ValueError, match="2 completions but 1 rows"):
         total_reward(["a", "b"], [row(WORKED_REF)], {"summary.format": 1.0})
-    assert set(SUMMARY_REWARDS) | {"summary.schema_tree"} == set(REWARD_NAMES)
+    assert set(SUMMARY_REWARDS) | {"summary.schema_tree"} | set(DETECTION_REWARDS) == set(REWARD_NAMES)

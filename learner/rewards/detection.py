@@ -1,0 +1,212 @@
+"""Detection rewards of GRPO (issue 23 item 4): a completion scored against its record's ground-truth objects
+with the stage-2 machinery of rollout-matching SFT.
+
+One :class:`DetectionSample` per completion: the token-aligned strict parser
+(:func:`learner.stage2.parse.parse_rollout`, on the sampled token ids, or on ``encode(text)`` when only the text
+is known), the GT extraction of §7 (:func:`learner.stage2.gt.extract_gt`: malformed GT objects are left out) and
+the Hungarian matching of §8 with the maskIoU gate (:func:`learner.stage2.match.match`, ``stage2.matching``).
+Predictions are the parser's VALID objects, as in the held-out ``eval_rollout_f1``; ``desc`` plays no part in
+matching (§8). The rewards are pure ``(DetectionSample) -> float``:
+
+- ``detection.f1``: ``2·matched / (pred + gt)``, the F1 at the matching gate;
+- ``detection.maskiou``: mean maskIoU of the matched pairs (0 without a match);
+- ``detection.format``: 1 iff the completion (after the stop marker) is exactly one closed JSON object whose
+  every key is an ``object_N`` entry that passes the §6.7 checks (``{}`` included), with nothing but
+  whitespace before the ``{`` and after the top-level ``}``;
+- ``detection.precision`` / ``detection.recall``: ``matched / pred`` and ``matched / gt`` (logged).
+
+Every ratio with a zero denominator (no prediction and no GT object) is the format value: an image with nothing
+to find is answered perfectly by a well-formed ``{}`` and by nothing else. Rows of another task (no
+``task_mode: detection``) score 0.0 everywhere, as the summary rewards do on non-summary rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from learner.stage2.coords import CoordVocab
+from learner.stage2.detok import encode_text
+from learner.stage2.gt import extract_gt
+from learner.stage2.match import MatchingConfig, match
+from learner.stage2.parse import DEFAULT_STOP_MARKERS, ParseResult, parse_rollout
+
+__all__ = [
+    "DETECTION_TASK",
+    "DetectionSample",
+    "DetectionScorer",
+    "detection_samples",
+    "f1_reward",
+    "format_reward",
+    "is_detection_row",
+    "maskiou_reward",
+    "precision_reward",
+    "recall_reward",
+    "well_formed",
+]
+
+DETECTION_TASK = "detection"
+"""``task_mode`` of a detection reward row (``learner.grpo.data`` sets it for stage-2 records)."""
+
+
+@dataclass(frozen=True)
+class DetectionSample:
+    """One completion parsed and matched against its row's GT.
+
+    Attributes:
+        is_detection: the row is a detection row (else every detection reward is 0.0).
+        n_pred: valid predicted objects.
+        n_gt: well-formed GT objects.
+        matched: matched pairs (maskIoU ≥ ``stage2.matching.maskiou_gate``).
+        iou_sum: sum of the matched pairs' maskIoU.
+        well_formed: the ``detection.format`` condition (module docstring).
+    """
+
+    is_detection: bool
+    n_pred: int = 0
+    n_gt: int = 0
+    matched: int = 0
+    iou_sum: float = 0.0
+    well_formed: bool = False
+
+    def rate(self, numerator: float, denominator: float) -> float:
+        """``numerator / denominator``; with a zero denominator the format value (nothing to find, nothing
+        predicted: right iff well-formed). Non-detection rows: 0.0."""
+        if not self.is_detection:
+            return 0.0
+        if denominator > 0:
+            return numerator / denominator
+        return 1.0 if self.well_formed and self.n_pred == 0 and self.n_gt == 0 else 0.0
+
+
+def well_formed(parse: ParseResult) -> bool:
+    """The ``detection.format`` condition on a parse (module docstring)."""
+    if parse.fallback or not parse.top_closed or parse.dropped_invalid:
+        return False
+    if len(parse.object_keys) != len(parse.all_objects):  # a key that is not an object_N entry with an object
+        return False
+    try:
+        value = json.loads(parse.text)  # surrounding whitespace only, nothing after the top-level close
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict)
+
+
+@dataclass(frozen=True)
+class DetectionScorer:
+    """Turns completions into :class:`DetectionSample` s with the policy's tokenizer and the stage-2 knobs.
+
+    Attributes:
+        tokenizer: the policy tokenizer (the server's: completion ids are in its vocabulary).
+        coord_vocab: its coordinate ids.
+        matching: ``stage2.matching`` (the maskIoU gate sets what counts as matched).
+        stop_markers: ``stage2.parse.stop_markers``.
+    """
+
+    tokenizer: Any = field(repr=False)
+    coord_vocab: CoordVocab = field(repr=False)
+    matching: MatchingConfig = field(default_factory=MatchingConfig)
+    stop_markers: tuple[str, ...] = DEFAULT_STOP_MARKERS
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        *,
+        matching: MatchingConfig | None = None,
+        stop_markers: Sequence[str] = DEFAULT_STOP_MARKERS,
+    ) -> DetectionScorer:
+        """A scorer for ``tokenizer``.
+
+        Raises:
+            CoordVocabError: the tokenizer lacks the 1000 coordinate tokens.
+        """
+        return cls(
+            tokenizer=tokenizer,
+            coord_vocab=CoordVocab.from_tokenizer(tokenizer),
+            matching=matching or MatchingConfig(),
+            stop_markers=tuple(stop_markers),
+        )
+
+    def sample(
+        self, row: Mapping[str, Any], text: str, token_ids: Sequence[int] | None = None
+    ) -> DetectionSample:
+        """Parses and matches one completion against ``row["objects"]`` (``task_mode: detection`` rows).
+
+        Args:
+            row: the prompt's reward row (``task_mode``, ``objects``, optional ``sample_id`` for log lines).
+            text: the decoded completion; read only when ``token_ids`` is None (then encoded with the tokenizer).
+            token_ids: the sampled ids (may end with the end-of-turn id): what the parser is defined on.
+        """
+        if not is_detection_row(row):
+            return DetectionSample(is_detection=False)
+        ids = list(token_ids) if token_ids is not None else encode_text(self.tokenizer, text)
+        parse = parse_rollout(ids, self.tokenizer, self.coord_vocab, self.stop_markers)
+        gts = extract_gt(row.get("objects") or [], int(row.get("sample_id", 0)))
+        preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
+        result = match(preds, [(g.geom_type, g.bins) for g in gts.objects], self.matching)
+        return DetectionSample(
+            is_detection=True,
+            n_pred=len(preds),
+            n_gt=len(gts.objects),
+            matched=len(result.pairs),
+            iou_sum=result.iou_sum,
+            well_formed=well_formed(parse),
+        )
+
+
+def is_detection_row(row: Mapping[str, Any]) -> bool:
+    """Whether a reward row is a detection row (``task_mode: detection``)."""
+    return row.get("task_mode") == DETECTION_TASK
+
+
+def detection_samples(
+    texts: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    token_ids: Sequence[Sequence[int] | None],
+    scorer: DetectionScorer | None,
+) -> list[DetectionSample]:
+    """One :class:`DetectionSample` per completion; rows of other tasks need no scorer (they score 0.0).
+
+    Raises:
+        ValueError: a detection row and no ``scorer``.
+    """
+    out = []
+    for text, row, ids in zip(texts, rows, token_ids, strict=True):
+        if not is_detection_row(row):
+            out.append(DetectionSample(is_detection=False))
+        elif scorer is None:
+            raise ValueError(
+                "detection rewards on a detection row need the policy tokenizer: pass "
+                "detection=DetectionScorer.from_tokenizer(tokenizer)"
+            )
+        else:
+            out.append(scorer.sample(row, text, ids))
+    return out
+
+
+def f1_reward(sample: DetectionSample) -> float:
+    """``detection.f1``: ``2·matched / (pred + gt)``."""
+    return sample.rate(2 * sample.matched, sample.n_pred + sample.n_gt)
+
+
+def maskiou_reward(sample: DetectionSample) -> float:
+    """``detection.maskiou``: mean maskIoU of the matched pairs; 0.0 when nothing matched."""
+    return sample.rate(sample.iou_sum, sample.matched)
+
+
+def format_reward(sample: DetectionSample) -> float:
+    """``detection.format``: 1.0 iff the completion is one closed, fully valid answer (module docstring)."""
+    return float(sample.is_detection and sample.well_formed)
+
+
+def precision_reward(sample: DetectionSample) -> float:
+    """``detection.precision``: ``matched / pred`` (logged by the preset, weight 0)."""
+    return sample.rate(sample.matched, sample.n_pred)
+
+
+def recall_reward(sample: DetectionSample) -> float:
+    """``detection.recall``: ``matched / gt`` (logged by the preset, weight 0)."""
+    return sample.rate(sample.matched, sample.n_gt)
