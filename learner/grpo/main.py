@@ -42,6 +42,7 @@ from learner.rollout.base import RolloutSource
 from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.trainers.build import all_ranks_ok
 from learner.trainers.callbacks import MetricsJsonlCallback
+from learner.trainers.strategy import StrategyCallback
 from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
 
@@ -304,6 +305,7 @@ def build_grpo_trainer(
         num_steps=num_steps,
         seed=args.seed,
     )
+    strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = GrpoTrainer(
         grpo=grpo,
         prompts=prompts.rows,
@@ -320,8 +322,13 @@ def build_grpo_trainer(
         train_dataset=dataset,
         data_collator=_identity_collator,
         processing_class=policy.processing_class,
-        callbacks=[MetricsJsonlCallback(resolved.output_dir / "metrics.jsonl"), GrpoProgressCallback()],
+        callbacks=[
+            strategy,
+            MetricsJsonlCallback(resolved.output_dir / "metrics.jsonl"),
+            GrpoProgressCallback(),
+        ],
     )
+    strategy.trainer = trainer
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     logger.info(

@@ -29,6 +29,7 @@ from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallbac
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
+from learner.trainers.strategy import StrategyCallback
 from learner.weights.sync import WeightSyncPolicy
 
 __all__ = [
@@ -259,6 +260,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         wait_timeout_s=cfg.rollout.async_wait_timeout_s,
         agree=(lambda stale: not all_ranks_ok(not stale)) if args.world_size > 1 else (lambda stale: stale),
     )
+    strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = RolloutMatchingTrainer(
         planner=planner,
         overlap=overlap,
@@ -272,8 +274,9 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         eval_dataset=SampleListDataset(evals) if evals else None,
         data_collator=_identity_collator,
         processing_class=policy.processing_class,
-        callbacks=[MetricsJsonlCallback(out / "metrics.jsonl"), LiveProgressCallback()],
+        callbacks=[strategy, MetricsJsonlCallback(out / "metrics.jsonl"), LiveProgressCallback()],
     )
+    strategy.trainer = trainer
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     return RunParts(trainer=trainer, source=source, output_dir=out)

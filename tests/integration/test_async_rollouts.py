@@ -291,6 +291,11 @@ def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
         if '"loss"' in line
     ]
     assert [s["step"] for s in steps] == [1, 2, 3]
+    # the engaged strategy is measured and said: DDP over 2 ranks, each rank's AdamW state (2 fp32 moments)
+    assert "training strategy (measured after step 1): ddp" in output, output[-3000:]
+    assert all(f"rank {r}/2: ddp" in output for r in (0, 1))
+    assert steps[0]["dist/world_size"] == 2.0 and steps[0]["dist/strategy_code"] == 1.0
+    assert steps[0]["dist/optimizer_state_bytes_rank0"] == steps[0]["dist/optimizer_state_bytes_max"] > 0
     # Metrics are summed over ranks: 2 x 4 samples per step, from step 1 on all from the background requests.
     assert [s["rollout/samples"] for s in steps] == [8.0] * 3
     assert [s["rollout/prefetched"] for s in steps] == [0.0, 8.0, 8.0]
