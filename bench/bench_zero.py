@@ -36,7 +36,9 @@ REPORT = re.compile(
 )
 
 
-def write_config(out: Path, strategy: str, model: Path, steps: int, warmup: int, cuda: bool) -> Path:
+def write_config(
+    out: Path, strategy: str, model: Path, steps: int, warmup: int, cuda: bool, train: Path
+) -> Path:
     training: dict[str, Any] = {
         "max_steps": steps,
         "per_device_train_batch_size": 4,
@@ -56,7 +58,7 @@ def write_config(out: Path, strategy: str, model: Path, steps: int, warmup: int,
         "extends": str(REPO / "configs" / "demo_vlm_cpu.yaml"),
         "output_dir": str(out / strategy),
         "model": {"path": str(model), "dtype": "bfloat16" if cuda else "float32"},
-        "data": {"eval": []},
+        "data": {"train": [str(train)], "eval": []},
         "rollout": {
             "mode": "colocate",
             "backend": "hf",
@@ -115,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "scripts/build_vlm_demo_data.py", "--out", ".cache/data/demo_vlm"], cwd=REPO,
-                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    data = out / "data"  # 256 records of the image demo's generator: steps x ranks x 4 need no more
+    subprocess.run([sys.executable, "scripts/build_vlm_demo_data.py", "--out", str(data), "--n-train", "256",
+                    "--n-eval", "8"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     if args.model == "vlm-2b":
         from _vlm import save_vlm_2b
 
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         model = REPO / ".cache" / "models" / "tiny-qwen3-vl-demo"
     results = {}
     for k, strategy in enumerate(args.strategies.split(",")):
-        config = write_config(out, strategy, model, args.steps, args.warmup, cuda)
+        config = write_config(out, strategy, model, args.steps, args.warmup, cuda, data / "train.jsonl")
         log = out / f"{strategy}.log"
         rc = run(config, args.nproc, log, 29600 + k)
         if rc != 0:

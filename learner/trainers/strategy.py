@@ -33,7 +33,8 @@ class StrategyReport:
         world_size: processes in the data-parallel group.
         rank: this process's rank.
         param_bytes: model parameters resident here (ZeRO-3: this rank's partitions).
-        grad_bytes: gradient storage resident here after a step (ZeRO-2/3: this rank's partition).
+        grad_bytes: gradient storage this rank holds during a step (full size under DDP; ZeRO-2/3: this
+            rank's fp32 partition).
         optimizer_state_bytes: optimizer state tensors plus fp32 master partitions.
     """
 
@@ -103,8 +104,8 @@ def measure_strategy(trainer: Any) -> StrategyReport:
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params if p.requires_grad)
     if stage is not None and stage >= 2:
         grad_bytes = trainable * 4 // world  # fp32 gradient partitions (DeepSpeed keeps them per rank)
-    else:
-        grad_bytes = sum(_tensor_bytes(p.grad) for p in params)
+    else:  # one full-size gradient per trainable parameter during backward (freed again by zero_grad)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     return StrategyReport(strategy, world, rank, param_bytes, grad_bytes, _optimizer_bytes(trainer.optimizer))
 
 
