@@ -327,7 +327,9 @@ class HfEngine:
                 for name, tensor in staged.items():
                     state[name].copy_(tensor, non_blocking=True)
             if any(t.is_cuda for t in state.values()):
-                torch.cuda.synchronize()  # the staged buffers are freed after this; the copies must be done
+                # The staged buffers are freed after this: the copies must be done. This thread's stream only:
+                # a device-wide synchronize would also wait for a receive stuck behind a dead learner.
+                torch.cuda.current_stream().synchronize()
             stages = {"commit_copy_s": time.perf_counter() - started}
         if isinstance(update, ReceivedUpdate):
             stages.update(self._receive_stages)
@@ -361,7 +363,9 @@ class HfEngine:
                 value.copy_(staged[name])
         first = not self._live_buffers
         if any(p.is_cuda for p in params.values()):
-            torch.cuda.synchronize()
+            # Generations queued on this thread's stream read the old weights; once they are done, the buffers
+            # that held them may be received into (never a device-wide synchronize: see `_apply_full`).
+            torch.cuda.current_stream().synchronize()
             if first:
                 torch.cuda.empty_cache()  # the loaded weights' memory, in a pool the receives never draw from
         self._spare_buffers, self._live_buffers = self._live_buffers, buffers

@@ -16,6 +16,9 @@ without following links, checked to be a regular file, and taken over with a har
 (the learner's name may go after the ack; with several servers each keeps its own link to the one file).
 Each bucket's header is checked against the manifest before its ack; the files of a discarded, superseded,
 timed-out or finished sync are removed.
+
+How each transport's bytes come in (a body, an adopted file, the engine's receive over the learner's group) is
+`weights.receivers`, one receiver per `rollout.sync.transport` name, mirroring `learner.rollout.transports`.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from rollout_server.errors import (
     SyncValidationError,
     UnknownSyncError,
 )
-from rollout_server.weights.bucket_files import adopt_shm_bucket, check_file, write_stream
+from rollout_server.weights.bucket_files import check_file
+from rollout_server.weights.receivers import RECEIVERS, CollectiveReceiver, HttpReceiver, ShmReceiver
 from rollout_server.weights.validate import check_manifest
 from shared_schemas.buckets import BucketMismatchError, decode_bucket, encode_bucket
 from shared_schemas.sync import (
@@ -114,7 +118,14 @@ class SyncStaging:
         collective_staging: Literal["auto", "device", "host"] = "auto",
     ) -> None:
         self._on_finish = on_finish
-        self._collective_staging = collective_staging
+        # How the bytes come in, one receiver per transport (`weights.receivers`, the learner's mirrored).
+        self._http = HttpReceiver()
+        self._shm = ShmReceiver(shm_dir) if shm_dir is not None else None
+        self._collective: dict[str, CollectiveReceiver] = {
+            name: cls(collective_staging)  # type: ignore[call-arg]
+            for name, cls in RECEIVERS.items()
+            if issubclass(cls, CollectiveReceiver)
+        }
         self._shm_dir = shm_dir
         self._default_timeout_s = default_timeout_s
         self._clock = clock
@@ -237,7 +248,10 @@ class SyncStaging:
                 lora_enabled=engine.lora_enabled,
                 specs=engine.parameter_specs() if manifest.mode == "full" else {},
             )
-            rendezvous = _rendezvous(request, engine, self._collective_staging)
+            receiver = (
+                self._collective[request.collective.backend] if request.collective is not None else None
+            )
+            rendezvous = receiver.rendezvous(request, engine) if receiver is not None else None
             if self._pending is not None:
                 self._discard(self._pending, "superseded by a new begin", "superseded")
             timeout_s = request.timeout_s or self._default_timeout_s
@@ -253,9 +267,8 @@ class SyncStaging:
             if rendezvous is not None:
                 assert isinstance(engine, CollectiveEngine)
                 joining = not engine.holds_group(rendezvous.group)
-                layout = [[(t.name, t.dtype, t.shape) for t in b.tensors] for b in manifest.buckets]
-                pending.receiving = asyncio.create_task(engine.receive_collective(rendezvous, 1, layout))
-                pending.receiving.add_done_callback(_retrieve)
+                assert receiver is not None
+                pending.receiving = receiver.start(engine, rendezvous, manifest)
             self._pending = pending
             logger.info(
                 "sync %s begun: mode %s, version %d, %d buckets, %d tensors, %.1f MiB",
@@ -293,10 +306,7 @@ class SyncStaging:
             raise
         started = time.perf_counter()
         try:
-            if isinstance(body, bytes | bytearray | memoryview):
-                await asyncio.to_thread(path.write_bytes, bytes(body))
-            else:
-                await write_stream(path, body)
+            await self._http.take(path, body)
         except OSError:
             path.unlink(missing_ok=True)
             async with self._lock:
@@ -316,7 +326,7 @@ class SyncStaging:
     async def put_shm_bucket(self, sync_id: str, index: int, ref: ShmBucketRef) -> BucketAck:
         """Stages one bucket named by file inside the staging directory (taken over by hard link, no copy)."""
         async with self._lock:
-            if self._shm_dir is None:
+            if self._shm is None:
                 raise ConflictError(
                     "shm transport is disabled on this server; send buckets as HTTP bodies"
                     " (rollout.sync.transport: http) or set server.shm_dir",
@@ -328,7 +338,7 @@ class SyncStaging:
             started = time.perf_counter()
             path = self._new_file(pending, index)
             try:
-                await asyncio.to_thread(adopt_shm_bucket, self._shm_dir, ref.file_name, path)
+                await self._shm.take(path, ref)
             except BaseException:
                 path.unlink(missing_ok=True)
                 raise
@@ -461,7 +471,7 @@ class SyncStaging:
         assert pending.receiving is not None and pending.collective is not None
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(asyncio.shield(pending.receiving), pending.collective.timeout_s)
+            await self._collective[pending.collective.backend].finish(pending.receiving, pending.collective)
         except Exception as exc:
             self._finish(pending, outcome="failed")
             reason = (
@@ -497,43 +507,6 @@ def _staging_stages(pending: _Pending, stages: dict[str, float]) -> dict[str, fl
     if pending.collective is not None and pending.collective.staging == "auto":
         return {"staging_auto_bytes": nbytes}
     return {"staging_device_bytes": 0.0, "staging_host_bytes": nbytes}
-
-
-def _rendezvous(
-    request: SyncBeginRequest, engine: Engine, staging: Literal["auto", "device", "host"] = "auto"
-) -> Rendezvous | None:
-    """The collective group of a begin (None for HTTP/shm), checked against the manifest and the engine."""
-    spec = request.collective
-    if spec is None:
-        return None
-    if request.manifest.mode != "full":
-        raise SyncValidationError(
-            "the collective transport carries full syncs only; send adapters over http",
-            type="collective_adapter",
-        )
-    try:
-        if not isinstance(engine, CollectiveEngine):
-            raise EngineError(
-                f"this server's engine cannot receive over {spec.backend}; use transport http or shm"
-            )
-        ranks = engine.collective_ranks
-    except EngineError as exc:
-        raise SyncValidationError(str(exc), type="collective_unsupported") from exc
-    return Rendezvous(
-        backend=spec.backend,
-        master_address=spec.master_address,
-        master_port=spec.master_port,
-        group=spec.group,
-        world_size=1 + ranks,
-        timeout_s=spec.timeout_s,
-        staging=staging,
-    )
-
-
-def _retrieve(task: asyncio.Task[None]) -> None:
-    """Marks a finished receive's failure as seen (the commit or the discard reports it)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _staged_update(manifest: SyncManifest, buckets: dict[int, Path]) -> StagedUpdate:

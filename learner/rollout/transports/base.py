@@ -19,7 +19,7 @@ registered when this package is imported. The server side mirrors the names
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from learner.rollout.sync_stream import BucketParts, bucket_payloads, prefetched
+from shared_schemas.registry import registrar
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncBeginResponse, SyncManifest
 
 if TYPE_CHECKING:
@@ -131,17 +132,8 @@ TRANSPORTS: dict[str, type[Transport]] = {}
 """Transport classes by `rollout.sync.transport` name."""
 
 
-def register(name: str) -> Callable[[type[Transport]], type[Transport]]:
-    """Class decorator: registers a transport under `name` (a name is registered once)."""
-
-    def add(cls: type[Transport]) -> type[Transport]:
-        if name in TRANSPORTS and TRANSPORTS[name] is not cls:
-            raise ValueError(f"weight-sync transport {name!r} is registered already ({TRANSPORTS[name]})")
-        cls.name = name
-        TRANSPORTS[name] = cls
-        return cls
-
-    return add
+register = registrar(TRANSPORTS, "weight-sync transport")
+"""Class decorator: `@register(name)` adds a class to `TRANSPORTS` under `name` (once)."""
 
 
 def build_transport(name: str, options: TransportOptions) -> Transport:

@@ -155,3 +155,15 @@ def test_hf_commit_rebinds_parameters_to_the_received_buffers() -> None:
         b.data_ptr() for b in first
     ]  # the first sync's buffers back no parameter any more
     assert all(torch.allclose(p.detach(), old[n] + 3.0) for n, p in model.named_parameters())
+
+
+def test_the_server_receives_every_transport_the_learner_sends() -> None:
+    from learner.rollout.transports import TRANSPORTS
+    from rollout_server.weights.receivers import RECEIVERS, CollectiveReceiver, FileReceiver
+
+    assert set(RECEIVERS) == set(TRANSPORTS)
+    assert all(cls.name == name for name, cls in RECEIVERS.items())
+    assert issubclass(RECEIVERS["http"], FileReceiver) and issubclass(RECEIVERS["shm"], FileReceiver)
+    assert issubclass(RECEIVERS["gloo"], CollectiveReceiver) and issubclass(
+        RECEIVERS["nccl"], CollectiveReceiver
+    )

@@ -1,0 +1,27 @@
+"""Name → class registries filled by a class decorator (the weight-sync transports on both ends use one each)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["registrar"]
+
+_C = TypeVar("_C", bound=type)
+
+
+def registrar(table: dict[str, Any], what: str) -> Callable[[str], Callable[[_C], _C]]:
+    """A `register(name)` class decorator for `table`: sets the class's `name` and adds it; a name is registered
+    once (another class under a taken name raises `ValueError` naming `what`)."""
+
+    def register(name: str) -> Callable[[_C], _C]:
+        def add(cls: _C) -> _C:
+            if name in table and table[name] is not cls:
+                raise ValueError(f"{what} {name!r} is registered already ({table[name]})")
+            cls.name = name  # type: ignore[attr-defined]
+            table[name] = cls
+            return cls
+
+        return add
+
+    return register
