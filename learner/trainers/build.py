@@ -30,7 +30,7 @@ from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
 from learner.trainers.strategy import StrategyCallback
-from learner.weights.sync import WeightSyncPolicy
+from learner.weights.sync import WeightSyncPolicy, stage2_seed_plan
 
 __all__ = [
     "REPO_ROOT",
@@ -240,6 +240,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
         dtype=_engine_dtype(health),
         seed=args.seed,
+        seed_plan=stage2_seed_plan(args.seed),
     )
     planner = StepPlanner(
         source=source,

@@ -54,29 +54,36 @@ class StrategyReport:
         )
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return [value]
     if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
+        return [t for v in value.values() for t in _tensors(v)]
     if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _optimizer_bytes(optimizer: Any) -> int:
-    """State of the innermost torch optimizer (through accelerate's and DeepSpeed's wrappers) plus DeepSpeed's
-    fp32 master partitions."""
-    total, seen = 0, set()
+    """Distinct tensors of the optimizer state through accelerate's and DeepSpeed's wrappers (each wrapper's
+    `state` is its inner optimizer's: counted once, by storage) plus DeepSpeed's fp32 master partitions."""
+    found: dict[tuple[int, int], int] = {}
+    seen: set[int] = set()
     while optimizer is not None and id(optimizer) not in seen:
         seen.add(id(optimizer))
-        for attr in _FP32_MASTER_ATTRS:
-            total += _tensor_bytes(getattr(optimizer, attr, None))
+        candidates = [getattr(optimizer, attr, None) for attr in _FP32_MASTER_ATTRS]
         state = getattr(optimizer, "state", None)
-        if isinstance(state, dict) and isinstance(optimizer, torch.optim.Optimizer):
-            total += sum(_tensor_bytes(s) for s in state.values())
+        if isinstance(state, dict):
+            candidates.extend(state.values())
+        for tensor in _tensors(candidates):
+            if tensor.numel():
+                found[(tensor.data_ptr(), tensor.numel())] = tensor.numel() * tensor.element_size()
         optimizer = getattr(optimizer, "optimizer", None)
-    return total
+    return sum(found.values())
 
 
 def _zero_stage(engine: Any) -> int | None:
