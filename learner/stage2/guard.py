@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict
 
 from shared_schemas.infer import RepeatTerminateConfig as WireRepeatTerminateConfig
 from shared_schemas.repeat_guard import should_terminate as shared_should_terminate
@@ -31,23 +31,12 @@ __all__ = [
 OBJECT_KEY_MARK = '"object_'
 
 
-class RepeatTerminateConfig(BaseModel):
-    """``rollout.decoding.repeat_terminate``."""
+class RepeatTerminateConfig(WireRepeatTerminateConfig):
+    """``rollout.decoding.repeat_terminate``: the wire contract's fields and bounds (ONE definition, so a value
+    the server would refuse fails when the config loads, not at the first rollout), strict about unknown keys
+    as every config section is."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    enabled: bool = False
-    """Turn the guard on (recommended for dense data)."""
-    min_new_tokens: int = Field(default=256, ge=0)
-    """The guard never fires before this many generated tokens."""
-    max_consecutive_token_repeats: int = Field(default=64, ge=0)
-    """Rule (a): fire when the last r tokens are one id (0 = off)."""
-    ngram_size: int = Field(default=64, ge=0)
-    """Rule (b): block length s (0 = off)."""
-    ngram_repeats: int = Field(default=2, ge=0)
-    """Rule (b): fire when the last s*m tokens are m identical blocks (needs m >= 2)."""
-    max_object_keys: int | None = Field(default=None, ge=0)
-    """Rule (c): fire when the text holds more than K occurrences of '"object_' (None = off)."""
 
 
 def count_object_keys(text: str) -> int:

@@ -43,3 +43,17 @@ def test_async_rollouts_keys_are_validated_by_name() -> None:
     assert cfg.rollout.async_.enabled and cfg.rollout.async_.max_staleness == 2
     assert cfg.rollout.async_wait_timeout_s == 4 * cfg.rollout.read_timeout_s
     assert cfg.model_dump(mode="json")["rollout"]["async"]["enabled"] is True
+
+
+def test_repeat_terminate_bounds_are_the_wire_contracts() -> None:
+    """One definition of the guard's knobs (issue 26): `max_object_keys: 0`, which the server refuses, fails
+    when the config loads, naming the key."""
+    import pytest
+    from pydantic import ValidationError
+
+    from learner.config import DecodingConfig
+
+    with pytest.raises(ValidationError, match="max_object_keys"):
+        DecodingConfig.model_validate({"repeat_terminate": {"enabled": True, "max_object_keys": 0}})
+    with pytest.raises(ValidationError, match="bogus"):
+        DecodingConfig.model_validate({"repeat_terminate": {"bogus": 1}})
