@@ -28,7 +28,6 @@ engine). Installs with torchvision never load it.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from learner.yaml_loader import ConfigError
+from shared_schemas.checkpoints import VL_MODEL_TYPES, is_vl_checkpoint
 
 if TYPE_CHECKING:
     from learner.config import ModelConfig
@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _SHIM_DIR = REPO_ROOT / "scripts" / "vlm_shim"
 
-VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 """`config.model_type` of the vision-language families the learner trains."""
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Default adapter targets of a text-only model (module-name suffixes)."""
@@ -96,14 +95,6 @@ class Policy:
         if not hasattr(self.model, "peft_config"):
             return False
         return any(p.requires_grad and "lora_" not in n for n, p in self.model.named_parameters())
-
-
-def is_vl_checkpoint(path: str | Path) -> bool:
-    """Whether the checkpoint's `config.json` names a Qwen-VL family (`VL_MODEL_TYPES`)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("model_type") in VL_MODEL_TYPES
 
 
 def ensure_vl_imports() -> None:

@@ -9,7 +9,6 @@ the engine fails to load. `--print-launch-env` prints the resolved launcher vari
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -19,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from rollout_server.config import REPO_ROOT, ConfigError, ServerConfig, load_server_config
+from shared_schemas.checkpoints import is_vl_checkpoint
 
 logger = logging.getLogger("rollout_server")
 
@@ -75,7 +75,7 @@ def export_engine_env(cfg: ServerConfig) -> None:
     `scripts/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with torchvision
     never load it.
     """
-    if _is_vl_checkpoint(cfg):
+    if is_vl_checkpoint(cfg.model_path):
         shim = REPO_ROOT / "scripts" / "vlm_shim"
         if str(shim) not in sys.path:
             sys.path.insert(0, str(shim))
@@ -86,13 +86,6 @@ def export_engine_env(cfg: ServerConfig) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
     if cfg.vllm.kv_cache_space_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.kv_cache_space_gb)
-
-
-def _is_vl_checkpoint(cfg: ServerConfig) -> bool:
-    config = cfg.model_path / "config.json"
-    if not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("model_type") in {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

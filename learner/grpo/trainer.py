@@ -65,6 +65,7 @@ from learner.stage2.prompt_encoding import PromptEncoder
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.overlap import WindowLookahead
 from learner.weights.sync import WeightSyncPolicy
+from shared_schemas.checkpoints import is_vision_language
 
 __all__ = ["GrpoTrainer"]
 
@@ -151,8 +152,7 @@ class GrpoTrainer(Trainer):
         return super().create_optimizer()
 
     def _is_vision_language(self) -> bool:
-        config = getattr(self.model, "config", None)
-        return getattr(config, "vision_config", None) is not None
+        return is_vision_language(getattr(self.model, "config", None))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
         """Fetch this rank's slots for the step, then generate, score and prepare its micro-batches.

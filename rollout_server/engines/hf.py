@@ -38,6 +38,7 @@ from rollout_server.engines.base import (
 from rollout_server.engines.collective import open_receiver_group, receive_buckets, retire_group
 from rollout_server.engines.hf_decode import RowOutput, decode_requests
 from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
+from shared_schemas.checkpoints import is_vl_checkpoint
 from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,8 @@ def refuse_vision_language(path: Path) -> None:
     machine without vLLM the learner's own colocated HF engine (which generates with the training model, images
     included).
     """
-    try:
+    if is_vl_checkpoint(path):  # a missing or broken config.json: transformers' own loader names it
         config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # transformers' own loader names a missing or broken config.json
-    if "vision_config" in config:
         kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
         raise ValueError(
             f"server.backend 'hf' serves text-only causal LMs, and server.model {path} is a vision-language"
