@@ -13,7 +13,7 @@ def test_fires_once_after_a_streak_and_names_the_knob() -> None:
     alarm = OverPredictionAlarm("keep")
     seen = [alarm.observe(r) for r in [_logs(4, 2), _logs(4, 2), {"loss": 1.0}, _logs(4, 2), _logs(5, 2)]]
     assert seen[:3] == [None, None, None]  # a step without rollouts neither counts nor resets
-    assert seen[3] is not None and "unmatched_prefix: drop" in seen[3] and "2.00" in seen[3]
+    assert seen[3] is not None and "unmatched_prefix: reorder" in seen[3] and "2.00" in seen[3]
     assert seen[4] is None  # once
 
 
