@@ -185,9 +185,9 @@ def run(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse
         rc = exc.code if isinstance(exc.code, int) else 2
     except BaseException:  # noqa: BLE001 — reported here, then the process group is torn down in order
-        import traceback
-
-        traceback.print_exc()
+        # Through sys.excepthook, as an uncaught exception would be: under torchrun, torch.distributed's hook
+        # prefixes every traceback line with `[rankN]:`, which is how operators (and tests) tell ranks apart.
+        sys.excepthook(*sys.exc_info())
         sys.stderr.flush()
         rc = 1
     return shutdown(rc)
