@@ -23,6 +23,7 @@ from learner.stage2.losses import CoordLossConfig, LossConfig
 from learner.stage2.match import MatchingConfig
 from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from learner.stage2.packing import PackingConfig
+from learner.stage2.seeds import MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP
 from learner.stage2.targets import TargetsConfig
 from learner.weights.sync import SyncConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
@@ -383,9 +384,9 @@ class RunConfig(_Section):
         if unknown:
             raise ValueError(f"unknown TrainingArguments key(s) {unknown}")
         gas = int(value.get("gradient_accumulation_steps", 1))
-        if gas > 99:
+        if gas > MAX_GAS:
             raise ValueError(
-                f"gradient_accumulation_steps {gas} > 99 collides per-request seeds (STAGE2 §5.3)"
+                f"gradient_accumulation_steps {gas} > {MAX_GAS} collides per-request seeds (STAGE2 §5.3)"
             )
         return value
 
@@ -447,9 +448,10 @@ def check_runtime_guards(
         longest_prompt_tokens: longest templated prompt of the data, when known.
     """
     per_device = int(cfg.training.get("per_device_train_batch_size", 8))
-    if world_size * per_device > 10_007:
+    if world_size * per_device > MAX_REQUESTS_PER_MICRO_STEP:
         raise ConfigError(
-            f"training.per_device_train_batch_size {per_device} × world size {world_size} > 10007 collides "
+            f"training.per_device_train_batch_size {per_device} × world size {world_size} >"
+            f" {MAX_REQUESTS_PER_MICRO_STEP} collides "
             "per-request seeds (STAGE2 §5.3)"
         )
     tp = cfg.rollout.vllm.tensor_parallel_size

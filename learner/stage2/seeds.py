@@ -7,6 +7,8 @@ seeds of one optimizer step collision-free: ``dp_world_size * per_device_batch_s
 
 from __future__ import annotations
 
+from shared_schemas.infer import SEED_MASK
+
 __all__ = [
     "MAX_GAS",
     "MAX_REQUESTS_PER_MICRO_STEP",
@@ -19,10 +21,13 @@ __all__ = [
 ]
 
 STEP_STRIDE = 1_000_003
+"""Seed distance between two optimizer steps (stage-2 and GRPO alike)."""
 MICRO_STRIDE = 10_007
-SEED_MASK = 0x7FFFFFFF
+"""Seed distance between two micro-steps of one accumulation window."""
 MAX_REQUESTS_PER_MICRO_STEP = MICRO_STRIDE
+"""Requests of one micro-step over all ranks before their seeds run into the next micro-step's."""
 MAX_GAS = 99
+"""Micro-steps per optimizer step before their seeds run into the next step's (99 × 10_007 < 1_000_003)."""
 
 
 def request_index(dp_rank: int, per_device_batch_size: int, i: int) -> int:
