@@ -20,6 +20,7 @@ from shared_schemas.errors import ErrorBody, ErrorEnvelope
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ERROR_RESPONSES",
     "BadRequestError",
     "ConflictError",
     "EngineError",
@@ -41,6 +42,11 @@ __all__ = [
 
 MAX_REPORTED_ERRORS = 10
 """At most this many {loc, msg} items are reported for one invalid request."""
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorEnvelope} for code in (400, 401, 404, 409, 413, 422, 500, 503)
+}
+"""`responses=` of every protected route: the statuses it may answer in the error envelope (OpenAPI docs)."""
 
 
 class RolloutServerError(Exception):

@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 from rollout_server.deps import EngineDep, StateDep
 from rollout_server.engines.base import Engine, check_results
+from rollout_server.errors import ERROR_RESPONSES
 from rollout_server.state import ServerState
-from shared_schemas.errors import ErrorEnvelope
 from shared_schemas.infer import InferBatch, InferResponse, InferResult, Timing
 
 logger = logging.getLogger(__name__)
@@ -21,11 +21,9 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["infer"])
 
-_ERRORS = {code: {"model": ErrorEnvelope} for code in (400, 401, 404, 409, 413, 422, 500, 503)}
 
-
-@router.post("/infer/", response_model=InferResponse, responses=_ERRORS)
-@router.post("/infer", response_model=InferResponse, responses=_ERRORS, include_in_schema=False)
+@router.post("/infer/", response_model=InferResponse, responses=ERROR_RESPONSES)
+@router.post("/infer", response_model=InferResponse, responses=ERROR_RESPONSES, include_in_schema=False)
 async def infer(
     batch: InferBatch, engine: EngineDep, state: StateDep, request: Request
 ) -> InferResponse | Response:

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request
 
 from rollout_server.deps import EngineDep, StateDep, get_engine
-from shared_schemas.errors import ErrorEnvelope
+from rollout_server.errors import ERROR_RESPONSES
 from shared_schemas.sync import (
     BUCKET_PATH,
     BUCKET_SHM_PATH,
@@ -32,25 +32,28 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["sync"])
 
-_ERRORS = {code: {"model": ErrorEnvelope} for code in (400, 401, 404, 409, 413, 422, 500, 503)}
 SyncId = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$")]
 BucketIndex = Annotated[int, Path(ge=0)]
 
 
-@router.post(SYNC_BEGIN_PATH, response_model=SyncBeginResponse, responses=_ERRORS)
+@router.post(SYNC_BEGIN_PATH, response_model=SyncBeginResponse, responses=ERROR_RESPONSES)
 async def begin(body: SyncBeginRequest, state: StateDep, engine: EngineDep) -> SyncBeginResponse:
     """Validates the manifest (names, dtypes, shapes, version, LoRA) and opens a staged sync."""
     return await state.staging.begin(body, engine)
 
 
-@router.put(BUCKET_PATH, response_model=BucketAck, responses=_ERRORS, dependencies=[Depends(get_engine)])
+@router.put(
+    BUCKET_PATH, response_model=BucketAck, responses=ERROR_RESPONSES, dependencies=[Depends(get_engine)]
+)
 async def put_bucket(sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep) -> BucketAck:
     """Stages one bucket sent as the safetensors body (`application/octet-stream`), streamed into its
     staging file as it arrives."""
     return await state.staging.put_bucket(sync_id, index, request.stream())
 
 
-@router.post(BUCKET_SHM_PATH, response_model=BucketAck, responses=_ERRORS, dependencies=[Depends(get_engine)])
+@router.post(
+    BUCKET_SHM_PATH, response_model=BucketAck, responses=ERROR_RESPONSES, dependencies=[Depends(get_engine)]
+)
 async def put_shm_bucket(
     sync_id: SyncId, index: BucketIndex, body: ShmBucketRef, state: StateDep
 ) -> BucketAck:
@@ -58,13 +61,13 @@ async def put_shm_bucket(
     return await state.staging.put_shm_bucket(sync_id, index, body)
 
 
-@router.post(SYNC_COMMIT_PATH, response_model=SyncCommitResponse, responses=_ERRORS)
+@router.post(SYNC_COMMIT_PATH, response_model=SyncCommitResponse, responses=ERROR_RESPONSES)
 async def commit(body: SyncCommitRequest, state: StateDep, engine: EngineDep) -> SyncCommitResponse:
     """Applies the staged sync atomically; on any failure nothing is applied and the sync is discarded."""
     return await state.staging.commit(body.sync_id, engine)
 
 
-@router.post(SYNC_ABORT_PATH, response_model=SyncAbortResponse, responses=_ERRORS)
+@router.post(SYNC_ABORT_PATH, response_model=SyncAbortResponse, responses=ERROR_RESPONSES)
 async def abort(body: SyncAbortRequest, state: StateDep) -> SyncAbortResponse:
     """Discards the staged sync (idempotent)."""
     return await state.staging.abort(body.sync_id)
