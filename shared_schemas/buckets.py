@@ -19,6 +19,7 @@ import safetensors
 from shared_schemas.sync import DTYPE_NBYTES, BucketSpec, TensorSpec
 
 __all__ = [
+    "DTYPE_CODES",
     "DTYPE_NAMES",
     "BucketMismatchError",
     "RawTensor",
@@ -26,6 +27,7 @@ __all__ = [
     "bucket_parts",
     "check_bucket",
     "decode_bucket",
+    "dtype_code",
     "encode_bucket",
     "plan_buckets",
     "read_header",
@@ -51,7 +53,28 @@ DTYPE_NAMES = {
     "U64": "uint64",
     "F64": "float64",
 }
-"""safetensors header code → numpy/torch dtype name (safetensors >= 0.8 builds its `TensorSpec` from these)."""
+"""safetensors header code → numpy/torch dtype name (safetensors >= 0.8 builds its `TensorSpec` from these).
+
+The ONE map between the wire's dtype codes and torch dtypes: code that holds torch turns a name into its
+dtype with `getattr(torch, name)` (`learner.weights.codec`), so this module never imports torch."""
+
+DTYPE_CODES: dict[str, str] = {name: code for code, name in DTYPE_NAMES.items()}
+"""numpy/torch dtype name → safetensors header code (the inverse of `DTYPE_NAMES`)."""
+
+
+def dtype_code(dtype: Any) -> str:
+    """The safetensors code of a torch or numpy dtype or of its name (`torch.bfloat16`, `"bfloat16"` → `BF16`).
+
+    Raises:
+        ValueError: a dtype the wire cannot carry (complex, quantized, ...), naming the ones it can.
+    """
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return DTYPE_CODES[name]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype} cannot travel as safetensors; cast to one of {', '.join(DTYPE_CODES)}"
+        ) from None
 
 
 class BucketMismatchError(ValueError):

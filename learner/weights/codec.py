@@ -9,43 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from shared_schemas.buckets import RawTensor
+from shared_schemas.buckets import DTYPE_NAMES, RawTensor, dtype_code
 from shared_schemas.sync import TensorSpec
 
 __all__ = ["DTYPE_CODES", "dtype_code", "raw_tensor", "tensor_spec"]
 
-DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.float32: "F32",
-    torch.int64: "I64",
-    torch.uint64: "U64",
-    torch.float64: "F64",
-}
-"""safetensors header code of every torch dtype the wire accepts."""
-
-
-def dtype_code(dtype: torch.dtype) -> str:
-    """The safetensors code of `dtype`.
-
-    Raises:
-        ValueError: a dtype the wire cannot carry (complex, quantized, ...).
-    """
-    try:
-        return DTYPE_CODES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"dtype {dtype} cannot travel as safetensors; cast to one of {sorted(map(str, DTYPE_CODES))}"
-        ) from None
+DTYPE_CODES: dict[torch.dtype, str] = {getattr(torch, name): code for code, name in DTYPE_NAMES.items()}
+"""safetensors header code of every torch dtype the wire accepts (`shared_schemas.buckets.DTYPE_NAMES`, the
+one table, keyed by torch dtype)."""
 
 
 def tensor_spec(name: str, tensor: torch.Tensor) -> TensorSpec:

@@ -9,17 +9,20 @@ import pytest
 from pydantic import ValidationError
 
 from shared_schemas.buckets import (
+    DTYPE_CODES,
+    DTYPE_NAMES,
     BucketMismatchError,
     RawTensor,
     bucket_header,
     bucket_parts,
     check_bucket,
     decode_bucket,
+    dtype_code,
     encode_bucket,
     plan_buckets,
     read_header,
 )
-from shared_schemas.sync import BucketSpec, ShmBucketRef, SyncManifest, TensorSpec
+from shared_schemas.sync import DTYPE_NBYTES, BucketSpec, ShmBucketRef, SyncManifest, TensorSpec
 
 
 def spec(name: str, dtype: str, *shape: int) -> TensorSpec:
@@ -220,3 +223,15 @@ def test_bucket_parts_form_a_valid_aligned_safetensors_file() -> None:
 def test_bucket_header_refuses_wrong_sizes() -> None:
     with pytest.raises(ValueError, match="expected 24"):
         bucket_header([RawTensor("a", "F32", (3, 2), b"\0" * 20)])
+
+
+def test_one_dtype_table_both_ways() -> None:
+    """Every wire code has one dtype name and back; torch dtypes and their names give the same code."""
+    assert set(DTYPE_NAMES) == set(DTYPE_NBYTES)
+    assert {DTYPE_CODES[name]: name for name in DTYPE_CODES} == DTYPE_NAMES
+    torch = pytest.importorskip("torch")
+    for code, name in DTYPE_NAMES.items():
+        assert dtype_code(getattr(torch, name)) == dtype_code(name) == code
+    assert dtype_code(np.dtype("float32")) == "F32"
+    with pytest.raises(ValueError, match="cannot travel as safetensors"):
+        dtype_code(torch.complex64)
