@@ -131,3 +131,47 @@ def test_vision_rows_are_checked_and_text_rows_keep_the_text_path(tiny_model_dir
     ]
     with pytest.raises(ValueError, match="image rows carry different vision inputs"):
         decode_rows(model, prompts, [1, 2], cfg, vision=mixed_keys, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [
+        {"min_new_tokens": 4, "max_consecutive_token_repeats": 3, "ngram_size": 0},
+        {"min_new_tokens": 5, "max_consecutive_token_repeats": 0, "ngram_size": 2},
+    ],
+    ids=["repeat", "ngram"],
+)
+def test_repeat_guard_cuts_exactly_where_the_rule_fires(tiny_model_dir, tiny_tokenizer, guard) -> None:
+    """The HF backend's guard (spec §20.4): the guarded run is the free run's first `n` tokens plus the
+    end-of-turn id, where `n` is the first length at which the shared rule fires."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engines.hf_decode import decode_rows
+    from shared_schemas.infer import RepeatTerminateConfig
+    from shared_schemas.repeat_guard import should_terminate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    eot = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # A repetitive prompt makes the random tiny model (tied embeddings) fall into a loop within a few tokens.
+    prompt = tiny_tokenizer.encode("<|coord_5|><|coord_5|><|coord_5|><|coord_5|>")
+    cfg = RepeatTerminateConfig(enabled=True, **guard)
+
+    def run(repeat_terminate: RepeatTerminateConfig | None) -> tuple[list[int], str]:
+        request = RequestConfig(
+            max_tokens=40, temperature=0.0, ignore_eos=True, repeat_terminate=repeat_terminate
+        )
+        (row,) = decode_rows(
+            model,
+            [prompt],
+            [0],
+            request,
+            pad_id=0,
+            eos_ids=[eot],
+            end_of_turn_id=eot,
+            decode_text=tiny_tokenizer.decode,
+        )
+        return row.token_ids, row.finish_reason
+
+    free, _ = run(None)
+    cut = next(n for n in range(len(free) + 1) if should_terminate(free[:n], None, cfg))  # the run loops
+    assert run(cfg) == (free[:cut] + [eot], "repeat_terminate")
