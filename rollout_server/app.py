@@ -52,6 +52,15 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if cfg.unauthenticated_exposure:
+            logger.warning(
+                "UNAUTHENTICATED: serving %s:%d to other hosts without server.auth_token"
+                " (server.allow_unauthenticated: true); anyone who reaches this port can generate and"
+                " REPLACE THE SERVED WEIGHTS through /sync_weights/. Set server.auth_token unless this"
+                " network is trusted.",
+                cfg.host,
+                cfg.port,
+            )
         if cfg.shm_dir:
             Path(cfg.shm_dir).expanduser().mkdir(parents=True, exist_ok=True)
         tasks = [

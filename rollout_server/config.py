@@ -136,9 +136,15 @@ class ServerConfig(_Section):
     gpus: GpuList = None
     """GPU indices for `CUDA_VISIBLE_DEVICES` (None: leave it as it is, e.g. on CPU)."""
     allow_non_loopback: bool = False
-    """Allow binding an address reachable from other hosts."""
-    auth_token: SecretStr | None = None
-    """When set, every route except `/health` needs `Authorization: Bearer <token>`."""
+    """Allow binding an address reachable from other hosts (then `auth_token` is required, or the explicit
+    `allow_unauthenticated` opt-out)."""
+    auth_token: SecretStr | None = Field(default=None, min_length=1)
+    """When set, every route except `/health` needs `Authorization: Bearer <token>` (the learner sends
+    `rollout.auth_token`). Required with a non-loopback `host`."""
+    allow_unauthenticated: bool = False
+    """Serve a non-loopback `host` WITHOUT `auth_token`: anyone who reaches the port can generate and replace
+    the served weights through `/sync_weights/`. Only on a network you trust; the server logs a warning at
+    start."""
     model: str
     """Local model directory (relative paths resolve against the repository root; never a hub name)."""
     backend: Literal["vllm", "hf"] = "vllm"
@@ -171,6 +177,14 @@ class ServerConfig(_Section):
                 f"{self.host!r} is not loopback (127.0.0.1, localhost, ::1); bind loopback or set"
                 " server.allow_non_loopback: true",
             )
+        if not _is_loopback(self.host) and self.auth_token is None and not self.allow_unauthenticated:
+            raise _rule_error(
+                "auth_token",
+                f"server.host {self.host!r} is reachable from other hosts and no token is set, so anyone who"
+                " reaches the port could replace the served weights through /sync_weights/; set"
+                " server.auth_token (and the same rollout.auth_token on the learner), or on a trusted network"
+                " only server.allow_unauthenticated: true",
+            )
         if self.health_port is not None and self.health_port == self.port:
             raise _rule_error(
                 "health_port",
@@ -186,6 +200,11 @@ class ServerConfig(_Section):
                     f" = {need}; list {need} GPUs or change TP/DP",
                 )
         return self
+
+    @property
+    def unauthenticated_exposure(self) -> bool:
+        """True when other hosts can reach the server and it asks no token (`allow_unauthenticated`)."""
+        return not _is_loopback(self.host) and self.auth_token is None
 
     @property
     def model_path(self) -> Path:

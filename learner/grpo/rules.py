@@ -22,6 +22,7 @@ DEFAULT_TIMEOUT_S = 300.0
 _RULE_BY_KEY = {
     "server.host": "rule 2",
     "server.allow_non_loopback": "rule 2",
+    "server.auth_token": "rule 2",
     "server.port": "rule 3",
     "server.vllm.tensor_parallel_size": "rule 4",
     "server.vllm.data_parallel_size": "rule 4",
@@ -85,13 +86,25 @@ def check_lora(server_raw: Mapping[str, Any]) -> None:
 
 
 def check_host(server: GrpoServerConfig) -> None:
-    """Rule 2: loopback bind unless ``allow_non_loopback``."""
-    if server.host not in LOOPBACK_HOSTS and not server.allow_non_loopback:
+    """Rule 2: loopback bind unless ``allow_non_loopback``, and then a token unless ``allow_unauthenticated``
+    (the server process applies the same rule to its own copy: ``rollout_server.config.ServerConfig``)."""
+    if server.host in LOOPBACK_HOSTS:
+        return
+    if not server.allow_non_loopback:
         raise fail(
             "server.host",
             f"{server.host!r} is not loopback (127.0.0.1, localhost, ::1)",
             "rule 2",
             "bind loopback or set server.allow_non_loopback: true",
+        )
+    if server.auth_token is None and not server.allow_unauthenticated:
+        raise fail(
+            "server.auth_token",
+            f"missing while server.host {server.host!r} is reachable from other hosts (anyone who reaches the"
+            " port could replace the served weights)",
+            "rule 2",
+            "set server.auth_token and the same rollout.auth_token, or on a trusted network only"
+            " server.allow_unauthenticated: true",
         )
 
 

@@ -53,9 +53,11 @@ class GrpoServerConfig(_Section):
     gpus: GpuList = (0, 1, 2, 3, 4, 5)
     """Rollout GPUs (``CUDA_VISIBLE_DEVICES`` of the server)."""
     allow_non_loopback: bool = False
-    """Allow an address reachable from other hosts."""
-    auth_token: str | None = None
-    """Bearer token (passed through, never printed)."""
+    """Allow an address reachable from other hosts (then ``auth_token`` or ``allow_unauthenticated``)."""
+    auth_token: str | None = Field(default=None, min_length=1)
+    """Bearer token (passed through, never printed); required with a non-loopback ``host``."""
+    allow_unauthenticated: bool = False
+    """Serve a non-loopback ``host`` without ``auth_token`` (trusted networks only; the server warns)."""
     model: str | None = None
     """Model directory the server loads (default: ``model.path``); made absolute."""
     backend: Literal["vllm", "hf"] = "vllm"

@@ -115,8 +115,44 @@ def test_invalid_configs(tmp_path: Path, yaml_text: str, fragments: list[str]) -
 
 
 def test_non_loopback_allowed_when_asked(tmp_path: Path) -> None:
-    path = write(tmp_path / "c.yaml", "server: {model: /m, host: 0.0.0.0, allow_non_loopback: true}")
+    path = write(
+        tmp_path / "c.yaml", "server: {model: /m, host: 0.0.0.0, allow_non_loopback: true, auth_token: t0k}"
+    )
     assert load_server_config(path).host == "0.0.0.0"
+
+
+def test_non_loopback_needs_a_token_or_the_explicit_opt_out(tmp_path: Path) -> None:
+    """Anyone who reaches an open port could replace the served weights, so a non-loopback bind needs
+    `auth_token`, or `allow_unauthenticated: true` (which the server then logs loudly at start)."""
+    path = write(tmp_path / "c.yaml", "server: {model: /m, host: 0.0.0.0, allow_non_loopback: true}")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    message = str(info.value)
+    assert f"{path}: server.auth_token: server.host '0.0.0.0' is reachable from other hosts" in message
+    assert "server.allow_unauthenticated: true" in message
+    with pytest.raises(ConfigError, match="auth_token"):
+        load_server_config(path, overrides={"auth_token": ""})  # an empty token is no token
+    opted_out = load_server_config(path, overrides={"allow_unauthenticated": True})
+    assert opted_out.unauthenticated_exposure
+    assert not load_server_config(path, overrides={"auth_token": "t0k"}).unauthenticated_exposure
+    assert not ServerConfig(model="/m", allow_unauthenticated=True).unauthenticated_exposure  # loopback
+
+
+def test_unauthenticated_exposure_is_logged_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    from fastapi.testclient import TestClient
+
+    from rollout_server.app import create_app
+    from tests.unit.rollout_server.fakes import FakeEngine
+
+    open_cfg = ServerConfig(model="/m", host="0.0.0.0", allow_non_loopback=True, allow_unauthenticated=True)
+    with caplog.at_level("WARNING", logger="rollout_server.app"):
+        with TestClient(create_app(open_cfg, engine=FakeEngine())):
+            pass
+    assert any("UNAUTHENTICATED" in r.getMessage() and "0.0.0.0" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with TestClient(create_app(ServerConfig(model="/m"), engine=FakeEngine())):
+        pass
+    assert not any("UNAUTHENTICATED" in r.getMessage() for r in caplog.records)
 
 
 def test_gpus_accept_string_int_list(tmp_path: Path) -> None:

@@ -60,6 +60,12 @@ FAILING = [
     ("rule2-host-0.0.0.0", _set("server.host", "0.0.0.0"), "server.host", "rule 2"),
     ("rule2-host-lan", _set("server.host", "10.0.0.5"), "server.host", "rule 2"),
     (
+        "rule2-non-loopback-without-token",
+        _chain(_set("server.host", "0.0.0.0"), _set("server.allow_non_loopback", True)),
+        "server.auth_token",
+        "rule 2",
+    ),
+    (
         "rule2-base-url-port",
         _set("rollout.servers", [{"base_url": "http://127.0.0.1:9000"}]),
         "rollout.servers[0].base_url",
@@ -220,12 +226,15 @@ def test_batch_plan_gas_must_be_an_integer(server_raw: dict[str, Any]) -> None:
 
 
 def test_non_loopback_allowed_when_opted_in(server_raw: dict[str, Any]) -> None:
-    server_raw["server"].update(host="0.0.0.0", allow_non_loopback=True)
+    server_raw["server"].update(host="0.0.0.0", allow_non_loopback=True, auth_token="t0k")
     server_raw["rollout"]["servers"] = [{"base_url": "http://trainer-node-3:8080"}]
     assert validate_grpo_run(server_raw, REPO_ROOT).server.host == "0.0.0.0"
     server_raw["server"]["host"] = "10.0.0.5"
     server_raw["rollout"]["servers"] = [{"base_url": "http://10.0.0.5:8080/"}]
     assert validate_grpo_run(server_raw, REPO_ROOT).base_url == "http://10.0.0.5:8080"
+    del server_raw["server"]["auth_token"]
+    server_raw["server"]["allow_unauthenticated"] = True  # the explicit opt-out (the server warns at start)
+    assert validate_grpo_run(server_raw, REPO_ROOT).server.auth_token is None
 
 
 @pytest.mark.parametrize("host", ["localhost", "::1"])
