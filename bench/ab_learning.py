@@ -82,11 +82,11 @@ def build_data(task: dict[str, Any], out: Path, n_eval: int, smoke: bool) -> tup
     """The task's train/eval JSONL (the demo generator, ``n_eval`` held-out rows)."""
     sys.path.insert(0, str(REPO))
     if task["kind"] == "tiny":
-        from learner.data.synthetic import DemoDataConfig, write_demo_dataset
+        from learner.demo_data.scenes import DemoDataConfig, write_demo_dataset
 
         train, held_out = write_demo_dataset(out, 64 if smoke else 4000, n_eval, 0, DemoDataConfig())
     else:
-        from learner.data.synthetic_images import write_image_dataset
+        from learner.demo_data.images import write_image_dataset
 
         train, held_out = write_image_dataset(out, 64 if smoke else 6000, n_eval, 0)
     return Path(train), Path(held_out)

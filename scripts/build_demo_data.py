@@ -1,4 +1,4 @@
-"""Write the synthetic demo detection set (learner/data/synthetic.py): ``train.jsonl`` and ``eval.jsonl``.
+"""Write the synthetic demo detection set (learner/demo_data/scenes.py): ``train.jsonl`` and ``eval.jsonl``.
 
 CLI: ``python scripts/build_demo_data.py --out .cache/data/demo`` (idempotent; unchanged files are kept).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.data.synthetic import DemoDataConfig, write_demo_dataset  # noqa: E402
+from learner.demo_data.scenes import DemoDataConfig, write_demo_dataset  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

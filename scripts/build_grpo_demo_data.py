@@ -2,7 +2,7 @@
 
 Writes (idempotent, deterministic; nothing is downloaded):
 
-- ``<data>/train.jsonl``, ``<data>/eval.jsonl``: synthetic "summary" rows (``learner/grpo/synthetic.py``);
+- ``<data>/train.jsonl``, ``<data>/eval.jsonl``: synthetic "summary" rows (``learner/demo_data/summary.py``);
 - ``<models>/tiny-qwen2``: the tiny Qwen2 LM (``scripts/build_tiny_models.py``; the server loads it);
 - ``<models>/tiny-qwen2-grpo-warm``: ``tiny-qwen2`` after a short SFT warm start on the train answers, half of
   them with the wrong task tag (``learner/grpo/warm_start.py``, ``with_task_noise``; the learner starts from it
@@ -11,7 +11,7 @@ Writes (idempotent, deterministic; nothing is downloaded):
 With ``--vlm`` it builds the image edition instead (the Qwen-VL GRPO demo):
 
 - ``<data>/train.jsonl``, ``<data>/eval.jsonl`` + ``<data>/images/*.png``: synthetic image summary rows
-  (``learner.grpo.synthetic.generate_image_rows``; default ``<data>`` = ``.cache/data/grpo_vlm_demo``);
+  (``learner.demo_data.summary.generate_image_rows``; default ``<data>`` = ``.cache/data/grpo_vlm_demo``);
 - ``<models>/tiny-qwen3-vl``: the tiny Qwen3-VL (``scripts/build_tiny_vlm.py``; the server loads it);
 - ``<models>/tiny-qwen3-vl-grpo-warm``: ``tiny-qwen3-vl`` after a short SFT warm start on the image rows' answers
   (half with the wrong task tag, as for text), vision tower and aligner trained too.
@@ -34,13 +34,13 @@ from build_tiny_models import build_tiny_lm  # noqa: E402
 from build_tiny_vlm import MODEL_NAME as VLM_NAME  # noqa: E402
 from build_tiny_vlm import build_tiny_vlm  # noqa: E402
 
-from learner.grpo.synthetic import generate_image_rows, generate_rows, with_task_noise, write_rows  # noqa: E402
+from learner.demo_data.summary import generate_image_rows, generate_rows, with_task_noise, write_rows  # noqa: E402
 from learner.grpo.warm_start import warm_start  # noqa: E402
 
 DEFAULT_WARM_STEPS = 100
 """Enough for the answer skeleton (format reward ≈ 0.9 at temperature 1)."""
 TASK_NOISE = 0.5
-"""Fraction of warm-start answers with the wrong task tag (see ``learner/grpo/synthetic.py``)."""
+"""Fraction of warm-start answers with the wrong task tag (see ``learner/demo_data/summary.py``)."""
 
 
 VLM_WARM_STEPS = 120

@@ -238,7 +238,7 @@ DEMO_DATA = SCRIPTS.parent / ".cache" / "data" / "demo_vlm"
 def _matches_preset(model_dir: Path, init_dir: Path) -> bool:
     """Same tokenizer as ``init_dir``, the demo preset's text and vision architecture, and stage-1 trained on the
     demo's prompts (``pretrain_info.json``; the learner rolls out with ``prompts:`` of configs/demo_vlm_cpu.yaml)."""
-    from learner.data.synthetic_images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT
+    from learner.demo_data.images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT
 
     if not (model_dir / "model.safetensors").is_file() or not (model_dir / "config.json").is_file():
         return False
@@ -275,7 +275,7 @@ def build_demo_stage1(out_dir: Path, init_dir: Path, *, rebuild: bool = False) -
         import vlm_pretrain
         from build_vlm_demo_data import DEFAULT_N_EVAL, DEFAULT_N_TRAIN
 
-        from learner.data.synthetic_images import write_image_dataset
+        from learner.demo_data.images import write_image_dataset
 
         logger.info("stage-1 pretraining of %s (no usable asset in %s)", init_dir, DEMO_ASSET)
         write_image_dataset(DEMO_DATA, DEFAULT_N_TRAIN, DEFAULT_N_EVAL, seed=0)

@@ -1,4 +1,4 @@
-"""Write the synthetic image demo set (learner/data/synthetic_images.py): JSONL splits and their PNGs.
+"""Write the synthetic image demo set (learner/demo_data/images.py): JSONL splits and their PNGs.
 
 CLI: ``python scripts/build_vlm_demo_data.py --out .cache/data/demo_vlm`` writes ``train.jsonl``, ``eval.jsonl``,
 ``manifest.json`` and ``images/{train,eval}_NNNNN.png`` (paths in the records are relative to ``--out``).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.data.synthetic_images import ImageDemoConfig, write_image_dataset  # noqa: E402
+from learner.demo_data.images import ImageDemoConfig, write_image_dataset  # noqa: E402
 
 DEFAULT_N_TRAIN = 6000
 DEFAULT_N_EVAL = 64

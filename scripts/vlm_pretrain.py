@@ -2,7 +2,7 @@
 
 STAGE2 starts from a stage-1 SFT checkpoint. For the image demo that checkpoint is ``tiny-qwen3-vl-demo``
 (``scripts/build_tiny_vlm.py``, preset ``tiny-qwen3-vl-demo``) after this script has trained it on the
-``train`` split of ``learner/data/synthetic_images.py`` — and stopped EARLY, while its held-out detection F1 is
+``train`` split of ``learner/demo_data/images.py`` — and stopped EARLY, while its held-out detection F1 is
 still well below 0.5, so that rollout-matching SFT has room to show learning. The result is shipped as
 ``assets/tiny-qwen3-vl-demo-stage1/`` because training it takes minutes on a GPU and far longer on 2 CPU cores;
 ``build_tiny_vlm.py`` copies the asset and re-runs this script only when the asset is missing.
@@ -11,7 +11,7 @@ One training row is exactly what the learner teacher-forces for an empty rollout
 (``learner.stage2.messages.rollout_messages`` of ``build_sample(record, include_assistant=True)``: the system
 prompt, then the user turn with the image part first and the user prompt, then ``<|im_start|>assistant\\n``),
 the GT answer (``serialize_objects``, §4) and ``<|im_end|>``. The prompts default to the image demo's short ones
-(``learner.data.synthetic_images.DEMO_SYSTEM_PROMPT`` / ``DEMO_USER_PROMPT``, also ``prompts:`` of
+(``learner.demo_data.images.DEMO_SYSTEM_PROMPT`` / ``DEMO_USER_PROMPT``, also ``prompts:`` of
 configs/demo_vlm_cpu.yaml; ``--system-prompt`` / ``--user-prompt`` change them): the learner must roll out with
 the prompts the checkpoint was trained on. The loss is the mean token cross-entropy over the answer tokens and
 ``<|im_end|>`` only. The learning rate is constant after a linear warm-up, so the snapshot at step k of a longer
@@ -61,7 +61,7 @@ import torch.nn.functional as F  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from learner.data.records import build_sample, load_records  # noqa: E402
-from learner.data.synthetic_images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT  # noqa: E402
+from learner.demo_data.images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.match import MatchingConfig  # noqa: E402
 from learner.stage2.messages import rollout_messages  # noqa: E402

@@ -25,7 +25,9 @@ __all__ = [
     "iter_records",
     "load_records",
     "make_sample_id",
+    "record_user_text",
     "resolve_image",
+    "scene_user_text",
     "validate_record",
 ]
 
@@ -168,6 +170,18 @@ def load_records(
             f" {root}",
         )
     return [record for _, record in rows]
+
+
+def scene_user_text(user_prompt: str, scene: str) -> str:
+    """The user text of a record with a scene description: the configured user prompt, a newline, the scene."""
+    return f"{user_prompt}\n{scene}"
+
+
+def record_user_text(record: Mapping[str, Any], user_prompt: str) -> str:
+    """The user text of any record: ``user_prompt``, with the record's ``metadata.scene`` appended on a new line
+    when it has one (a text-only record describes its scene in the prompt: the text demo's records do)."""
+    scene = (record.get("metadata") or {}).get("scene")
+    return scene_user_text(user_prompt, scene) if scene else user_prompt
 
 
 def make_sample_id(dataset_namespace: int, base_idx: int) -> int:

@@ -50,8 +50,7 @@ from typing import Any, Protocol
 from torch.utils.data import Dataset
 
 from learner.data.errors import DataRecordError
-from learner.data.records import build_sample, resolve_image, validate_record
-from learner.data.synthetic import record_user_text
+from learner.data.records import build_sample, record_user_text, resolve_image, validate_record
 from learner.rewards.detection import DETECTION_TASK
 from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from shared_schemas.infer import iter_image_refs

@@ -17,8 +17,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import REPO_ROOT, ConfigError, RunConfig, check_runtime_guards, resolve_path
 from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
-from learner.data.records import build_sample, load_records
-from learner.data.synthetic import record_user_text
+from learner.data.records import build_sample, load_records, record_user_text
 from learner.policy import Policy, load_policy
 from learner.rollout.base import RolloutSource
 from learner.stage2.buffer import RolloutBuffer
@@ -63,8 +62,8 @@ _DEFAULT_ARGS = {
 def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
     """Sample dicts (spec/STAGE2.md §1.5) of the given JSONL files, in dataset-namespace order.
 
-    A record's `metadata.scene` text (the synthetic demo describes its scene in the prompt) is appended to
-    the user prompt on a new line.
+    A record's `metadata.scene` text (a text-only record describes its scene in the prompt) is appended to
+    the user prompt on a new line (`learner.data.records.record_user_text`).
     """
     samples: list[dict[str, Any]] = []
     seed = int(cfg.training.get("seed", 42))

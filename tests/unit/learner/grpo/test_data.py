@@ -1,4 +1,4 @@
-"""GRPO prompt rows (learner/grpo/data.py), the synthetic summary set (learner/grpo/synthetic.py) and the step
+"""GRPO prompt rows (learner/grpo/data.py), the synthetic summary set (learner/demo_data/summary.py) and the step
 metrics (learner/grpo/metrics.py). Pure: a character-level fake encoder stands in for the tokenizer."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from learner.data.errors import DataRecordError
+from learner.demo_data.summary import IRRELEVANT_FRACTION, answer_text, generate_rows, write_rows
 from learner.grpo.data import load_prompt_rows, prompt_order
 from learner.grpo.metrics import MetricWindow, advantage_metrics, completion_metrics, reward_metrics
 from learner.grpo.rollouts import Completion, Group
-from learner.grpo.synthetic import IRRELEVANT_FRACTION, answer_text, generate_rows, write_rows
 from learner.rewards.registry import PRESETS, total_reward
 
 

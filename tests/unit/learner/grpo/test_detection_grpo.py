@@ -1,6 +1,6 @@
 """GRPO on detection records (issue 23 item 4): the `detection` reward preset in the config, stage-2 records in
 the GRPO data path (text demo records and image records, one code path), and the reward path of the trainer —
-prompts loaded from learner.data.synthetic records with the REAL tiny tokenizer, completions as token ids from a
+prompts loaded from learner.demo_data.scenes records with the REAL tiny tokenizer, completions as token ids from a
 fake rollout source, scored by the rank-0 `GroupGenerator` (no server, no model)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from learner.config import RunConfig
 from learner.data.errors import DataRecordError
 from learner.data.records import build_sample
-from learner.data.synthetic import generate_records
+from learner.demo_data.scenes import generate_records
 from learner.grpo.config import ConfigError, validate_grpo_run
 from learner.grpo.data import PromptRow, PromptSet, load_prompt_rows
 from learner.grpo.generation import GroupGenerator, ResamplePool

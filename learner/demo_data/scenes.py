@@ -1,13 +1,13 @@
 """Synthetic detection set for the one-command CPU demo (DESIGN.md §6).
 
 The demo model is a tiny text-only Qwen2 LM, so the "image" is replaced by a text description of the scene
-that the learner appends to the user prompt (:func:`scene_user_text`). Records follow spec/STAGE2.md §1.1
+that the learner appends to the user prompt (``learner.data.records.record_user_text``). Records follow spec/STAGE2.md §1.1
 except that ``images`` is EMPTY: the data loader must accept text-only records for the demo (no image part
 in the user message). ``width`` and ``height`` are 1000, so pixel values and norm1000 bins coincide (§2.2).
 
 Design choices that make the task learnable by the ~0.5M-parameter ``tiny`` model in ~100–150 SFT steps
-(measured with scripts/experiments/sft_probe.py; the model must first get a generic copy circuit, see
-scripts/experiments/copy_pretrain.py — from random init the same circuit needs ≥ 25k training samples):
+(measured by the SFT probe of docs/EXPERIMENTS.md; the model must first get a generic copy circuit, see
+scripts/copy_pretrain.py — from random init the same circuit needs ≥ 25k training samples):
 
 - The scene text lists the objects in the same order as the answer (§1.4 ``sorted``: anchor ``(y, x)``),
   each as ``desc`` immediately followed by its coordinate tokens in answer order (style ``tight``), so the
@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,9 +51,7 @@ __all__ = [
     "generate_records",
     "make_record",
     "record_objects",
-    "record_user_text",
     "sample_scene",
-    "scene_user_text",
     "write_demo_dataset",
 ]
 
@@ -286,18 +284,6 @@ def describe_scene(objects: Sequence[SceneObject], style: SceneStyle = "tight") 
             parts.append(f"{o.desc} {kind} {' '.join(toks)}")
     sep = {"tight": " ", "compact": ", ", "verbose": "; "}[style]
     return "Scene: " + sep.join(parts) + "."
-
-
-def scene_user_text(user_prompt: str, scene: str) -> str:
-    """The user text of a demo sample: the configured user prompt, a newline, then ``metadata.scene``."""
-    return f"{user_prompt}\n{scene}"
-
-
-def record_user_text(record: Mapping[str, Any], user_prompt: str) -> str:
-    """The user text of any record: ``user_prompt``, with the record's ``metadata.scene`` appended on a new line
-    when it has one (the text demo describes its scene in the prompt)."""
-    scene = (record.get("metadata") or {}).get("scene")
-    return scene_user_text(user_prompt, scene) if scene else user_prompt
 
 
 def record_objects(objects: Sequence[SceneObject]) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Tests of the synthetic demo detection set (learner/data/synthetic.py)."""
+"""Tests of the synthetic demo detection set (learner/demo_data/scenes.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from learner.data.synthetic import (
+from learner.data.records import scene_user_text
+from learner.demo_data.scenes import (
     CATEGORIES,
     DemoDataConfig,
     canonical_ring,
     describe_scene,
     generate_records,
     sample_scene,
-    scene_user_text,
     write_demo_dataset,
 )
 

@@ -19,7 +19,7 @@ Design choices (why the tiny model can raise the rewards within ~30 GRPO steps a
   wrong tag) tell GRPO which mode is right, so they rise within a few dozen steps.
 
 Image rows (:func:`generate_image_rows`, the Qwen-VL demo): the same §4 task read off a picture. A scene of 1–3
-flat shapes (``learner.data.synthetic_images``' renderer: each category has one colour and one shape) summarises
+flat shapes (``learner.demo_data.images``' renderer: each category has one colour and one shape) summarises
 as one ``统计`` entry per category with its count (``可见性: {完整: n}``); ~20 % of the images are pixel noise,
 whose right answer is ``无关图片``. The user turn only names the domain (which picks the header).
 
@@ -38,7 +38,7 @@ from typing import Any
 
 from PIL import Image
 
-from learner.data.synthetic_images import ImageDemoConfig, PixelObject, render_scene, sample_pixel_scene
+from learner.demo_data.images import ImageDemoConfig, PixelObject, render_scene, sample_pixel_scene
 from learner.rewards.summary_parse import IRRELEVANT, expected_header
 
 __all__ = [

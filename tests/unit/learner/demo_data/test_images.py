@@ -1,4 +1,4 @@
-"""Tests of the synthetic image demo set (learner/data/synthetic_images.py)."""
+"""Tests of the synthetic image demo set (learner/demo_data/images.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from PIL import Image
 
 from learner.config import load_run_config
 from learner.data.records import load_records, validate_record
-from learner.data.synthetic import canonical_ring
-from learner.data.synthetic_images import (
+from learner.demo_data.images import (
     CATEGORIES,
     DEMO_SYSTEM_PROMPT,
     DEMO_USER_PROMPT,
@@ -19,8 +18,9 @@ from learner.data.synthetic_images import (
     generate_images,
     write_image_dataset,
 )
+from learner.demo_data.scenes import canonical_ring
 from learner.stage2.coords import bin_to_pixel
-from tests.unit.learner.test_synthetic import _anchor, _bins
+from tests.unit.learner.demo_data.test_scenes import _anchor, _bins
 
 N = 60
 
@@ -127,7 +127,7 @@ def test_config_rejects_boxes_larger_than_the_image() -> None:
 
 def test_demo_config_prompts_are_the_ones_the_stage1_asset_was_trained_on() -> None:
     """configs/demo_vlm_cpu.yaml rolls out with the prompts of scripts/vlm_pretrain.py (the shipped asset's)."""
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[4]
     cfg = load_run_config(repo / "configs" / "demo_vlm_cpu.yaml")
     assert cfg.prompts.system == DEMO_SYSTEM_PROMPT
     assert cfg.prompts.user == DEMO_USER_PROMPT
