@@ -1,8 +1,8 @@
 """Generic copy pretraining of a tiny LM: the step that makes the demo learnable in ~100–150 SFT steps.
 
-Why: the demo task (learner/data/synthetic.py) is "copy the scene's content tokens into the JSON answer". A
+Why: the demo task (learner/demo_data/scenes.py) is "copy the scene's content tokens into the JSON answer". A
 randomly initialised 2-layer model needs a copy ("induction") circuit for that, and forms it only after a long
-plateau (≥ 25k samples in scripts/experiments/sft_probe.py runs). Pretraining the same model on GENERIC copy
+plateau (≥ 25k samples in the SFT probe runs, docs/EXPERIMENTS.md). Pretraining the same model on GENERIC copy
 data first — random token sequences, no prompts, no JSON, no scenes, nothing of the demo's answers — gives it
 the circuit, as a pretrained LM would have it; SFT then only has to learn the output format.
 
@@ -13,7 +13,7 @@ other non-special token) before each element. Only the elements of ``S'`` carry 
 gap_max 12 matters: the answer JSON puts 2..11 structure tokens between two content tokens (gap_max 3 or 6
 pretrains fine but does not transfer).
 
-CLI: ``python scripts/experiments/copy_pretrain.py --model-dir .cache/models/tiny-qwen2 --out DIR``.
+CLI: ``python scripts/copy_pretrain.py --model-dir .cache/models/tiny-qwen2 --out DIR``.
 """
 
 from __future__ import annotations
