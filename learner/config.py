@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from learner.stage2.buffer import RolloutBufferConfig
 from learner.stage2.guard import RepeatTerminateConfig
 from learner.stage2.losses import CoordLossConfig, LossConfig
 from learner.stage2.match import MatchingConfig
@@ -297,15 +298,6 @@ class EncodeConfig(_Section):
     """Segment longer than packing_length (§11.5)."""
     global_max_length: int = Field(default=4096, ge=16)
     """Longest teacher-forced segment (= packing_length by default)."""
-
-
-class RolloutBufferConfig(_Section):
-    """`stage2.rollout_buffer:` (§15)."""
-
-    enabled: bool = False
-    """Reuse rollouts over M-steps."""
-    m_steps: int = Field(default=1, ge=1)
-    """Optimizer steps per E-step window (1 = no reuse)."""
 
 
 class OffloadConfig(_Section):

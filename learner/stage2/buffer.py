@@ -51,7 +51,7 @@ class RolloutBufferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     enabled: bool = False
-    """Reuse each window's prepared micro-batches for ``m_steps - 1`` extra optimizer steps."""
+    """Reuse each window's prepared micro-batches for `m_steps - 1` extra optimizer steps."""
     m_steps: int = Field(default=1, ge=1)
     """Optimizer steps per window: 1 E-step + (m_steps - 1) M-steps; 1 = no reuse."""
 
