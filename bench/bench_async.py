@@ -22,6 +22,8 @@ sync steps/s (target ≥ 1.6 where rollout ≈ train). Tune `--max-new-tokens` /
                                 [--server-cpus 0 --learner-cpus 1 | --no-pin] [--first sync|async]
     # GPU (one H100/H200: an HF-backend server process and the learner on the same GPU, a ~0.4B model):
     python bench/bench_async.py --no-pin --server-backend hf --build-model-layers 32 --dtype bfloat16 ...
+    # two GPUs: the server on GPU 1, the learner on GPU 0, weights over NCCL (the seeds' placement):
+    python bench/bench_async.py --no-pin --server-backend hf --server-gpu 1 --learner-gpu 0 --transport nccl ...
 
 Exit codes: 0 measured (whatever the ratio), 1 a learner run or the server failed (logs are named).
 """
@@ -63,7 +65,9 @@ def write_configs(out: Path, port: int, args: argparse.Namespace) -> tuple[Path,
         f"server: {{port: {port}, backend: {args.server_backend}{server_model},"
         f" vllm: {{max_num_seqs: {max(args.batch, 16)}}}, hf: {{batch_size: {args.batch}}}}}\n"
         f'rollout: {{servers: [{{base_url: "http://127.0.0.1:{port}"}}], '
-        f"decoding: {{max_new_tokens: {args.max_new_tokens}}}}}\n"
+        f"decoding: {{max_new_tokens: {args.max_new_tokens}}}"
+        + (f", sync: {{transport: {args.transport}}}" if args.transport else "")
+        + "}\n"
         "data: {eval: []}\n"
         f"training: {{max_steps: {args.max_steps}, per_device_train_batch_size: {args.batch}, save_strategy: 'no', "
         "eval_strategy: 'no', report_to: []}\n"
@@ -143,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="float32", help="model/server dtype with --model (bfloat16 on GPUs)"
     )
+    parser.add_argument("--server-gpu", default=None, help="CUDA_VISIBLE_DEVICES of the server process")
+    parser.add_argument("--learner-gpu", default=None, help="CUDA_VISIBLE_DEVICES of each learner run")
+    parser.add_argument(
+        "--transport", choices=["http", "shm", "gloo", "nccl"], default=None,
+        help="rollout.sync.transport (default: the demo config's shm)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     pin = not args.no_pin and shutil.which("taskset") is not None
     out = args.out.resolve()
@@ -162,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     server_prefix = ["taskset", "-c", args.server_cpus] if pin else []
     learner_prefix = ["taskset", "-c", args.learner_cpus] if pin else []
     learner_env = {"OMP_NUM_THREADS": str(len(args.learner_cpus.split(",")))} if pin else {}
+    server_env = dict(os.environ)
+    if args.learner_gpu is not None:
+        learner_env["CUDA_VISIBLE_DEVICES"] = args.learner_gpu
+    if args.server_gpu is not None:
+        server_env["CUDA_VISIBLE_DEVICES"] = args.server_gpu
     pinning = {
         "server_cpus": args.server_cpus if pin else "all",
         "learner_cpus": args.learner_cpus if pin else "all",
@@ -170,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": _device_name(),
         "server_backend": args.server_backend,
         "model": str(args.model) if args.model is not None else "demo",
+        "server_gpu": args.server_gpu,
+        "learner_gpu": args.learner_gpu,
+        "transport": args.transport or "shm",
     }
     load_start = os.getloadavg()
     exit_on_signals()  # unwinds through the finally below, which stops the server
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher = subprocess.Popen(
                 [*server_prefix, "scripts/start_rollout_server.sh", "--config", str(base), "--port", str(port),
                  "--log-dir", str(out / "server")],
-                cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True,
+                cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True, env=server_env,
             )  # fmt: skip
         wait_ready(launcher, out / "server_launcher.log", args.server_timeout)
         for name in ("sync", "async") if args.first == "sync" else ("async", "sync"):

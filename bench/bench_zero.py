@@ -1,12 +1,18 @@
 """DDP vs DeepSpeed ZeRO-2 vs ZeRO-3 on several GPUs: what each rank holds, peak memory, and the first losses.
 
-    torchrun is started by this script:  python bench/bench_zero.py --nproc 2 [--model vlm-2b|tiny-vlm]
+    torchrun is started by this script:  python bench/bench_zero.py --nproc 2 [--model vlm-2b|tiny-vlm|tiny-text]
+                                         [--rollout colocate|server]
 
 Per strategy it runs ``python -m learner`` under ``torchrun --nproc_per_node N`` on the image demo's records
-(``configs/demo_vlm_cpu.yaml``) with rollouts from the in-process HF engine (``rollout.mode: colocate``; no vLLM
-on the GPU machines): ``--warmup`` plain-GT steps, then rollout-matching steps, whose rollouts need the
-policy's FULL weights — under ZeRO-3 the colocated engine gathers them bucket by bucket (the export path every
-full weight sync takes). Same seed and data for every strategy.
+(``configs/demo_vlm_cpu.yaml``; ``tiny-text``: the text demo's, ``configs/demo_tiny_cpu.yaml``):
+``--warmup`` plain-GT steps, then rollout-matching steps, whose rollouts need the policy's FULL weights.
+``--rollout colocate`` (default): the in-process HF engine (no vLLM on the GPU machines; the learner refuses
+ZeRO-3 with it). ``--rollout server``: an HF-backend rollout server on the last GPU
+(``CUDA_VISIBLE_DEVICES``, shared with the last rank), every rollout-matching step starts with a full weight
+sync over ``nccl`` (``gloo`` on CPU) — under ZeRO-3 every rank gathers each bucket and rank 0 sends it. After
+the run the server's greedy answers are checked against the weights it should serve (the checkpoint saved
+one step before the last, whose weights the last step's sync sent): the log-prob gap of the server's
+greedy tokens under that checkpoint, teacher-forced on GPU 0. Same seed and data for every strategy.
 
 Prints one JSON line per strategy: the strategy the learner MEASURED (``learner.trainers.strategy``: the engine's
 ZeRO stage, not the config), per-rank parameter / gradient / optimizer-state bytes, per-step loss and
@@ -19,6 +25,7 @@ CPU with gloo.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -37,7 +44,8 @@ REPORT = re.compile(
 
 
 def write_config(
-    out: Path, strategy: str, model: Path, steps: int, warmup: int, cuda: bool, train: Path
+    out: Path, strategy: str, model: Path, steps: int, warmup: int, cuda: bool, train: Path | None,
+    server_url: str | None = None, text: bool = False,
 ) -> Path:
     training: dict[str, Any] = {
         "max_steps": steps,
@@ -54,16 +62,24 @@ def write_config(
         training["deepspeed"] = str(REPO / DEEPSPEED[strategy])
     if not cuda:
         training["use_cpu"] = True
+    rollout: dict[str, Any] = {
+        "mode": "colocate",
+        "backend": "hf",
+        "decoding": {"max_new_tokens": 96, "rollout_generate_batch_size": 8},
+    }
+    if server_url is not None:
+        # The checkpoint of step `steps - 1` holds the weights the last step's sync sent (the effect check).
+        training.update(save_strategy="steps", save_steps=steps - 1, save_only_model=True)
+        rollout.update(
+            mode="server", servers=[{"base_url": server_url}],
+            sync={"mode": "full", "transport": "nccl" if cuda else "gloo", "bucket_mb": 512},
+        )  # fmt: skip
     config = {
-        "extends": str(REPO / "configs" / "demo_vlm_cpu.yaml"),
+        "extends": str(REPO / "configs" / ("demo_tiny_cpu.yaml" if text else "demo_vlm_cpu.yaml")),
         "output_dir": str(out / strategy),
         "model": {"path": str(model), "dtype": "bfloat16" if cuda else "float32"},
-        "data": {"train": [str(train)], "eval": []},
-        "rollout": {
-            "mode": "colocate",
-            "backend": "hf",
-            "decoding": {"max_new_tokens": 96, "rollout_generate_batch_size": 8},
-        },
+        "data": {"eval": [], **({"train": [str(train)]} if train is not None else {})},
+        "rollout": rollout,
         "training": training,
         "stage2": {"sft_warmup_steps": warmup, "eval": {"at_start": False}},
         "save_final_model": False,
@@ -103,11 +119,61 @@ def read(out: Path, strategy: str, log: Path) -> dict[str, Any]:
     }
 
 
+def server_effect(model_dir: Path, checkpoint: Path, url: str, device: str) -> dict[str, Any]:
+    """The server's greedy tokens on random prompts vs `checkpoint` teacher-forced on `device`."""
+    import torch
+    from _sync_gpu import greedy_gap
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from learner.rollout.client import ServerRolloutSource
+    from shared_schemas.checkpoints import is_vl_checkpoint
+
+    loader = AutoModelForImageTextToText if is_vl_checkpoint(model_dir) else AutoModelForCausalLM
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    policy = loader.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(int(policy.config.get_text_config().vocab_size), 1400)
+    prompts = [torch.randint(10, vocab, (24,), generator=gen).tolist() for _ in range(8)]
+    with ServerRolloutSource([url], timeout_s=300) as source:
+        after = greedy_gap(source, policy, prompts)
+    base = loader.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    with ServerRolloutSource([url], timeout_s=300) as source:
+        versus_initial = greedy_gap(source, base, prompts)
+    return {"checkpoint": checkpoint.name, "gap_vs_synced_checkpoint": after,
+            "gap_vs_initial_weights": versus_initial}  # fmt: skip
+
+
+def start_server(out: Path, model: Path, cuda: bool, gpu: str) -> tuple[list[str], str, Path]:
+    """Command, base URL and log of an HF-backend rollout server on `model` (on GPU `gpu` with CUDA)."""
+    import yaml
+    from bench_server import free_port
+
+    port = free_port()
+    section = {"port": port, "model": str(model), "backend": "hf", "dtype": "bfloat16" if cuda else "float32",
+               "seed": 0, "sync_staging": "auto", "max_body_mb": 4096, "hf": {"batch_size": 8}}  # fmt: skip
+    config = out / "server.yaml"
+    config.write_text(yaml.safe_dump({"server": section}))
+    cmd = [sys.executable, "-m", "rollout_server", "--config", str(config), "--log-level", "WARNING"]
+    if cuda:
+        cmd = ["env", f"CUDA_VISIBLE_DEVICES={gpu}", *cmd]
+    return cmd, f"http://127.0.0.1:{port}", out / "server.log"
+
+
+def read_syncs(run_dir: Path) -> dict[str, Any]:
+    """Weight-sync figures of the run's metrics records (seconds and bytes per sync)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seconds = [r["time/weight_sync_s"] for r in records if r.get("time/weight_sync_s")]
+    return {"count": len(seconds), "seconds": [round(x, 4) for x in seconds],
+            "keys": sorted(k for r in records for k in r if "sync" in k)[:20]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="ddp,zero2,zero3")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--model", choices=("vlm-2b", "tiny-vlm"), default="vlm-2b")
+    parser.add_argument("--model", choices=("vlm-2b", "tiny-vlm", "tiny-text"), default="vlm-2b")
+    parser.add_argument("--rollout", choices=("colocate", "server"), default="colocate")
+    parser.add_argument("--server-gpu", default=None, help="--rollout server: its GPU (default: the last)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3, help="plain-GT steps before rollout-matching ones")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_zero")
@@ -117,10 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = out / "data"  # 256 records of the image demo's generator: steps x ranks x 4 need no more
-    subprocess.run([sys.executable, "scripts/build_vlm_demo_data.py", "--out", str(data), "--n-train", "256",
-                    "--n-eval", "8"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    if args.model == "vlm-2b":
+    text = args.model == "tiny-text"
+    train: Path | None = None
+    if not text:
+        data = out / "data"  # 256 records of the image demo's generator: steps x ranks x 4 need no more
+        subprocess.run([sys.executable, "scripts/build_vlm_demo_data.py", "--out", str(data), "--n-train", "256",
+                        "--n-eval", "8"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        train = data / "train.jsonl"
+    if text:
+        from bench_learner import build_demo_assets
+
+        build_demo_assets()
+        import yaml
+
+        model = REPO / yaml.safe_load((REPO / "configs" / "demo_tiny_cpu.yaml").read_text())["model"]["path"]
+    elif args.model == "vlm-2b":
         from _vlm import save_vlm_2b
 
         model = save_vlm_2b(out / "qwen3-vl-2b-shapes", "cuda" if cuda else "cpu")
@@ -130,14 +207,33 @@ def main(argv: list[str] | None = None) -> int:
         model = REPO / ".cache" / "models" / "tiny-qwen3-vl-demo"
     results = {}
     for k, strategy in enumerate(args.strategies.split(",")):
-        config = write_config(out, strategy, model, args.steps, args.warmup, cuda, data / "train.jsonl")
         log = out / f"{strategy}.log"
-        rc = run(config, args.nproc, log, 29600 + k)
-        if rc != 0:
-            print(json.dumps({"bench": "zero", "strategy_asked": strategy, "rc": rc,
-                              "log_tail": log.read_text()[-1500:]}), flush=True)  # fmt: skip
-            continue
-        results[strategy] = read(out, strategy, log)
+        server = contextlib.nullcontext(0.0)
+        url = None
+        if args.rollout == "server":
+            from bench_server import running
+
+            gpu = args.server_gpu or str(max(torch.cuda.device_count() - 1, 0))
+            (out / strategy).mkdir(parents=True, exist_ok=True)
+            cmd, url, server_log = start_server(out / strategy, model, cuda, gpu)
+            server = running(cmd, f"{url}/health", server_log, deadline_s=900)
+        with server:
+            config = write_config(out, strategy, model, args.steps, args.warmup, cuda, train, url, text)
+            rc = run(config, args.nproc, log, 29600 + k)
+            if rc != 0:
+                print(json.dumps({"bench": "zero", "strategy_asked": strategy, "rc": rc,
+                                  "log_tail": log.read_text()[-3000:]}), flush=True)  # fmt: skip
+                continue
+            results[strategy] = read(out, strategy, log)
+            if url is not None:
+                checkpoint = out / strategy / f"checkpoint-{args.steps - 1}"
+                try:
+                    results[strategy]["server_effect"] = server_effect(
+                        model, checkpoint, url, "cuda:0" if cuda else "cpu"
+                    )
+                except Exception as exc:  # the figures above must not be lost
+                    results[strategy]["server_effect"] = {"error": f"{type(exc).__name__}: {exc}"[:1500]}
+                results[strategy]["syncs"] = read_syncs(out / strategy)
         print(json.dumps(results[strategy]), flush=True)
     if "ddp" in results:
         base = sum(r["optimizer_state_gib"] for r in results["ddp"]["ranks"][:1]) or 1e-9
