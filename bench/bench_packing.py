@@ -1,4 +1,4 @@
-"""Post-rollout packing benchmark (spec/STAGE2.md §14). Prints one JSON object per line.
+"""Post-rollout packing benchmark (docs/ALGORITHM.md#packing). Prints one JSON object per line.
 
 CPU (default): fill ratio of the carry buffer + §14.3 selection at steady state, for log-normal segment
 lengths (mean ≈ 1100, max 4096) and rows of ``--packing-length`` tokens, over several inflow rates

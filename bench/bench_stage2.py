@@ -1,4 +1,4 @@
-"""Per-sample cost of the stage-2 host pipeline: parse → GT → match → targets (spec/STAGE2.md §6–§10).
+"""Per-sample cost of the stage-2 host pipeline: parse → GT → match → targets (docs/ALGORITHM.md §6–§10).
 
 For each object count (default 10 / 50 / 200) it builds realistic rollouts with the real tiny tokenizer
 (`scripts/build_tiny_models.py`): random GT scenes (a mix of boxes and 3–8 vertex polygons, sizes scaled to

@@ -1,12 +1,12 @@
-"""The learner's run configuration: one pydantic model per YAML section (DESIGN.md §8).
+"""The learner's run configuration: one pydantic model per YAML section (docs/ARCHITECTURE.md#configuration).
 
-Knob names and defaults follow spec/STAGE2.md (tables and Appendix A) and DESIGN.md §8. Every section
+Knob names and defaults follow docs/ALGORITHM.md and docs/ARCHITECTURE.md#configuration. Every section
 forbids unknown keys; `load_run_config` turns validation errors into one-line `ConfigError`s naming the
 file and the dotted key. The `server:` section belongs to the rollout server and its launcher: the learner
 keeps it as an opaque mapping (a demo or compose file carries both). The `grpo:` section is validated by
 `learner.grpo.config` when the GRPO trainer runs.
 
-Cross-section guards (spec/STAGE2.md §5.3, §14.1, §16; issue "Learner loop" item 4) are checked by
+Cross-section guards (docs/ALGORITHM.md#seeds, §14.1, §16; issue "Learner loop" item 4) are checked by
 `RunConfig` and by `check_runtime_guards` (those that need the world size or the server's `/health`).
 """
 
@@ -215,7 +215,8 @@ class AsyncRolloutConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """`rollout:` — where rollouts come from and how weights reach them (DESIGN.md §2, §5; STAGE2 §5)."""
+    """`rollout:` — where rollouts come from and how weights reach them (docs/ARCHITECTURE.md#rollout-source,
+    #weight-sync; docs/ALGORITHM.md#rollout)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -323,7 +324,7 @@ class EvalConfig(_Section):
 
 
 class Stage2Config(_Section):
-    """`stage2:` — everything of spec/STAGE2.md between the rollout and the optimizer."""
+    """`stage2:` — everything of docs/ALGORITHM.md between the rollout and the optimizer."""
 
     parse: ParseConfig = Field(default_factory=ParseConfig)
     gt: GtConfig = Field(default_factory=GtConfig)
@@ -378,7 +379,8 @@ class RunConfig(_Section):
         gas = int(value.get("gradient_accumulation_steps", 1))
         if gas > MAX_GAS:
             raise ValueError(
-                f"gradient_accumulation_steps {gas} > {MAX_GAS} collides per-request seeds (STAGE2 §5.3)"
+                f"gradient_accumulation_steps {gas} > {MAX_GAS} collides per-request seeds"
+                " (docs/ALGORITHM.md#seeds)"
             )
         return value
 
@@ -395,7 +397,8 @@ class RunConfig(_Section):
         if self.stage2.offload.enabled and (self.training.get("deepspeed") or self.training.get("fsdp")):
             raise ValueError(
                 "stage2.offload.enabled cannot be combined with sharded parameters or optimizer states "
-                "(training.deepspeed / training.fsdp); use ZeRO's own offload instead (STAGE2 §16)"
+                "(training.deepspeed / training.fsdp); use ZeRO's own offload instead"
+                " (docs/ALGORITHM.md#offload)"
             )
         eval_strategy = (
             str(self.training.get("eval_strategy", "no")).lower().removeprefix("intervalstrategy.")
@@ -444,7 +447,7 @@ def check_runtime_guards(
         raise ConfigError(
             f"training.per_device_train_batch_size {per_device} × world size {world_size} >"
             f" {MAX_REQUESTS_PER_MICRO_STEP} collides "
-            "per-request seeds (STAGE2 §5.3)"
+            "per-request seeds (docs/ALGORITHM.md#seeds)"
         )
     tp = cfg.rollout.vllm.tensor_parallel_size
     if cfg.rollout.mode == "colocate" and world_size % tp:

@@ -1,4 +1,4 @@
-"""Per-optimizer-step metric aggregation (spec/STAGE2.md §18, §19).
+"""Per-optimizer-step metric aggregation (docs/ALGORITHM.md#metrics, #evaluation).
 
 A :class:`StepMetrics` collects everything one optimizer step produces on one rank: summed counters
 (``rollout/*`` per-sample counters, loss sums and counts, pack telemetry), per-step maxima, rank-local

@@ -272,8 +272,8 @@ def part_param_groups(
     decay_names: set[str],
     weight_decay: float,
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups of a VL model with a learning rate per part (GRPO_SUMMARY's `aligner_lr` and
-    `vision_tower_lr`), each split into decayed and not-decayed parameters as HF `Trainer` does.
+    """Optimizer parameter groups of a VL model with a learning rate per part (GRPO's `grpo.aligner_lr` and
+    `grpo.vision_tower_lr`), each split into decayed and not-decayed parameters as HF `Trainer` does.
 
     Args:
         model: the (possibly PEFT-wrapped) VL model; only trainable parameters are grouped.

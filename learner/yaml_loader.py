@@ -1,4 +1,5 @@
-"""YAML loading with `extends:` inheritance (DESIGN.md §8), separate from the config models.
+"""YAML loading with `extends:` inheritance (docs/ARCHITECTURE.md#configuration), separate from the config
+models.
 
 Rules: `extends` is a path or a list of paths relative to the file that names them; parents merge first
 (in list order), then the file itself; mappings merge deeply, every other value (lists included) replaces;

@@ -1,4 +1,4 @@
-"""The FastAPI app factory of the rollout server (DESIGN.md §3, STYLE.md §2)."""
+"""The FastAPI app factory of the rollout server (docs/ARCHITECTURE.md#the-contract)."""
 
 from __future__ import annotations
 

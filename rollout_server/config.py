@@ -1,4 +1,5 @@
-"""The rollout server's configuration: the `server` section of a run YAML (DESIGN.md §8, GRPO_SUMMARY §2.2).
+"""The rollout server's configuration: the `server` section of a run YAML (docs/ARCHITECTURE.md#configuration,
+docs/ALGORITHM.md#grpo-config GRPO §2.2).
 
 YAML loading (`extends:` chains, deep merge, lists replace) is separate from the models. A file holding a
 whole run (a `server:` section next to learner sections) is read by taking ONLY its `server:` section; a

@@ -1,4 +1,5 @@
-"""Server error families and the handlers that render them in the DESIGN.md §3 envelope.
+"""Server error families and the handlers that render them in the one error envelope
+(docs/ARCHITECTURE.md#errors).
 
 Every error leaves the server as `{"error": {"type", "message", "detail"}}`. Caller mistakes are
 4xx (400/401/404/409/413/422), 503 means not ready, 500 an engine failure; the server stays up.
@@ -163,7 +164,7 @@ class EngineError(RolloutServerError):
 
 
 def error_response(err: RolloutServerError) -> JSONResponse:
-    """Renders an error as the DESIGN envelope with its status."""
+    """Renders an error as the error envelope with its status."""
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(err.envelope().model_dump(mode="json"), status_code=err.status, headers=headers)
 
@@ -215,7 +216,7 @@ async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
     types = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 401: "unauthorized"}
     message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; see DESIGN.md §3 for the routes"
+        message = f"no route {request.method} {request.url.path}; see GET /docs for the routes"
     err = RolloutServerError(message, type=types.get(exc.status_code, "http_error"), status=exc.status_code)
     return error_response(err)
 
@@ -230,7 +231,7 @@ async def _handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_exception_handlers(app: FastAPI) -> None:
-    """Registers handlers from specific to catch-all so every error uses the DESIGN envelope."""
+    """Registers handlers from specific to catch-all so every error uses the error envelope."""
     app.add_exception_handler(RolloutServerError, _handle_server_error)
     app.add_exception_handler(RequestValidationError, _handle_validation)
     app.add_exception_handler(StarletteHTTPException, _handle_http)

@@ -17,7 +17,7 @@ tmpfs); a probe never needs the server's loop, GIL or memory. It serves (GET onl
 Liveness is the server process being alive (the child checks its parent; it exits when the parent is gone);
 readiness is what the engine can do. `snapshot_age_s` says how long ago the event loop last wrote the snapshot:
 a growing age with live answers means a stuck loop, which an orchestrator may act on (the listener never
-judges it). Everything else is 404 in the DESIGN error envelope.
+judges it). Everything else is 404 in the error envelope.
 
 Run as `python -m rollout_server.health_listener --host H --port P --snapshot FILE --parent PID --started T`
 (the server does this; `HealthListener` below is the server's side).

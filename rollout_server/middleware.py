@@ -1,4 +1,4 @@
-"""ASGI middleware: request body size limit (413 in the DESIGN envelope)."""
+"""ASGI middleware: request body size limit (413 in the error envelope)."""
 
 from __future__ import annotations
 

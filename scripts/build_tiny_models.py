@@ -8,7 +8,8 @@ seed-1 models are interchangeable parameter for parameter — that is what weigh
 
 Tokenizer facts (what the learner and server rely on):
 - byte-level BPE with Qwen2's pre-tokenizer regex, trained on the assistant JSON format, the default prompts and
-  the demo vocabulary, so ``{"``, ``":``, `` {"``, ``",`` ... are single tokens as in spec/STAGE2.md §21;
+  the demo vocabulary, so ``{"``, ``":``, `` {"``, ``",`` ... are single tokens as in
+  docs/ALGORITHM.md#worked-example;
 - Qwen chat special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and the Qwen-VL vision tokens;
 - 1000 added coordinate tokens ``<|coord_0|>`` .. ``<|coord_999|>``, each ONE id, registered as non-special added
   tokens so that ``decode(..., skip_special_tokens=True)`` keeps them (engines return them in ``text``);

@@ -214,8 +214,8 @@ def render_all() -> str:
         ),
         (
             "GRPO runs: `learner.grpo.sections.GrpoConfig` and `learner.grpo.batch_plan.BatchPlan`",
-            "Read by `learner.grpo.config.validate_grpo_run` (spec/GRPO_SUMMARY.md §2–§3); the GRPO resolver "
-            "also checks a narrower view of `server:` (§2.2).",
+            "Read by `learner.grpo.config.validate_grpo_run` (docs/ALGORITHM.md#grpo-config); the GRPO"
+            " resolver also checks a narrower view of `server:` (GRPO §2.2).",
             (*iter_sections(GrpoConfig, "grpo"), *iter_sections(BatchPlan, "batch_plan")),
         ),
     ]

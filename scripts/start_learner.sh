@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the learner once every configured rollout server is healthy (DESIGN.md §7, spec/GRPO_SUMMARY.md §6.2).
+# Start the learner once every configured rollout server is healthy (docs/ARCHITECTURE.md#launchers,
+# docs/ALGORITHM.md#grpo-launchers GRPO §6.2).
 #
 #   scripts/start_learner.sh --config <yaml> [--gpus 6,7] [--nproc N] [--wait-timeout 120] [--wait-interval 2]
 #

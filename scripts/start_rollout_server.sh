@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the rollout server and wait until it is healthy (DESIGN.md §7, spec/GRPO_SUMMARY.md §6.1).
+# Start the rollout server and wait until it is healthy (docs/ARCHITECTURE.md#launchers,
+# docs/ALGORITHM.md#grpo-launchers GRPO §6.1).
 #
 #   scripts/start_rollout_server.sh --config <yaml> [--gpus 0,1,2] [--port N] [--host H]
 #                                   [--wait-timeout 300] [--wait-interval 2] [--stop-grace 10] [--log-dir DIR]

@@ -1,7 +1,7 @@
 """Stage-1 SFT of the image demo model: plain teacher-forced training on the synthetic image set.
 
-STAGE2 starts from a stage-1 SFT checkpoint. For the image demo that checkpoint is ``tiny-qwen3-vl-demo``
-(``scripts/build_tiny_vlm.py``, preset ``tiny-qwen3-vl-demo``) after this script has trained it on the
+Rollout-matching SFT starts from a stage-1 SFT checkpoint. For the image demo that checkpoint is
+``tiny-qwen3-vl-demo`` (``scripts/build_tiny_vlm.py``, preset ``tiny-qwen3-vl-demo``) after this script has trained it on the
 ``train`` split of ``learner/demo_data/images.py`` — and stopped EARLY, while its held-out detection F1 is
 still well below 0.5, so that rollout-matching SFT has room to show learning. The result is shipped as
 ``assets/tiny-qwen3-vl-demo-stage1/`` because training it takes minutes on a GPU and far longer on 2 CPU cores;

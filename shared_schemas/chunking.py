@@ -1,8 +1,9 @@
-"""The one chunk plan used at both levels: servers on the client, DP engines inside a server (DESIGN.md §4).
+"""The one chunk plan used at both levels: servers on the client, DP engines inside a server
+(docs/ARCHITECTURE.md#determinism).
 
 `N` requests over `S` parts: `chunk = ceil(N / S)`, part `i` gets `[i*chunk, min((i+1)*chunk, N))`; parts
 beyond `N` get empty ranges (callers skip them), and `N == 0` gives all-empty ranges, so no call is made
-(spec/STAGE2.md §5.5).
+(docs/ALGORITHM.md#chunking-and-retries).
 """
 
 from __future__ import annotations

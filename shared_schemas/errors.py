@@ -1,4 +1,5 @@
-"""The one error envelope of the wire contract (DESIGN.md §3): `{"error": {"type", "message", "detail"}}`."""
+"""The one error envelope of the wire contract, `{"error": {"type", "message", "detail"}}`
+(docs/ARCHITECTURE.md#errors)."""
 
 from __future__ import annotations
 

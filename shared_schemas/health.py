@@ -1,4 +1,4 @@
-"""Body of `GET /health` (DESIGN.md §3)."""
+"""Body of `GET /health` (docs/ARCHITECTURE.md#health)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Image references → pixels, exactly one way for every process (server engines, learner, colocate backends).
 
 An image reference is a string: a local path, a `file://` URL or a `data:` URL (`image_ref_kind`); nothing is
-ever fetched from the network. The learner's teacher-forced prompt (spec/STAGE2.md §11) must see the same
-pixels as the engine that rolled out, so both decode through `load_image` here: EXIF orientation applied,
-converted to RGB, as `transformers.image_utils.load_image` does.
+ever fetched from the network. The learner's teacher-forced prompt (docs/ALGORITHM.md#teacher-forced-encoding)
+must see the same pixels as the engine that rolled out, so both decode through `load_image` here: EXIF
+orientation applied, converted to RGB, as `transformers.image_utils.load_image` does.
 
 PIL is imported inside `load_image` only, so importing `shared_schemas` stays light (no torch, no PIL).
-`attach_images` places ms-swift style `images` lists into the messages (both sides do it the same way).
+`attach_images` places ms-swift style `images` lists into the messages (both sides do it the same way;
+`request_messages` does it for an `InferRequest`).
 Relative paths are resolved against the current directory; the learner makes them absolute from
 `data.image_root` / the JSONL's directory before they go on the wire (`learner.data.records.resolve_image`).
 """

@@ -1,4 +1,5 @@
-"""Wire models of `POST /infer/` (DESIGN.md §3) and the per-request seed rule (§4).
+"""Wire models of `POST /infer/` (docs/ARCHITECTURE.md#infer) and the per-request seed rule
+(docs/ARCHITECTURE.md#determinism).
 
 The request side is a superset of the ms-swift rollout request, so a learner written for `swift rollout`
 can send its requests unchanged: request models are tolerant readers (`extra="ignore"`; ignored key names
@@ -39,7 +40,7 @@ MAX_TOKENS_CAP = 1 << 20
 """Upper bound of `max_tokens`: far above any real context, low enough to reject garbage early."""
 
 SEED_MASK = 0x7FFFFFFF
-"""Per-request seeds are kept in 31 bits (spec/STAGE2.md §5.3), which every backend accepts."""
+"""Per-request seeds are kept in 31 bits (docs/ALGORITHM.md#seeds), which every backend accepts."""
 
 FinishReason = Literal["stop", "length", "repeat_terminate"]
 
@@ -167,7 +168,7 @@ class InferRequest(_TolerantModel):
 
 
 class RepeatTerminateConfig(_TolerantModel):
-    """Degenerate-rollout guard knobs (spec/STAGE2.md §5.4)."""
+    """Degenerate-rollout guard knobs (docs/ALGORITHM.md#repeat-guard)."""
 
     enabled: bool = False
     """Turns the guard on."""
@@ -184,7 +185,7 @@ class RepeatTerminateConfig(_TolerantModel):
 
 
 class RequestConfig(_TolerantModel):
-    """Sampling parameters shared by every request of one batch (DESIGN.md §3)."""
+    """Sampling parameters shared by every request of one batch (docs/ARCHITECTURE.md#infer)."""
 
     n: int = Field(default=1, ge=1, le=256)
     """Completions per request."""
@@ -209,7 +210,7 @@ class RequestConfig(_TolerantModel):
     min_tokens: int = Field(default=0, ge=0)
     """Minimum new tokens before EOS/stop may end a completion."""
     repeat_terminate: RepeatTerminateConfig | None = None
-    """Degenerate-rollout guard (spec/STAGE2.md §5.4); None = off."""
+    """Degenerate-rollout guard (docs/ALGORITHM.md#repeat-guard); None = off."""
     adapter: str | None = Field(default=None, min_length=1, max_length=128)
     """Name of an adapter synced with mode `adapter`; None = the base (or fully synced) weights."""
 
@@ -322,7 +323,7 @@ def request_seed(base_seed: int, global_index: int) -> int:
     """Per-request sampling seed, independent of how a batch is chunked.
 
     `(base_seed + global_index) & 0x7FFFFFFF`: the learner folds step and micro-step into `base_seed`
-    (spec/STAGE2.md §5.3: `training.seed + global_step * 1_000_003 + micro_idx * 10_007`) and the
+    (docs/ALGORITHM.md#seeds: `training.seed + global_step * 1_000_003 + micro_idx * 10_007`) and the
     global request index arrives as `first_index + i`, so the spec formula is reproduced exactly.
 
     Args:

@@ -1,4 +1,4 @@
-"""The degenerate-rollout guard rule (spec/STAGE2.md §5.4), shared by every backend.
+"""The degenerate-rollout guard rule (docs/ALGORITHM.md#repeat-guard), shared by every backend.
 
 Backends call `should_terminate` before choosing token `n`; when it fires they emit the end-of-turn id,
 end the sequence and report `finish_reason = "repeat_terminate"`, returning exactly `g + [end_of_turn_id]`.

@@ -1,13 +1,13 @@
 """Torch-facing datasets of the learner: JSONL records → sample dicts, and the rollout-buffer repeat order.
 
-The rollout buffer (spec/STAGE2.md §15.2) replays every window of `gas` micro-batches `m_steps` times. HF
-`Trainer` owns the dataloader (we never override its builders), so the repetition is baked into the
-dataset's index order instead and the trainer samples sequentially: `RepeatedWindowDataset` lists the base
-samples in the repeated order and tags each with `(window_id, repetition)`. With `W` learner ranks,
+The rollout buffer (docs/ALGORITHM.md#rollout-buffer §15.2) replays every window of `gas` micro-batches
+`m_steps` times. HF `Trainer` owns the dataloader (we never override its builders), so the repetition is baked
+into the dataset's index order instead and the trainer samples sequentially: `RepeatedWindowDataset` lists the
+base samples in the repeated order and tags each with `(window_id, repetition)`. With `W` learner ranks,
 accelerate hands global batch `k` to rank `k % W`, so one rank's window of `gas` batches is a block of
-`W · gas · per_device_batch_size` consecutive samples; blocks are repeated whole, a trailing partial block
-once. Shuffling happens once, with `training.seed`, before the repetition — resume therefore replays the
-exact same order and HF's batch skipping continues with no sample skipped or repeated.
+`W · gas · per_device_batch_size` consecutive samples; blocks are repeated whole, a trailing partial block once.
+Shuffling happens once, with `training.seed`, before the repetition — resume therefore replays the exact same
+order and HF's batch skipping continues with no sample skipped or repeated.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["RepeatedWindowDataset", "SampleListDataset", "repeat_order"]
 
 
 class SampleListDataset(Dataset):
-    """A list of sample dicts (spec/STAGE2.md §1.5) as a map-style dataset."""
+    """A list of sample dicts (docs/ALGORITHM.md#records §1.5) as a map-style dataset."""
 
     def __init__(self, samples: Sequence[dict[str, Any]]) -> None:
         self.samples = list(samples)

@@ -6,7 +6,7 @@ __all__ = ["DataRecordError"]
 
 
 class DataRecordError(ValueError):
-    """A data record violates spec/STAGE2.md §1.1 (or its messages violate §3.3).
+    """A data record violates docs/ALGORITHM.md#records §1.1 (or its messages violate §3.3).
 
     Attributes:
         path: the JSONL file, or ``None`` when the record did not come from a file.

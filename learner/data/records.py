@@ -1,4 +1,4 @@
-"""JSONL data records and the sample dict handed to the learner (spec/STAGE2.md §1.1, §1.4, §1.5).
+"""JSONL data records and the sample dict handed to the learner (docs/ALGORITHM.md#records §1.1, §1.4, §1.5).
 
 Pure: reading and validating records, resolving image paths, building sample dicts. The torch ``Dataset``
 wrapper lives with the trainer. Record-level violations raise ``DataRecordError(path, line_no, reason)``;

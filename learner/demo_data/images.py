@@ -1,11 +1,12 @@
 """Synthetic IMAGE detection set for the image demo: flat coloured shapes rendered with PIL.
 
-Records follow spec/STAGE2.md §1.1 exactly: one image per record (a PNG path relative to the JSONL file's
-directory, ``images/{split}_{i:05d}.png``), ``width`` / ``height`` in pixels, and objects whose coordinates are
-norm1000 coord-token strings written by :func:`learner.demo_data.scenes.record_objects` (the text demo's writer).
-Pixel geometry becomes bins with the §2.2 / §2.3 converter (``learner.stage2.coords``: floor/ceil for boxes,
-half-to-even for polygon vertices), and polygon rings are made canonical in the bin domain (§2.4) with
-:func:`learner.demo_data.scenes.canonical_ring`. Objects are listed in §1.4 ``sorted`` order (anchor ``(y, x)``).
+Records follow docs/ALGORITHM.md#records §1.1 exactly: one image per record (a PNG path relative to the JSONL
+file's directory, ``images/{split}_{i:05d}.png``), ``width`` / ``height`` in pixels, and objects whose
+coordinates are norm1000 coord-token strings written by :func:`learner.demo_data.scenes.record_objects` (the
+text demo's writer). Pixel geometry becomes bins with the §2.2 / §2.3 converter (``learner.stage2.coords``:
+floor/ceil for boxes, half-to-even for polygon vertices), and polygon rings are made canonical in the bin
+domain (§2.4) with :func:`learner.demo_data.scenes.canonical_ring`. Objects are listed in §1.4 ``sorted``
+order (anchor ``(y, x)``).
 
 Design choices that make the task learnable by the tiny ``tiny-qwen3-vl-demo`` model (a few M parameters,
 192x192 images = 36 image tokens):

@@ -1,9 +1,10 @@
-"""Synthetic detection set for the one-command CPU demo (DESIGN.md §6).
+"""Synthetic detection set for the one-command CPU demo (docs/ARCHITECTURE.md#demos).
 
 The demo model is a tiny text-only Qwen2 LM, so the "image" is replaced by a text description of the scene
-that the learner appends to the user prompt (``learner.data.records.record_user_text``). Records follow spec/STAGE2.md §1.1
-except that ``images`` is EMPTY: the data loader must accept text-only records for the demo (no image part
-in the user message). ``width`` and ``height`` are 1000, so pixel values and norm1000 bins coincide (§2.2).
+that the learner appends to the user prompt (``learner.data.records.record_user_text``). Records follow
+docs/ALGORITHM.md#records §1.1 except that ``images`` is EMPTY: the data loader must accept text-only records
+for the demo (no image part in the user message). ``width`` and ``height`` are 1000, so pixel values and
+norm1000 bins coincide (§2.2).
 
 Design choices that make the task learnable by the ~0.5M-parameter ``tiny`` model in ~100–150 SFT steps
 (measured by the SFT probe of docs/EXPERIMENTS.md; the model must first get a generic copy circuit, see

@@ -1,4 +1,4 @@
-"""Tiny synthetic "summary" set for the CPU GRPO demo (spec/GRPO_SUMMARY.md §4).
+"""Tiny synthetic "summary" set for the CPU GRPO demo (docs/ALGORITHM.md#summary-task).
 
 The tiny demo LM has no vision tower, so the "image" is a short text description of the scene in the user
 prompt; the expected answer is the §4.2 completion (header line + one JSON line, or ``无关图片``). Rows carry

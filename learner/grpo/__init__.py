@@ -1,4 +1,4 @@
-"""GRPO on the rollout server (spec/GRPO_SUMMARY.md).
+"""GRPO on the rollout server (docs/ALGORITHM.md#grpo).
 
 Modules: ``advantages`` (§3.1), ``loss`` (§3.2), ``dynamic_sampling`` (§3.4), ``sections`` (the ``grpo:``
 and GRPO ``server:`` models), ``batch_plan`` (§2.4), ``rules`` (§2.3), ``config`` (``validate_grpo_run``),

@@ -1,4 +1,4 @@
-"""Group-normalized advantages (spec/GRPO_SUMMARY.md §3.1).
+"""Group-normalized advantages (docs/ALGORITHM.md#advantages).
 
 Completions are laid out group-major: ``rewards[g * G + j]`` is completion ``j`` of prompt ``g``. "Batch"
 statistics are over the whole tensor passed in, so callers pass the generation batch gathered from every

@@ -1,4 +1,4 @@
-"""Micro-batch tensors and per-token log-probs of GRPO completions (spec/GRPO_SUMMARY.md §3.2).
+"""Micro-batch tensors and per-token log-probs of GRPO completions (docs/ALGORITHM.md#grpo-loss).
 
 Layout of a micro-batch of ``B`` completions (prompt ``P_i`` + completion ``C_i`` tokens, ``L_i = P_i + C_i``):
 

@@ -1,4 +1,4 @@
-"""The ``batch_plan`` shorthand (spec/GRPO_SUMMARY.md §2.4).
+"""The ``batch_plan`` shorthand (docs/ALGORITHM.md#batch-plan).
 
 ``batch_plan: {effective_batch_size, per_device_batch_size, server_gpus, train_gpus, server_tp, server_dp}``
 (all optional) fills the fields it stands for: ``training.per_device_train_batch_size``,
@@ -103,8 +103,8 @@ def apply_batch_plan(raw: dict[str, Any], plan: BatchPlan) -> dict[str, Any]:
     if denominator == 0 or plan.effective_batch_size % denominator:
         raise ConfigError(
             f"batch_plan.effective_batch_size: {plan.effective_batch_size} is not a whole multiple of "
-            f"per_device_batch_size {per_device} × {world} train GPUs (GRPO_SUMMARY §2.4 gas must be an integer); "
-            "change the batch sizes or train_gpus"
+            f"per_device_batch_size {per_device} × {world} train GPUs (GRPO §2.4,"
+            " docs/ALGORITHM.md#batch-plan: gas must be an integer); change the batch sizes or train_gpus"
         )
     set_dotted(out, "training.gradient_accumulation_steps", plan.effective_batch_size // denominator)
     set_dotted(out, "grpo.generation_batch_size", plan.effective_batch_size)

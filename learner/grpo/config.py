@@ -1,4 +1,5 @@
-"""GRPO run configuration (spec/GRPO_SUMMARY.md §2–§3): :func:`validate_grpo_run` and its result.
+"""GRPO run configuration (docs/ALGORITHM.md#grpo-config, GRPO §2–§3): :func:`validate_grpo_run` and its
+result.
 
 :func:`validate_grpo_run` takes an already-merged YAML mapping (``extends`` resolved by
 ``learner.yaml_loader.load_yaml_with_extends``) and returns a :class:`ResolvedGrpoRun`, or raises

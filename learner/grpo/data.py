@@ -1,4 +1,5 @@
-"""GRPO prompt data (spec/GRPO_SUMMARY.md §3.3–§3.5, §4.1): prompt rows from JSONL and the slot dataset.
+"""GRPO prompt data (docs/ALGORITHM.md#grpo-knobs §3.3–§3.5, #summary-task §4.1): prompt rows from JSONL and
+the slot dataset.
 
 A JSONL row is either a DETECTION record — the stage-2 record of docs/DATA.md (``images``, ``width``,
 ``height``, ``objects``; ``task_mode`` absent or ``detection``), the JSONL rollout-matching SFT trains on, text-only

@@ -1,4 +1,4 @@
-"""Dynamic sampling: replace zero-variance groups (spec/GRPO_SUMMARY.md §3.4).
+"""Dynamic sampling: replace zero-variance groups (docs/ALGORITHM.md#dynamic-sampling).
 
 A group whose completions all have exactly the same total reward carries no signal. Such groups are
 dropped and replaced by groups of new prompts, generated through a callback with the same weights, for at

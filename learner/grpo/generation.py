@@ -1,4 +1,4 @@
-"""One GRPO generation step on the rank that talks to the server (spec/GRPO_SUMMARY.md §1, §3.4, §3.6).
+"""One GRPO generation step on the rank that talks to the server (docs/ALGORITHM.md#grpo, §3.4, §3.6).
 
 :class:`GroupGenerator` turns the step's prompts into scored groups: one ``/infer/`` call with
 ``n = num_generations`` per prompt, results grouped by prompt index (checked by request id), total rewards,

@@ -1,4 +1,4 @@
-"""Per-token GRPO loss (spec/GRPO_SUMMARY.md §3.2).
+"""Per-token GRPO loss (docs/ALGORITHM.md#grpo-loss).
 
 Per token ``t`` of completion ``i``: ``ρ = exp(log π − log π_old)``,
 ``ℓ = −min(ρ·A_i, clip(ρ, 1−ε, 1+ε)·A_i)``, plus ``β·(exp(log π_ref − log π) − (log π_ref − log π) − 1)``

@@ -1,8 +1,8 @@
 """Entry point of a GRPO run: ``run_grpo(config_path)`` (``python -m learner --config X`` dispatches here when
 the YAML has a ``grpo:`` section), and ``build_grpo_trainer`` which wires the parts.
 
-The YAML is validated by ``learner.grpo.config.validate_grpo_run`` (spec/GRPO_SUMMARY.md §2.3; a failure is a
-``ConfigError``, exit 2 in ``__main__``). Launcher flags reach the learner through ONE variable set by
+The YAML is validated by ``learner.grpo.config.validate_grpo_run`` (docs/ALGORITHM.md#grpo-rules; a failure is
+a ``ConfigError``, exit 2 in ``__main__``). Launcher flags reach the learner through ONE variable set by
 ``scripts/start_learner.sh``: ``ROLLMATCH_TRAIN_GPUS`` (its ``--gpus``/``--nproc``), applied as the
 ``train_gpus`` override so the learner validates exactly what the launcher validated. The process count
 (``WORLD_SIZE`` from torchrun) must equal ``len(train_gpus)`` — the batch sizes of rule 8 depend on it.
@@ -220,7 +220,7 @@ def _generator(
 
 
 def _model_section(cfg: RunConfig, grpo: Any, model_path: Any) -> Any:
-    """`model:` with GRPO's `grpo.freeze_vision_tower` applied to a VL checkpoint (GRPO_SUMMARY §1 spelling of
+    """`model:` with GRPO's `grpo.freeze_vision_tower` applied to a VL checkpoint (GRPO's spelling of
     `model.freeze_vision`; text checkpoints ignore it, as there is no vision tower).
 
     Raises:
@@ -256,7 +256,8 @@ def build_grpo_trainer(
     if world != resolved.world_size:
         raise ConfigError(
             f"train_gpus: {len(resolved.train_gpus)} learner GPUs {list(resolved.train_gpus)} but {world} processes "
-            "were started (GRPO_SUMMARY §2.3 rule 7: world size = len(train_gpus)); launch with "
+            "were started (GRPO §2.3 rule 7, docs/ALGORITHM.md#grpo-rules: world size = len(train_gpus));"
+            " launch with "
             "scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
         )
     policy = load_policy(_model_section(cfg, grpo, resolved.model_path), resolved.model_path)

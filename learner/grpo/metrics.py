@@ -1,4 +1,4 @@
-"""GRPO step metrics (spec/GRPO_SUMMARY.md §7) as pure functions, and the log-interval accumulator.
+"""GRPO step metrics (docs/ALGORITHM.md#grpo-metrics) as pure functions, and the log-interval accumulator.
 
 Step-level values (rewards, advantages, completion lengths, dynamic sampling) are computed from the whole
 generation batch, identically on every rank. Micro-batch values (KL, clip ratio, importance ratio) are

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Reader of `python -m learner.grpo.resolve` output for the launchers (spec/GRPO_SUMMARY.md §6).
+# Reader of `python -m learner.grpo.resolve` output for the launchers (docs/ALGORITHM.md#grpo-launchers).
 #
 #   source learner/grpo/read_resolved.sh
 #   declare -A CFG

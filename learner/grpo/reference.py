@@ -1,4 +1,4 @@
-"""The KL reference policy of GRPO (spec/GRPO_SUMMARY.md §3: "reference = the initial policy").
+"""The KL reference policy of GRPO (docs/ALGORITHM.md#grpo-knobs: "reference = the initial policy").
 
 - LoRA/DoRA training: the reference is the base model itself with the adapters disabled
   (``PeftModel.disable_adapter()``), so no second copy of the weights is held.

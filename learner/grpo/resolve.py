@@ -1,4 +1,4 @@
-"""Config resolver for the GRPO launchers (spec/GRPO_SUMMARY.md §2.3, §6).
+"""Config resolver for the GRPO launchers (docs/ALGORITHM.md#grpo-rules, §6).
 
 ``python -m learner.grpo.resolve --config X.yaml [--host H] [--port N] [--server-gpus 0,1] [--train-gpus 6,7]``
 loads the YAML (``extends`` chain), validates it with :func:`learner.grpo.config.validate_grpo_run` and prints

@@ -1,4 +1,4 @@
-"""Generate requests and result grouping for GRPO (spec/GRPO_SUMMARY.md §1).
+"""Generate requests and result grouping for GRPO (docs/ALGORITHM.md#grpo).
 
 One generate request per prompt with ``n = num_generations``; request ``i`` of a round carries the global
 prompt index ``first_index + i`` (its position in the step's generation batch, resample rounds continuing

@@ -1,5 +1,5 @@
-"""The §2.3 rules of spec/GRPO_SUMMARY.md as small checks, each raising a one-line ``ConfigError``
-``<dotted key>: <problem> (GRPO_SUMMARY §2.3 rule N); <fix>``."""
+"""The GRPO §2.3 rules (docs/ALGORITHM.md#grpo-rules) as small checks, each raising a one-line ``ConfigError``
+``<dotted key>: <problem> (docs/ALGORITHM.md#grpo-rules, GRPO §2.3 rule N); <fix>``."""
 
 from __future__ import annotations
 
@@ -41,8 +41,12 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def fail(key: str, problem: str, rule: str, fix: str) -> ConfigError:
-    """``key: problem (GRPO_SUMMARY §2.3 rule N); fix`` — ``rule`` is ``rule N`` or a spec section like ``§3``."""
-    where = f"GRPO_SUMMARY §2.3 {rule}" if rule.startswith("rule") else f"GRPO_SUMMARY {rule}"
+    """``key: problem (<docs anchor>, GRPO §2.3 rule N); fix`` — ``rule`` is ``rule N`` or a GRPO section like
+    ``§3`` (docs/ALGORITHM.md numbers GRPO's sections so)."""
+    if rule.startswith("rule"):
+        where = f"docs/ALGORITHM.md#grpo-rules, GRPO §2.3 {rule}"
+    else:
+        where = f"docs/ALGORITHM.md#grpo, GRPO {rule}"
     return ConfigError(f"{key}: {problem} ({where}); {fix}")
 
 

@@ -1,5 +1,5 @@
-"""GRPO configuration sections (spec/GRPO_SUMMARY.md §2.2, §3): the ``grpo:`` knobs and the GRPO view of
-``server:`` (the server process validates its own copy with ``rollout_server.config``)."""
+"""GRPO configuration sections (docs/ALGORITHM.md#grpo-config, GRPO §2.2, §3): the ``grpo:`` knobs and the
+GRPO view of ``server:`` (the server process validates its own copy with ``rollout_server.config``)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class GrpoServerConfig(_Section):
 
 
 class GrpoConfig(_Section):
-    """``grpo:`` — the knobs of spec/GRPO_SUMMARY.md §3 with their spec defaults."""
+    """``grpo:`` — the knobs of docs/ALGORITHM.md#grpo-knobs with their defaults."""
 
     num_generations: int = Field(default=4, ge=2)
     """Completions per prompt (group size G)."""
@@ -113,8 +113,8 @@ class GrpoConfig(_Section):
     vision_tower_lr: float = Field(default=1e-8, gt=0.0)
     """Learning rate of the vision tower when it is trained."""
     freeze_vision_tower: bool = True
-    """Freeze the vision tower of a VL model (GRPO_SUMMARY §1 spelling of `model.freeze_vision`; the two must
-    agree when both are set). The server presets keep it frozen."""
+    """Freeze the vision tower of a VL model (GRPO's spelling of `model.freeze_vision`; the two must agree
+    when both are set). The server presets keep it frozen."""
     reward_preset: Literal["server", "attr_key", "detection"] = "server"
     """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching gate,
     mean maskIoU of the matches, format; docs/GRPO.md)."""

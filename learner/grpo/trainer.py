@@ -1,6 +1,6 @@
-"""GRPO on HF ``Trainer`` with generation on the rollout server (spec/GRPO_SUMMARY.md §1, §3, §7).
+"""GRPO on HF ``Trainer`` with generation on the rollout server (docs/ALGORITHM.md#grpo, §3, §7).
 
-Extension points used (STYLE §6), and why:
+Extension points used, and why:
 
 - ``get_batch_samples`` — HF fetches the whole accumulation window here before the first forward, which is
   where a GRPO step must generate: ``super()`` fetches this rank's completion slots (``GenerationSlots``),
@@ -138,7 +138,7 @@ class GrpoTrainer(Trainer):
 
     def create_optimizer(self):  # noqa: D401 - HF signature
         """HF's optimizer; a vision-language model gets `grpo.vision_tower_lr` / `grpo.aligner_lr` for its vision
-        tower and aligner (GRPO_SUMMARY §1), `training.learning_rate` for the rest."""
+        tower and aligner (docs/ALGORITHM.md#grpo-knobs), `training.learning_rate` for the rest."""
         if self.optimizer is None and self._is_vision_language():
             optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             groups = part_param_groups(

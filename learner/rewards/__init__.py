@@ -1,5 +1,5 @@
-"""Rewards for GRPO (spec/GRPO_SUMMARY.md §5): the summary-task rewards, the detection rewards, presets and the
-total reward."""
+"""Rewards for GRPO (docs/ALGORITHM.md#rewards): the summary-task rewards, the detection rewards, presets and
+the total reward."""
 
 from learner.rewards.detection import DETECTION_TASK, DetectionSample, DetectionScorer
 from learner.rewards.registry import (

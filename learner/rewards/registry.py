@@ -1,4 +1,4 @@
-"""Rewards by name, the preset weights and the total reward (spec/GRPO_SUMMARY.md §3.6, §5.3).
+"""Rewards by name, the preset weights and the total reward (docs/ALGORITHM.md#total-reward, §5.3).
 
 Two tasks: the summary rewards (``summary.*``, pure ``(SummarySample) -> float``) and the detection rewards
 (``detection.*``, pure ``(DetectionSample) -> float``, ``learner.rewards.detection``: stage-2 parse + GT +

@@ -1,5 +1,5 @@
-"""Fact-based content rewards of the summary task (spec/GRPO_SUMMARY.md §5.2: facts, Tversky, content_f1;
-§5 content_eq).
+"""Fact-based content rewards of the summary task (docs/ALGORITHM.md#facts-and-tversky: facts, Tversky,
+content_f1; §5 content_eq).
 
 A fact is ``(category, path, value)`` with an integer count; facts come from ``统计`` only, read per entry
 (unmerged) so that counts of equal facts add up across entries of one category.

@@ -1,4 +1,4 @@
-"""Format rewards of the summary task (spec/GRPO_SUMMARY.md §5: format, header, strict, parse, no_dup_keys,
+"""Format rewards of the summary task (docs/ALGORITHM.md#rewards: format, header, strict, parse, no_dup_keys,
 dataset).
 
 Each function scores one parsed sample; non-summary rows and rows with an invalid reference score 0.0.

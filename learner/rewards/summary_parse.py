@@ -1,4 +1,4 @@
-"""Shared parsing rules of the "summary" task (spec/GRPO_SUMMARY.md §4).
+"""Shared parsing rules of the "summary" task (docs/ALGORITHM.md#summary-task).
 
 Every summary reward reads a completion through :func:`make_sample`, so the text cleanup, the header regex,
 the JSON parse with duplicate-key detection and the category merge are defined exactly once.
@@ -117,7 +117,7 @@ def make_row(row: Mapping[str, Any]) -> SummaryRow:
 
     ``summary_ref`` may be the object itself, ``无关图片``, or a JSON string encoding the object (datasets
     often store it serialized). A summary row whose reference is neither is logged and scored 0.0 rather
-    than raised, so one bad sample cannot stop a rank (STAGE2 §0.3).
+    than raised, so one bad sample cannot stop a rank (docs/ALGORITHM.md#error-policy).
 
     Raises:
         KeyError: ``task_mode`` is missing (a data-contract error, not a bad sample).

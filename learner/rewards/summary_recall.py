@@ -1,4 +1,4 @@
-"""Category and attribute recall rewards of the summary task (spec/GRPO_SUMMARY.md §5: category_recall,
+"""Category and attribute recall rewards of the summary task (docs/ALGORITHM.md#rewards: category_recall,
 attr_key_recall, attr_path_recall, category_f1).
 
 All are set-based and read the merged categories of §4.3; irrelevant rows and unparseable predictions

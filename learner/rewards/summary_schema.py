@@ -1,4 +1,4 @@
-"""``summary.schema_tree`` (spec/GRPO_SUMMARY.md §5.1) and its per-domain schema data file.
+"""``summary.schema_tree`` (docs/ALGORITHM.md#schema-tree) and its per-domain schema data file.
 
 Schema file format (JSON; see ``learner/rewards/schemas/README.md``)::
 

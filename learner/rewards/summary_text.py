@@ -1,4 +1,4 @@
-"""Presence and free-text rewards of the summary task (spec/GRPO_SUMMARY.md §5: group_stats_presence,
+"""Presence and free-text rewards of the summary task (docs/ALGORITHM.md#rewards: group_stats_presence,
 notes_presence, text_bbu, notes_bbu).
 
 Strings are compared after :func:`normalize` (NFKC, every whitespace character removed).

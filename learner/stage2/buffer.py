@@ -1,4 +1,5 @@
-"""Rollout reuse: the dataloader repeater and the E-step / M-step state machine (spec/STAGE2.md §15).
+"""Rollout reuse: the dataloader repeater and the E-step / M-step state machine
+(docs/ALGORITHM.md#rollout-buffer).
 
 With ``stage2.rollout_buffer.m_steps = m > 1`` every full window of ``gas`` raw micro-batches is
 trained ``m`` times: once on fresh rollouts (E-step) and ``m - 1`` times on copies of the prepared

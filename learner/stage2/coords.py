@@ -1,4 +1,4 @@
-"""Coordinate tokens and the norm1000 grid (spec/STAGE2.md §1.3, §2).
+"""Coordinate tokens and the norm1000 grid (docs/ALGORITHM.md#coordinates, §1.3).
 
 Coordinates live on an integer grid of ``COORD_BINS`` = 1000 bins (0..999, "norm1000"). Each bin ``k`` is one
 added tokenizer token ``<|coord_k|>``. This module holds the pure conversions (pixel ↔ bin, bbox anti-collapse,

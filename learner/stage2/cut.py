@@ -1,4 +1,4 @@
-"""Char cut → token cut, the only allowed token edit (spec/STAGE2.md §6.6).
+"""Char cut → token cut, the only allowed token edit (docs/ALGORITHM.md#token-cut).
 
 ``token_cut(ids, c, tokenizer)`` returns ids that decode to ``text[:c]``: ids before the token straddling the cut
 are untouched; that token is replaced by the encoding of its text before the cut, which must decode back to

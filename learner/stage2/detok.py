@@ -1,4 +1,4 @@
-"""Streaming detokenization: each token's text contribution ("piece", spec/STAGE2.md §6.1).
+"""Streaming detokenization: each token's text contribution ("piece", docs/ALGORITHM.md#pieces).
 
 ``piece_i`` is what token ``i`` adds to the decoded text, special tokens kept, no cleanup, such that
 ``''.join(pieces) == decode(ids)``. A token that ends inside a multi-byte UTF-8 character contributes ``""``; the

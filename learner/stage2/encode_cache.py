@@ -1,4 +1,5 @@
-"""Memoized encoding of the short, repetitive texts the learner encodes per sample (spec/STAGE2.md §6.6, §10).
+"""Memoized encoding of the short, repetitive texts the learner encodes per sample
+(docs/ALGORITHM.md#token-cut, §10).
 
 All of them return exactly ``detok.encode_text(tokenizer, text)`` (and ``decode_text`` of it):
 

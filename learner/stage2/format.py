@@ -1,4 +1,4 @@
-"""Assistant output format: the single-line JSON answer (spec/STAGE2.md §4).
+"""Assistant output format: the single-line JSON answer (docs/ALGORITHM.md#output-format).
 
 ``{"object_1": {"desc": "cat", "bbox_2d": ["<|coord_156|>", ...]}, "object_2": {"desc": ..., "poly": [[x, y], ...]}}``
 with ``json.dumps(..., ensure_ascii=False, separators=(", ", ": "))``. The same entry serializer builds the

@@ -1,4 +1,4 @@
-"""Ground-truth objects: validation, ordering and extraction (spec/STAGE2.md §1.2–§1.4, §7).
+"""Ground-truth objects: validation, ordering and extraction (docs/ALGORITHM.md#records §1.2–§1.4, §7).
 
 ``order_objects`` runs at load time (the dataset orders raw objects, §1.4); ``extract_gt`` runs per sample in
 the learner and turns the ordered raw objects into ``GTObject``s, excluding, counting and logging malformed

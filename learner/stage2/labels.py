@@ -1,4 +1,4 @@
-"""Teacher-forced encoding checks and label building (spec/STAGE2.md §11, §12).
+"""Teacher-forced encoding checks and label building (docs/ALGORITHM.md#teacher-forced-encoding, §12).
 
 Positions: ``build_labels`` works on ONE segment ``prompt + Y_train + turn suffix`` with absolute
 positions (0 = first prompt token). Its inputs ``prefix_coord_pos`` / ``prefix_ce_pos`` are

@@ -1,4 +1,4 @@
-"""Losses of rollout-matching SFT (spec/STAGE2.md §13).
+"""Losses of rollout-matching SFT (docs/ALGORITHM.md#losses).
 
 Everything here works on logits the model already produced (labels are never passed to the model) and
 returns SUMS with their COUNTS, so the trainer can normalize over the whole optimizer step and all DP

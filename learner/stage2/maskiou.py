@@ -1,4 +1,4 @@
-"""Geometry tables and the exact maskIoU of candidate pairs (spec/STAGE2.md §8.2 steps 2 and 4).
+"""Geometry tables and the exact maskIoU of candidate pairs (docs/ALGORITHM.md#matching §8.2 steps 2 and 4).
 
 Geometries are ``(geom_type, bins)`` with ``geom_type`` in ``{"bbox_2d", "poly"}`` and ``bins`` a flat
 sequence of norm1000 integers (bbox: ``x1, y1, x2, y2``; poly: ``x0, y0, x1, y1, ...``).

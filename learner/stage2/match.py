@@ -1,4 +1,4 @@
-"""Hungarian matching of valid predictions to GT objects (spec/STAGE2.md §8).
+"""Hungarian matching of valid predictions to GT objects (docs/ALGORITHM.md#matching).
 
 Geometries are ``(geom_type, bins)`` with ``geom_type`` in ``{"bbox_2d", "poly"}`` and ``bins`` a flat
 sequence of norm1000 integers (bbox: ``x1, y1, x2, y2``; poly: ``x0, y0, x1, y1, ...``). ``desc`` plays

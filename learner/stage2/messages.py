@@ -1,4 +1,4 @@
-"""Prompt texts and rollout prompt hygiene (spec/STAGE2.md §3).
+"""Prompt texts and rollout prompt hygiene (docs/ALGORITHM.md#prompts).
 
 ``build_messages`` renders the §3.1 conversation of a sample; ``rollout_messages`` applies the §3.3 hygiene
 (strip trailing assistant turns, inject or flatten the system prompt); ``build_rollout_request`` is the only

@@ -1,4 +1,4 @@
-"""Offload context for a colocated rollout engine (spec/STAGE2.md §16).
+"""Offload context for a colocated rollout engine (docs/ALGORITHM.md#offload).
 
 While a colocated engine is created, receives weights and generates, the training model's parameters
 and the optimizer states can be parked on the CPU to free accelerator memory. Entering moves every

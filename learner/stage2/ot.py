@@ -1,4 +1,5 @@
-"""Entropic optimal transport barycentric projection for prefix coord targets (spec/STAGE2.md §9).
+"""Entropic optimal transport barycentric projection for prefix coord targets
+(docs/ALGORITHM.md#prefix-targets).
 
 Exactly the §9 formulas, float64 numpy, stop-gradient by construction (no torch):
 

@@ -1,4 +1,5 @@
-"""Prepared micro-batches: one packed padding-free row, or right-padded rows (spec/STAGE2.md §14.4–14.6).
+"""Prepared micro-batches: one packed padding-free row, or right-padded rows (docs/ALGORITHM.md#packed-rows,
+§14.4–14.6).
 
 Both layouts give :func:`learner.stage2.losses.step_loss_sums` the same thing: ``labels [B, T]`` and
 coord slots as ``(batch index, absolute position, bin, is_prefix)``; a slot at ``p`` reads the logits

@@ -1,4 +1,4 @@
-"""Post-rollout packing: knobs, segment selection and the carry buffer (spec/STAGE2.md §14.1–14.3).
+"""Post-rollout packing: knobs, segment selection and the carry buffer (docs/ALGORITHM.md#packing §14.1–14.3).
 
 Only teacher-forced segments are packed, never rollouts. Per micro-step the trainer inserts the
 micro-batch's segments into the rank-local :class:`CarryBuffer`, takes one selection (always holding the

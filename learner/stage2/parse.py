@@ -1,4 +1,4 @@
-"""Token-aligned strict parser of rollouts (spec/STAGE2.md §6).
+"""Token-aligned strict parser of rollouts (docs/ALGORITHM.md#parsing).
 
 ``parse_rollout(response_token_ids, tokenizer, coord_vocab)`` turns the exact ids a rollout engine sampled into
 the objects it predicted, with the token positions of their coordinates, and the token prefix that ends after

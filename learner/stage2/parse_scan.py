@@ -1,4 +1,4 @@
-"""Streaming scan of the strict parser (spec/STAGE2.md §6.3).
+"""Streaming scan of the strict parser (docs/ALGORITHM.md#streaming-scan).
 
 ``scan(text, first, value_re=CANONICAL_VALUE_RE)`` runs the §6.3 state machine from the first ``{`` of a rollout's
 text: it records every top-level key (``ObjectKey``), every ``object_N`` whose value is an object

@@ -1,4 +1,4 @@
-"""Per-object validation of the strict parser (spec/STAGE2.md §6.7, rules 1–6).
+"""Per-object validation of the strict parser (docs/ALGORITHM.md#object-validation, rules 1–6).
 
 ``validate_value`` checks arbitrary object text (JSON, keys, desc, geometry shape, coordinate strings, captured
 token count and bins); ``check_geometry`` is the part shared with the parser's fast path for values written

@@ -1,6 +1,6 @@
 """Per-sample stage-2 pipeline: rollout result → parse → GT → match → Y_train → teacher-forced segment.
 
-Pure glue over `parse`, `gt`, `match`, `targets` and `labels` (spec/STAGE2.md §6–§12). It never raises on
+Pure glue over `parse`, `gt`, `match`, `targets` and `labels` (docs/ALGORITHM.md §6–§12). It never raises on
 a bad rollout or a malformed GT object (§0.3): the sample falls back or is dropped and the counters say
 why. Counter names are those of `learner.metrics.ROLLOUT_COUNTS`; length observations use the
 `learner.metrics.DISTRIBUTIONS` names.

@@ -1,4 +1,5 @@
-"""Ring areas and ring-pair intersection areas in numpy: the fast path of ``maskiou.py`` (spec/STAGE2.md §8.2).
+"""Ring areas and ring-pair intersection areas in numpy: the fast path of ``maskiou.py``
+(docs/ALGORITHM.md#matching §8.2).
 
 Rings are polygons given by their vertices (closing edge implied), concatenated in one ``[V, 2]`` array with a
 per-ring vertex count. All coordinates must be >= 0 (maskIoU clamps them to [0, 999]).

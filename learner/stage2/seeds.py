@@ -1,4 +1,4 @@
-"""Per-request rollout seeds (spec/STAGE2.md §5.3).
+"""Per-request rollout seeds (docs/ALGORITHM.md#seeds).
 
 ``seed = (training.seed + global_step * 1_000_003 + micro_idx * 10_007 + request_index) & 0x7FFFFFFF`` with
 ``request_index = dp_rank * per_device_batch_size + i``. ``check_seed_layout`` is the config guard that keeps the

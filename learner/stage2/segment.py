@@ -1,4 +1,4 @@
-"""One sample's teacher-forced encoding (spec/STAGE2.md §0.2 "segment", §11, §12.4, §14.4).
+"""One sample's teacher-forced encoding (docs/ALGORITHM.md#vocabulary "segment", §11, §12.4, §14.4).
 
 A :class:`Segment` is atomic for packing: ``input_ids = prompt_ids + Y_train_ids + turn_suffix_ids``.
 All positions stored here are ABSOLUTE within the segment (0 = first prompt token), except the

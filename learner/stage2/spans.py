@@ -1,4 +1,4 @@
-"""Character spans behind the CE masks (spec/STAGE2.md §12.2, §12.3).
+"""Character spans behind the CE masks (docs/ALGORITHM.md#ce-masks, §12.3).
 
 - desc value spans of a text (§12.2) and the tokens overlapping them (``tail_ignore_pos``);
 - prefix tokens eligible for CE under ``prefix_structure_ce`` (§12.3).

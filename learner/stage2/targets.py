@@ -1,4 +1,5 @@
-"""Prefix coordinate targets and Y_train construction (spec/STAGE2.md §8.3, §9, §10, §12.2, §12.3).
+"""Prefix coordinate targets and Y_train construction (docs/ALGORITHM.md#y-train; §8.3, §9, §10, §12.2,
+§12.3).
 
 ``build_y_train`` turns one sample's parse + match into the teacher-forcing target
 ``Y_train_ids = prefix_token_ids + encode(append_text)``, plus everything the labels need:

@@ -60,7 +60,7 @@ _DEFAULT_ARGS = {
 
 
 def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
-    """Sample dicts (spec/STAGE2.md §1.5) of the given JSONL files, in dataset-namespace order.
+    """Sample dicts (docs/ALGORITHM.md#records §1.5) of the given JSONL files, in dataset-namespace order.
 
     A record's `metadata.scene` text (a text-only record describes its scene in the prompt) is appended to
     the user prompt on a new line (`learner.data.records.record_user_text`).
@@ -289,7 +289,7 @@ def _engine_dtype(health: Any) -> torch.dtype | None:
 
 
 def _identity_collator(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Micro-batches are plain lists of sample dicts (spec/STAGE2.md §1.5)."""
+    """Micro-batches are plain lists of sample dicts (docs/ALGORITHM.md#records §1.5)."""
     return batch
 
 

@@ -1,4 +1,5 @@
-"""Step planning for rollout-matching SFT (spec/STAGE2.md §17): rollouts → segments → packed micro-batches.
+"""Step planning for rollout-matching SFT (docs/ALGORITHM.md#training-step): rollouts → segments → packed
+micro-batches.
 
 The planner is the thin I/O layer between the trainer and the pure stage-2 modules: it builds the step's
 requests with their per-request seeds (§5.3), asks the `RolloutSource` (server client or colocated engine —

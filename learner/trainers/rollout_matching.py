@@ -1,4 +1,4 @@
-"""Rollout-matching SFT on HF `Trainer` (spec/STAGE2.md §17, DESIGN.md §5).
+"""Rollout-matching SFT on HF `Trainer` (docs/ALGORITHM.md#training-step, docs/ARCHITECTURE.md#weight-sync).
 
 Extension points used, and why:
 - `get_batch_samples` — HF fetches the whole accumulation window here before the first forward; that is
@@ -133,7 +133,8 @@ class RolloutMatchingTrainer(Trainer):
             return None
         offload = self.run_cfg.stage2.offload
         rollout = self.run_cfg.rollout
-        # Offload only helps a colocated vLLM engine; hf generates with these very parameters (STAGE2 §16).
+        # Offload only helps a colocated vLLM engine; hf generates with these very parameters
+        # (docs/ALGORITHM.md#offload).
         offload_on = offload.enabled and rollout.mode == "colocate" and rollout.backend == "vllm"
         with offload_context(
             self.model,

@@ -1,4 +1,5 @@
-"""Exporting the policy's weights for a sync (spec/STAGE2.md §5.6, DESIGN.md §5).
+"""Exporting the policy's weights for a sync (docs/ALGORITHM.md#sync-cadence,
+docs/ARCHITECTURE.md#weight-sync).
 
 Full sync: inside `merged_adapters(model)` the LoRA/DoRA deltas are merged into the base weights, and
 `full_state_items` yields every tensor under the BASE model's parameter names — the names
@@ -27,8 +28,8 @@ ZeRO-3 partition attributes): parameters are partitioned, so `full_state_items` 
 bucket with `deepspeed.zero.GatheredParameters` (a collective: EVERY rank must consume the iterator, in
 the same order — `WeightSyncPolicy` drains it on ranks other than 0), and `merged_adapters` gathers the
 whole model around the merge. These ZeRO-3 paths are written against DeepSpeed's documented API but are
-not exercised by the CPU test suite (deepspeed is not installed there); GRPO_SUMMARY §1 allows stage 3
-only once the gather has been validated for the model.
+not exercised by the CPU test suite (deepspeed is not installed there); GRPO allows stage 3 only once
+the gather has been validated for the model (docs/ALGORITHM.md#grpo-topology).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""When and how the learner's weights reach the rollout engine (spec/STAGE2.md §5.6, DESIGN.md §5).
+"""When and how the learner's weights reach the rollout engine (docs/ALGORITHM.md#sync-cadence,
+docs/ARCHITECTURE.md#weight-sync).
 
 `WeightSyncPolicy.maybe_sync` is called right before the first fresh rollout of an optimizer step (never
 on M-steps, never on zero-request steps); it syncs iff `global_step != last_synced_step` (which starts at

@@ -1,4 +1,4 @@
-"""`POST /infer/`: generate for a batch of requests (DESIGN.md §3)."""
+"""`POST /infer/`: generate for a batch of requests (docs/ARCHITECTURE.md#infer)."""
 
 from __future__ import annotations
 

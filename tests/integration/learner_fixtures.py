@@ -149,7 +149,7 @@ def start_server(
 
 @pytest.fixture(scope="module", name="demo_data")
 def demo_data_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small synthetic detection set (spec/STAGE2.md §1; text-only scenes): 48 train rows."""
+    """A small synthetic detection set (docs/ALGORITHM.md#records; text-only scenes): 48 train rows."""
     from learner.demo_data.scenes import DemoDataConfig, write_demo_dataset
 
     train, _ = write_demo_dataset(tmp_path_factory.mktemp("loop_data"), 48, 4, 0, DemoDataConfig())

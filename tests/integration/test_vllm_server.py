@@ -178,7 +178,7 @@ def test_repeat_guard_cuts_exactly_where_the_rule_fires(
     vllm_server: ServerProcess, tiny_tokenizer: Any
 ) -> None:
     """Guarded ids == g[:n] + [<|im_end|>] for the first n where `should_terminate(g[:n])` fires on the
-    unguarded greedy stream g (spec/STAGE2.md §5.4), with finish reason `repeat_terminate`."""
+    unguarded greedy stream g (docs/ALGORITHM.md#repeat-guard), with finish reason `repeat_terminate`."""
     guard = {"enabled": True, "min_new_tokens": 4, "max_consecutive_token_repeats": 3, "ngram_size": 0}
     prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(6)]
     base_cfg = {"max_tokens": 40, "ignore_eos": True, "logprobs": True}

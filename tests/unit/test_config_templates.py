@@ -1,10 +1,10 @@
 """Every YAML under configs/ validates with the real loader of each process that reads it.
 
-Which processes read a file follows from its top-level keys (DESIGN.md §8): `grpo:` → the GRPO resolver
-(`learner.grpo.config.validate_grpo_run`, whose learner mapping must then pass `RunConfig`); `model:` or
-`data:` → the learner (`learner.config.load_run_config`); `server:` (or a file that is only a server
-section) → the rollout server (`rollout_server.config.load_server_config`). Model paths of the templates are
-placeholders for real checkpoints, so every load points them at the tiny model.
+Which processes read a file follows from its top-level keys (docs/ARCHITECTURE.md#configuration): `grpo:` →
+the GRPO resolver (`learner.grpo.config.validate_grpo_run`, whose learner mapping must then pass `RunConfig`);
+`model:` or `data:` → the learner (`learner.config.load_run_config`); `server:` (or a file that is only a
+server section) → the rollout server (`rollout_server.config.load_server_config`). Model paths of the
+templates are placeholders for real checkpoints, so every load points them at the tiny model.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_colocate_template(tiny_model_dir: Path) -> None:
     assert cfg.model.adapter == "lora"
     assert cfg.stage2.packing.enabled and cfg.stage2.rollout_buffer.enabled
     assert cfg.stage2.rollout_buffer.m_steps > 1
-    # spec/STAGE2.md §16: offload is rejected with sharded optimizer states, and ZeRO-2 shards them.
+    # docs/ALGORITHM.md#offload: offload is rejected with sharded optimizer states, and ZeRO-2 shards them.
     assert not cfg.stage2.offload.enabled
     assert cfg.stage2.packing.packing_length <= cfg.rollout.vllm.max_model_len
     ds = json.loads((REPO / cfg.training["deepspeed"]).read_text())

@@ -37,7 +37,8 @@ def test_every_knob_has_a_row_with_its_default(tables: str) -> None:
     keys = _leaf_keys(RunConfig, "") | _leaf_keys(ServerConfig, "server")
     for key in keys:
         assert f"| `{key}` |" in tables, key
-    # Spot-check defaults against the spec tables (STAGE2 §14.1, §16; GRPO_SUMMARY §2.2 / server config).
+    # Spot-check defaults against the spec tables (docs/ALGORITHM.md#packing §14.1, §16;
+    # docs/ALGORITHM.md#grpo-config GRPO §2.2 / server config).
     assert "| `rollout.vllm.gpu_memory_utilization` | float (> 0.0, ≤ 1.0) | `0.45` |" in tables
     assert "| `stage2.packing.packing_buffer` | int (≥ 1) | `512` |" in tables
     assert "| `server.host` | str | `127.0.0.1` |" in tables

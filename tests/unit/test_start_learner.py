@@ -1,4 +1,5 @@
-"""`scripts/start_learner.sh`: health timeout, config errors, flag plumbing (spec/GRPO_SUMMARY.md §6.2, §8).
+"""`scripts/start_learner.sh`: health timeout, config errors, flag plumbing (docs/ALGORITHM.md#grpo-launchers
+GRPO §6.2, §8).
 
 No server and no learner is ever started: the health tests point at a closed loopback port, the others stop at
 config validation. The "starts nothing" checks look for the launcher's start line and for the run's output.

@@ -1,4 +1,4 @@
-"""Invariant checks shared by the parser tests (spec/STAGE2.md §6.9)."""
+"""Invariant checks shared by the parser tests (docs/ALGORITHM.md#parsing §6.9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Dataloader repeater and E/M rollout buffer (spec/STAGE2.md §15, tests of §20.11)."""
+"""Dataloader repeater and E/M rollout buffer (docs/ALGORITHM.md#rollout-buffer, tests of §20.11)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """`RolloutClient` / `ServerRolloutSource`: chunking, retries, splits, typed errors, weight sync (no network).
 
-Servers are simulated behind `httpx.MockTransport`; spec/STAGE2.md §20.5 cases cite the section in their ids.
+Servers are simulated behind `httpx.MockTransport`; docs/ALGORITHM.md#required-tests §20.5 cases cite the
+section in their ids.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`ColocateRolloutSource` with the `hf` backend on the real tiny Qwen2 (spec/STAGE2.md §5.1–§5.3).
+"""`ColocateRolloutSource` with the `hf` backend on the real tiny Qwen2 (docs/ALGORITHM.md#rollout §5.1–§5.3).
 
 Generation with the training model itself: results in request order, prompt ids equal to the chat template,
 per-request seeds make greedy (and sampled) results independent of the padded batch size and of the batch

@@ -1,4 +1,4 @@
-"""Coordinate codec (spec/STAGE2.md §1.3, §2; required tests §20.1)."""
+"""Coordinate codec (docs/ALGORITHM.md#coordinates, §1.3; required tests §20.1)."""
 
 from __future__ import annotations
 

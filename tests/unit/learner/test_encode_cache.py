@@ -1,4 +1,5 @@
-"""Memoized and segmented encoding equal the plain encode (learner/stage2/encode_cache.py; spec/STAGE2.md §6.6, §10)."""
+"""Memoized and segmented encoding equal the plain encode (learner/stage2/encode_cache.py;
+docs/ALGORITHM.md#token-cut, §10)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Weight export for syncs (spec/STAGE2.md §5.6): base-model names, merged values, always unmerged."""
+"""Weight export for syncs (docs/ALGORITHM.md#sync-cadence): base-model names, merged values, always
+unmerged."""
 
 from __future__ import annotations
 

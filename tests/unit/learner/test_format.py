@@ -1,4 +1,4 @@
-"""Assistant output format (spec/STAGE2.md §4; required test §20.3)."""
+"""Assistant output format (docs/ALGORITHM.md#output-format; required test §20.3)."""
 
 from __future__ import annotations
 

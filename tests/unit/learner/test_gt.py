@@ -1,4 +1,4 @@
-"""GT extraction and ordering (spec/STAGE2.md §1.2–§1.4, §7; required tests §20.1)."""
+"""GT extraction and ordering (docs/ALGORITHM.md#records §1.2–§1.4, §7; required tests §20.1)."""
 
 from __future__ import annotations
 

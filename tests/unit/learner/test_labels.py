@@ -1,4 +1,5 @@
-"""Teacher-forced checks and labels (spec/STAGE2.md §11, §12; label items of §20.10; §21.5, §21.6)."""
+"""Teacher-forced checks and labels (docs/ALGORITHM.md#teacher-forced-encoding, §12; label items of §20.10;
+§21.5, §21.6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Losses (spec/STAGE2.md §13, tests of §20.10 and the empty micro-step of §20.9)."""
+"""Losses (docs/ALGORITHM.md#losses, tests of §20.10 and the empty micro-step of §20.9)."""
 
 from __future__ import annotations
 

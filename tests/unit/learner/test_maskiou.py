@@ -1,4 +1,5 @@
-"""Exact maskIoU fast paths agree with the plain GEOS overlay (spec/STAGE2.md §8.2 step 4; learner/stage2/maskiou.py).
+"""Exact maskIoU fast paths agree with the plain GEOS overlay (docs/ALGORITHM.md#matching §8.2 step 4;
+learner/stage2/maskiou.py).
 
 The reference below is the definition the module replaced: every geometry is a shapely polygon of its ring
 clamped to [0, 999] (bbox → its corners), repaired with ``make_valid`` when invalid, and the IoU is

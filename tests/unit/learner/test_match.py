@@ -1,4 +1,4 @@
-"""Matching (spec/STAGE2.md §8, required tests §20.7, matching part of §21.3)."""
+"""Matching (docs/ALGORITHM.md#matching, required tests §20.7, matching part of §21.3)."""
 
 from __future__ import annotations
 

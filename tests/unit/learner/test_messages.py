@@ -1,4 +1,4 @@
-"""Prompt hygiene (spec/STAGE2.md §3; required tests §20.2)."""
+"""Prompt hygiene (docs/ALGORITHM.md#prompts; required tests §20.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-step metric aggregation (spec/STAGE2.md §18, §19; arithmetic of §20.12)."""
+"""Per-step metric aggregation (docs/ALGORITHM.md#metrics, §18; arithmetic of §20.12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Offload context (spec/STAGE2.md §16, test of §20.11).
+"""Offload context (docs/ALGORITHM.md#offload, test of §20.11).
 
 On this CPU-only machine the "training device" is the CPU itself, so the CPU smoke test records every
 move through the module's ``_move`` seam and checks the bookkeeping (what moved where, and back to the

@@ -1,4 +1,5 @@
-"""The batched Sinkhorn of ot.py is bit-identical to the §9 formula on the padded batch (spec/STAGE2.md §9).
+"""The batched Sinkhorn of ot.py is bit-identical to the §9 formula on the padded batch
+(docs/ALGORITHM.md#prefix-targets).
 
 ``ot._sinkhorn`` drops the ``max(., 1e-300)`` of §9 (it never binds: kernel entries lie in [e^-50, 1], so the
 scaled sums stay far above 1e-300) and gives padding kernel 1 instead of 0 (it only ever meets u = 0 or v = 0).

@@ -1,4 +1,4 @@
-"""Post-rollout packing (spec/STAGE2.md §14, tests of §20.9)."""
+"""Post-rollout packing (docs/ALGORITHM.md#packing, tests of §20.9)."""
 
 from __future__ import annotations
 

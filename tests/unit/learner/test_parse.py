@@ -1,4 +1,5 @@
-"""Strict token-aligned parser (spec/STAGE2.md §6, required tests §20.6, worked example §21.1–21.2)."""
+"""Strict token-aligned parser (docs/ALGORITHM.md#parsing, required tests §20.6, worked example
+§21.1–21.2)."""
 
 from __future__ import annotations
 

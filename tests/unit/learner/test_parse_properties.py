@@ -1,4 +1,5 @@
-"""Property tests of the parser on the real tiny tokenizer (spec/STAGE2.md §6, §6.9, §10 separators)."""
+"""Property tests of the parser on the real tiny tokenizer (docs/ALGORITHM.md#parsing, §6.9, §10
+separators)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""JSONL records and the sample dict (spec/STAGE2.md §1.1, §1.5; required tests §20.1)."""
+"""JSONL records and the sample dict (docs/ALGORITHM.md#records §1.1, §1.5; required tests §20.1)."""
 
 from __future__ import annotations
 

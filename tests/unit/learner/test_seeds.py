@@ -1,4 +1,4 @@
-"""Per-request seeds (spec/STAGE2.md §5.3; required tests §20.4)."""
+"""Per-request seeds (docs/ALGORITHM.md#seeds; required tests §20.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Desc-overlapping tail tokens (spec/STAGE2.md §12.2; learner/stage2/spans.py)."""
+"""Desc-overlapping tail tokens (docs/ALGORITHM.md#ce-masks; learner/stage2/spans.py)."""
 
 from __future__ import annotations
 

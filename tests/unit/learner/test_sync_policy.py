@@ -1,4 +1,5 @@
-"""`WeightSyncPolicy` (spec/STAGE2.md §5.6, DESIGN.md §5): cadence, mode choice, adapter → full fallback."""
+"""`WeightSyncPolicy` (docs/ALGORITHM.md#sync-cadence, docs/ARCHITECTURE.md#weight-sync): cadence, mode
+choice, adapter → full fallback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Prefix coord targets and Y_train (spec/STAGE2.md §9, §10, §12.2; required tests §20.8, §20.12, §21.2–21.4)."""
+"""Prefix coord targets and Y_train (docs/ALGORITHM.md#prefix-targets, §10, §12.2; required tests §20.8,
+§20.12, §21.2–21.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""spec/STAGE2.md §21 end to end: token sequence → parse → match → Y_train → labels → loss, exact values.
+"""docs/ALGORITHM.md#worked-example end to end: token sequence → parse → match → Y_train → labels → loss,
+exact values.
 
 The logits are all zero (a uniform policy), so every term has a closed form: CE per supervised token is
 ln V; per coord slot softCE = ln 1000, gate = ln V − ln 1000, and W1 depends only on the slot's target bin

@@ -1,4 +1,4 @@
-"""A toy tokenizer whose pieces are given explicitly (spec/STAGE2.md §20 "toy tokenizer").
+"""A toy tokenizer whose pieces are given explicitly (docs/ALGORITHM.md#required-tests "toy tokenizer").
 
 Vocabulary: special tokens, the 1000 single-id coordinate tokens (added tokens, like the real tokenizer), the
 printable ASCII characters and, optionally, the 256 single bytes, then the pieces the test asks for (``str`` or

@@ -1,4 +1,4 @@
-"""The spec/STAGE2.md §21 worked example on the toy tokenizer, for target / label tests.
+"""The docs/ALGORITHM.md#worked-example worked example on the toy tokenizer, for target / label tests.
 
 The tokenizer is ``tests/unit/learner/toy_tokenizer.ToyTokenizer`` (explicit pieces, greedy longest match,
 single-id coordinate tokens) with the multi-character pieces of the §21 illustrative tokenization; its greedy

@@ -1,4 +1,5 @@
-"""Server config: YAML loading, `extends:`, validation messages, `__main__` exit codes (DESIGN.md §8)."""
+"""Server config: YAML loading, `extends:`, validation messages, `__main__` exit codes
+(docs/ARCHITECTURE.md#configuration)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`scripts/start_rollout_server.sh`: port preflight and early-death exit codes (spec/GRPO_SUMMARY.md §6.1, §8).
+"""`scripts/start_rollout_server.sh`: port preflight and early-death exit codes
+(docs/ALGORITHM.md#grpo-launchers GRPO §6.1, §8).
 
 No engine is started: the port test stops at the preflight, the death test points the HF backend at an
 empty model directory so the server exits while loading.

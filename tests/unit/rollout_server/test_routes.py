@@ -1,4 +1,4 @@
-"""Routes and error mapping of the rollout server with a fake engine (DESIGN.md §3, STYLE.md §3, §8)."""
+"""Routes and error mapping of the rollout server with a fake engine (docs/ARCHITECTURE.md#the-contract)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weight-sync state machine over HTTP with a fake engine (DESIGN.md §3 `/sync_weights/`)."""
+"""Weight-sync state machine over HTTP with a fake engine (docs/ARCHITECTURE.md#sync-weights)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The vLLM per-step repeat guard cuts exactly where spec/STAGE2.md §5.4 says (vs. brute force)."""
+"""The vLLM per-step repeat guard cuts exactly where docs/ALGORITHM.md#repeat-guard says (vs. brute force)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weight-bucket codec and sync manifest (DESIGN.md §3 `/sync_weights/`)."""
+"""Weight-bucket codec and sync manifest (docs/ARCHITECTURE.md#sync-weights)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chunk plan (spec/STAGE2.md §5.5, §20.5; DESIGN.md §4)."""
+"""Chunk plan (docs/ALGORITHM.md#chunking-and-retries, §20.5; docs/ARCHITECTURE.md#determinism)."""
 
 from __future__ import annotations
 

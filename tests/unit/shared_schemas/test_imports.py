@@ -1,4 +1,5 @@
-"""`shared_schemas` is installable alone: it must not pull torch, vllm or fastapi (STYLE.md §1, §9)."""
+"""`shared_schemas` is installable alone: it must not pull torch, vllm or fastapi
+(docs/ARCHITECTURE.md#the-two-services)."""
 
 from __future__ import annotations
 

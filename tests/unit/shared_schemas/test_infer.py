@@ -1,4 +1,5 @@
-"""`/infer/` wire models and per-request seeds (DESIGN.md §3–§4, spec/STAGE2.md §5.3)."""
+"""`/infer/` wire models and per-request seeds (docs/ARCHITECTURE.md#infer,
+#determinism; docs/ALGORITHM.md#seeds)."""
 
 from __future__ import annotations
 

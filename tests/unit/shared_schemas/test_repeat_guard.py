@@ -1,4 +1,4 @@
-"""Degenerate-rollout guard rule (spec/STAGE2.md §5.4)."""
+"""Degenerate-rollout guard rule (docs/ALGORITHM.md#repeat-guard)."""
 
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ def test_scene_styles_and_user_text() -> None:
 @pytest.mark.parametrize(
     ("ring", "expected"),
     [
-        # spec/STAGE2.md §2.4 example: closing duplicate dropped, clockwise, top-left first.
+        # docs/ALGORITHM.md#coordinates §2.4 example: closing duplicate dropped, clockwise, top-left first.
         ([(10, 10), (10, 20), (20, 20), (20, 10), (10, 10)], [(10, 10), (20, 10), (20, 20), (10, 20)]),
         ([(30, 40), (20, 10), (10, 40)], [(20, 10), (30, 40), (10, 40)]),
     ],

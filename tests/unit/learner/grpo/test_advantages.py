@@ -1,4 +1,4 @@
-"""Advantages (spec/GRPO_SUMMARY.md §3.1; the three examples are required tests of §8)."""
+"""Advantages (docs/ALGORITHM.md#advantages; the three examples are required tests of §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""batch_plan shorthand (spec/GRPO_SUMMARY.md §2.4)."""
+"""batch_plan shorthand (docs/ALGORITHM.md#batch-plan)."""
 
 from __future__ import annotations
 

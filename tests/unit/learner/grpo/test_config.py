@@ -1,4 +1,4 @@
-"""GRPO config validation (spec/GRPO_SUMMARY.md §2.3 rules 1–10, §2.4, §3; the failing examples of §8)."""
+"""GRPO config validation (docs/ALGORITHM.md#grpo-rules rules 1–10, §2.4, §3; the failing examples of §8)."""
 
 from __future__ import annotations
 

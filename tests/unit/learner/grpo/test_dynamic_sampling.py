@@ -1,4 +1,4 @@
-"""Dynamic sampling (spec/GRPO_SUMMARY.md §3.4; the example is a required test of §8)."""
+"""Dynamic sampling (docs/ALGORITHM.md#dynamic-sampling; the example is a required test of §8)."""
 
 from __future__ import annotations
 

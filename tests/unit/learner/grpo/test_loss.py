@@ -1,4 +1,4 @@
-"""Per-token GRPO loss (spec/GRPO_SUMMARY.md §3.2)."""
+"""Per-token GRPO loss (docs/ALGORITHM.md#grpo-loss)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Config resolver CLI and the launchers' KEY=VALUE reader (spec/GRPO_SUMMARY.md §2.3, §6, §8)."""
+"""Config resolver CLI and the launchers' KEY=VALUE reader (docs/ALGORITHM.md#grpo-rules, §6, §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared inputs of the summary-reward tests: the worked example of spec/GRPO_SUMMARY.md §5.4."""
+"""Shared inputs of the summary-reward tests: the worked example of docs/ALGORITHM.md#reward-example."""
 
 from __future__ import annotations
 

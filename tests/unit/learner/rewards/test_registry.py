@@ -1,4 +1,4 @@
-"""Reward registry, presets and total reward (spec/GRPO_SUMMARY.md §3.6, §5.3, §5.4, §8)."""
+"""Reward registry, presets and total reward (docs/ALGORITHM.md#total-reward, §5.3, §5.4, §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Facts, Tversky, content_f1 and content_eq (spec/GRPO_SUMMARY.md §5.2, §5.4)."""
+"""Facts, Tversky, content_f1 and content_eq (docs/ALGORITHM.md#facts-and-tversky, §5.4)."""
 
 from __future__ import annotations
 

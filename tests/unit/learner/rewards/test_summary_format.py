@@ -1,4 +1,4 @@
-"""Format rewards (spec/GRPO_SUMMARY.md §5 rows format…dataset, §8 reward cases)."""
+"""Format rewards (docs/ALGORITHM.md#rewards rows format…dataset, §8 reward cases)."""
 
 from __future__ import annotations
 

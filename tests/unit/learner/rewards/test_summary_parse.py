@@ -1,4 +1,4 @@
-"""Shared parsing rules of spec/GRPO_SUMMARY.md §4.3."""
+"""Shared parsing rules of docs/ALGORITHM.md#summary-parsing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Category/attribute recall rewards (spec/GRPO_SUMMARY.md §5, §5.4)."""
+"""Category/attribute recall rewards (docs/ALGORITHM.md#rewards, §5.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""summary.schema_tree and its data file (spec/GRPO_SUMMARY.md §5.1, §5.4)."""
+"""summary.schema_tree and its data file (docs/ALGORITHM.md#schema-tree, §5.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Presence and free-text rewards (spec/GRPO_SUMMARY.md §5: group_stats_presence, notes_presence, text_bbu,
+"""Presence and free-text rewards (docs/ALGORITHM.md#rewards: group_stats_presence, notes_presence, text_bbu,
 notes_bbu)."""
 
 from __future__ import annotations
