@@ -165,10 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         "--server-backend", choices=("vllm", "hf"), default="vllm", help="the rollout server's engine"
     )
     args = parser.parse_args(argv)
-    if args.vlm and args.server_backend == "hf":
-        parser.error(
-            "--vlm needs --server-backend vllm: the HF server backend is text-only (docs/RUNBOOK.md)"
-        )
     out = (args.out or REPO / "runs" / ("bench_grpo_vlm" if args.vlm else "bench_grpo")).resolve()
     py = repo_python(REPO)
     build = [py, "scripts/build_grpo_demo_data.py", *(["--vlm"] if args.vlm else [])]

@@ -94,7 +94,8 @@ class VllmServerConfig(_Section):
     limit_mm_per_prompt: dict[str, int] | None = None
     """e.g. `{image: 1, video: 0}` (no video profiling)."""
     mm_processor_kwargs: dict[str, Any] | None = None
-    """e.g. `{do_resize: false}` to keep image-token counts identical to the learner."""
+    """e.g. `{do_resize: false}` to keep image-token counts identical to the learner (also passed to the HF
+    backend's processor)."""
     mm_processor_cache_gb: float | None = Field(default=None, ge=0.0)
     """Multimodal processor cache size."""
     max_num_seqs: int | None = Field(default=None, ge=1)

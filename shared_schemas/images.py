@@ -24,9 +24,17 @@ from typing import Any
 from urllib.parse import unquote, unquote_to_bytes, urlparse
 from urllib.request import url2pathname
 
-from shared_schemas.infer import image_ref_kind
+from shared_schemas.infer import InferRequest, image_ref_kind, iter_image_refs
 
-__all__ = ["IMAGE_TAG", "ImageRefError", "attach_images", "image_bytes", "load_image", "local_image_path"]
+__all__ = [
+    "IMAGE_TAG",
+    "ImageRefError",
+    "attach_images",
+    "image_bytes",
+    "load_image",
+    "local_image_path",
+    "request_messages",
+]
 
 IMAGE_TAG = "<image>"
 """ms-swift's inline image marker in string message content."""
@@ -167,3 +175,12 @@ def attach_images(messages: list[dict[str, Any]], extra_refs: Sequence[str]) -> 
         body = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
         out[first_user] = {**message, "content": [*(_image_part(r) for r in pending), *body]}
     return out
+
+
+def request_messages(request: InferRequest) -> list[dict[str, Any]] | None:
+    """A request's messages with its ms-swift `images` placed (`attach_images` of the refs no message part
+    holds yet): the messages every engine renders. None for a `prompt_token_ids` request."""
+    if request.messages is None:
+        return None
+    in_messages = iter_image_refs(request.messages)
+    return attach_images(request.messages, [ref for ref in request.images if ref not in in_messages])

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from rollout_server.errors import (
-    BadRequestError,
     EngineError,
     LoraDisabledError,
     PromptTooLongError,
     UnknownAdapterError,
 )
-from shared_schemas.infer import InferBatch, InferRequest, InferResult
+from shared_schemas.infer import InferBatch, InferResult
 
 __all__ = [
     "AdapterUpdate",
@@ -42,7 +41,6 @@ __all__ = [
     "encode_chat_prompt",
     "gather_or_cancel",
     "render_chat_prompt",
-    "request_prompt_ids",
 ]
 
 ParamSpec = tuple[str, tuple[int, ...]]
@@ -308,36 +306,6 @@ def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[i
     text = render_chat_prompt(tokenizer, messages)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [int(t) for t in ids]
-
-
-def request_prompt_ids(tokenizer: Any, request: InferRequest, index: int) -> list[int]:
-    """Prompt ids of a text-only request: its `prompt_token_ids`, or its templated `messages`.
-
-    Args:
-        tokenizer: the model's tokenizer.
-        request: the request.
-        index: its global index (named in errors).
-
-    Raises:
-        BadRequestError: the request carries images (this path is text-only) or its template fails.
-    """
-    if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
-    if request.all_image_refs():
-        raise BadRequestError(
-            f"request {index}: images are not supported by this text-only engine path;"
-            " serve a vision-language model with backend vllm",
-            type="images_unsupported",
-        )
-    assert request.messages is not None
-    try:
-        return encode_chat_prompt(tokenizer, request.messages)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise BadRequestError(
-            f"request {index}: the chat template rejected the messages ({type(exc).__name__}: {exc});"
-            " send role/content messages as in spec/STAGE2.md §3.1",
-            type="bad_messages",
-        ) from exc
 
 
 def check_results(batch: InferBatch, results: Sequence[InferResult]) -> list[InferResult]:

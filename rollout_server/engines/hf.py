@@ -2,14 +2,25 @@
 
 Every blocking call (generate, weight apply) runs on ONE dedicated worker thread, so `/health` stays
 responsive and an update committed during a generation waits for it: in-flight requests finish on the old
-weights and no request sees a mix. Text-only: a vision-language checkpoint is refused at start
-(`refuse_vision_language`, naming the set-ups that serve images) and image requests with 400.
+weights and no request sees a mix.
+
+A causal LM loads as `AutoModelForCausalLM`; a vision-language checkpoint (Qwen-VL, `is_vl_checkpoint`) as
+`AutoModelForImageTextToText` with its `AutoProcessor`, and serves image prompts. A request is resolved and
+checked exactly as the vLLM engine does it (`vllm_inputs.resolve_prompt`: chat template, ms-swift `images`
+placed, one `<|image_pad|>` per image, the same 400s), then encoded by
+`hf_prompts.MessageEncoder.encode`, the encoder of the learner's teacher forcing and colocated HF engine: the
+processor expands each placeholder to the image's token count, so `prompt_token_ids` are the expanded ids
+(what vLLM returns, and what the learner's alignment check re-encodes). Images are decoded by
+`vllm_inputs.load_image` (an unreadable one is a 400 `bad_image`); `server.vllm.mm_processor_kwargs` go into
+every processor call, as vLLM passes them. The decode loop (`hf_decode`) takes each image prompt's vision
+tensors and M-RoPE positions as a `VisionRow`. Image prompts need `messages`: `prompt_token_ids` with
+`images` is a 400 `images_need_messages` here (the processor expands text, not ids; the vLLM backend takes
+them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -33,17 +44,18 @@ from rollout_server.engines.base import (
     StagedUpdate,
     check_adapter_request,
     check_prompt_lengths,
-    request_prompt_ids,
 )
 from rollout_server.engines.collective import open_receiver_group, receive_buckets, retire_group
-from rollout_server.engines.hf_decode import RowOutput, decode_requests
-from rollout_server.errors import EngineError, LoraDisabledError, SyncValidationError
+from rollout_server.engines.hf_decode import RowOutput, VisionRow, decode_requests
+from rollout_server.engines.hf_prompts import MessageEncoder
+from rollout_server.engines.vllm_inputs import load_image, resolve_prompt
+from rollout_server.errors import BadRequestError, EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.checkpoints import is_vl_checkpoint
-from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
+from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HfEngine", "refuse_vision_language", "torch_dtype_code"]
+__all__ = ["HfEngine", "torch_dtype_code"]
 
 _DTYPE_CODES = {
     torch.float32: "F32",
@@ -61,25 +73,6 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 """Seed offset between the `n` completions of one request (odd, so completions never share a stream)."""
 
 
-def refuse_vision_language(path: Path) -> None:
-    """Raises when `path` holds a vision-language checkpoint (its config.json has a `vision_config`).
-
-    This backend decodes text-only causal LMs (its decode loop has no vision inputs and no M-RoPE), so a Qwen-VL
-    checkpoint is refused before loading, with the two set-ups that do serve images: the vLLM backend, or on a
-    machine without vLLM the learner's own colocated HF engine (which generates with the training model, images
-    included).
-    """
-    if is_vl_checkpoint(path):  # a missing or broken config.json: transformers' own loader names it
-        config = json.loads((path / "config.json").read_text())
-        kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
-        raise ValueError(
-            f"server.backend 'hf' serves text-only causal LMs, and server.model {path} is a vision-language"
-            f" model ({kind}); serve it with server.backend: vllm, or on a machine without vLLM drop the server"
-            " and set rollout.mode: colocate with rollout.backend: hf (the training model generates, images"
-            " included)"
-        )
-
-
 def torch_dtype_code(dtype: torch.dtype) -> str:
     """safetensors code of a torch dtype (`torch.bfloat16` → `"BF16"`)."""
     try:
@@ -89,15 +82,18 @@ def torch_dtype_code(dtype: torch.dtype) -> str:
 
 
 class HfEngine:
-    """A transformers causal LM behind the `Engine` protocol.
+    """A transformers causal LM (or Qwen-VL model) behind the `Engine` protocol.
 
     Args:
-        model: a loaded causal LM in eval mode.
+        model: a loaded causal LM or image-text-to-text model, in eval mode.
         tokenizer: its tokenizer (chat template included).
         model_name: what `/health` reports as `model` (the resolved local directory).
         max_model_len: prompt + new tokens limit.
         batch_size: rows (request × completion) per decode call.
         default_seed: base seed when a request config has none.
+        processor: the model's HF processor (a vision-language model); None = text prompts only (images are a
+            400 `images_unsupported`, as on a vLLM server of a text model).
+        processor_kwargs: extra keyword arguments of every processor call (`server.vllm.mm_processor_kwargs`).
     """
 
     def __init__(
@@ -109,9 +105,17 @@ class HfEngine:
         max_model_len: int,
         batch_size: int = 8,
         default_seed: int = 0,
+        processor: Any | None = None,
+        processor_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
+        self._encoder = MessageEncoder.for_model(
+            model, tokenizer, processor, processor_kwargs=processor_kwargs, load_image=load_image
+        )
+        self._placeholder_id = (
+            getattr(model.config, "image_token_id", None) if processor is not None else None
+        )
         self._model_name = model_name
         self._max_model_len = max_model_len
         self._batch_size = batch_size
@@ -142,21 +146,33 @@ class HfEngine:
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> HfEngine:
-        """Loads model and tokenizer from `cfg.model_path` (local files only; blocking, ~seconds)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Loads model and tokenizer (and a VL model's processor) from `cfg.model_path` (local files only;
+        blocking, ~seconds). Without torchvision a Qwen-VL processor needs the import shim that
+        `python -m rollout_server` installs for a VL checkpoint (`scripts/vlm_shim/`)."""
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            AutoProcessor,
+            AutoTokenizer,
+        )
 
         path = cfg.model_path
         if not path.is_dir():
             raise FileNotFoundError(
                 f"server.model {cfg.model!r} resolves to {path}, which is not a directory"
             )
-        refuse_vision_language(path)
         dtype = _TORCH_DTYPES.get(cfg.dtype, "auto")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        processor = None
+        if is_vl_checkpoint(path):
+            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+            tokenizer = processor.tokenizer
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         if torch.cuda.is_available():
             model = model.to("cuda")
         model.eval()
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(
             model,
             tokenizer,
@@ -164,6 +180,8 @@ class HfEngine:
             max_model_len=cfg.vllm.max_model_len,
             batch_size=cfg.hf.batch_size,
             default_seed=cfg.seed,
+            processor=processor,
+            processor_kwargs=cfg.vllm.mm_processor_kwargs,
         )
 
     @property
@@ -193,10 +211,9 @@ class HfEngine:
     def _generate_sync(self, batch: InferBatch) -> list[InferResult]:
         version = self._version
         cfg = batch.request_config
-        prompts = [
-            request_prompt_ids(self._tokenizer, r, batch.first_index + i)
-            for i, r in enumerate(batch.infer_requests)
-        ]
+        encoded = [self._encode(r, batch.first_index + i) for i, r in enumerate(batch.infer_requests)]
+        prompts = [ids for ids, _ in encoded]
+        vision = [row for _, row in encoded]
         check_prompt_lengths(
             [len(p) for p in prompts], cfg.max_tokens, self._max_model_len, batch.first_index
         )
@@ -211,6 +228,7 @@ class HfEngine:
             eos_ids=self._eos_ids,
             end_of_turn_id=self._end_of_turn_id,
             decode_text=self._decode,
+            vision=vision if any(v is not None for v in vision) else None,
         )
         results = []
         for i, request in enumerate(batch.infer_requests):
@@ -225,6 +243,26 @@ class HfEngine:
                 )
             )
         return results
+
+    def _encode(self, request: InferRequest, index: int) -> tuple[list[int], VisionRow | None]:
+        """Prompt ids of one request and, for an image prompt, its vision inputs (see the module doc).
+
+        Raises:
+            BadRequestError: what the vLLM engine refuses (`resolve_prompt`), an unreadable image, or images
+                beside `prompt_token_ids`.
+        """
+        resolved = resolve_prompt(self._tokenizer, request, index, placeholder_id=self._placeholder_id)
+        if not resolved.refs:
+            return resolved.prompt_token_ids, None
+        if resolved.messages is None:
+            raise BadRequestError(
+                f"request {index}: server.backend 'hf' takes images only with chat messages (the processor"
+                " expands the placeholders of the prompt text); send messages instead of prompt_token_ids, or"
+                " serve with server.backend: vllm",
+                type="images_need_messages",
+            )
+        prompt = self._encoder.encode(resolved.messages, index=index)
+        return list(prompt.ids), prompt.vision_row()
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

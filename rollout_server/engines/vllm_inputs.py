@@ -7,6 +7,11 @@ itself (ids already expanded by an HF processor would be expanded a second time,
 notes/tiny_vlm_on_cpu.md). Image references are strings: a local path, a `file://` URL or a `data:` URL;
 the server never fetches from the network.
 
+`resolve_prompt` (template, ms-swift `images` placed, images checked against the placeholders, nothing read
+yet) is shared with the HF engine, which then encodes the resolved messages through the HF processor
+(`hf_prompts.MessageEncoder`, images decoded by `load_image` here): both backends accept and refuse the same
+requests with the same errors.
+
 Everything here blocks (file reads, image decoding, tokenization): callers run it in a worker thread.
 """
 
@@ -15,20 +20,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_server.engines.base import render_chat_prompt
+from rollout_server.engines.base import encode_chat_prompt
 from rollout_server.errors import BadRequestError
 from shared_schemas import images
-from shared_schemas.images import IMAGE_TAG, attach_images
+from shared_schemas.images import IMAGE_TAG, attach_images, request_messages
 from shared_schemas.infer import InferRequest, iter_image_refs
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
     "IMAGE_TAG",
     "PreparedPrompt",
+    "ResolvedPrompt",
     "attach_images",
     "image_bytes",
     "load_image",
     "prepare_prompt",
+    "resolve_prompt",
 ]
 
 IMAGE_PLACEHOLDER = "<|image_pad|>"
@@ -85,20 +92,35 @@ def _bad_image(exc: images.ImageRefError) -> BadRequestError:
 
 def _encode(tokenizer: Any, messages: list[dict[str, Any]], index: int) -> list[int]:
     try:
-        text = render_chat_prompt(tokenizer, messages)
+        return encode_chat_prompt(tokenizer, messages)
     except (TypeError, ValueError, KeyError) as exc:
         raise BadRequestError(
             f"request {index}: the chat template rejected the messages ({type(exc).__name__}: {exc});"
-            " send role/content messages as in spec/STAGE2.md §3.1",
+            " send role/content messages as in docs/ALGORITHM.md#prompts §3.1",
             type="bad_messages",
         ) from exc
-    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def prepare_prompt(
+@dataclass
+class ResolvedPrompt:
+    """One request's templated prompt, checked as the engines check it, before any image is read.
+
+    Attributes:
+        prompt_token_ids: templated ids, one unexpanded placeholder per image.
+        refs: the image references in placeholder order.
+        messages: the request's messages with its `images` placed (`request_messages`); None for a
+            `prompt_token_ids` request.
+    """
+
+    prompt_token_ids: list[int]
+    refs: list[str]
+    messages: list[dict[str, Any]] | None
+
+
+def resolve_prompt(
     tokenizer: Any, request: InferRequest, index: int, *, placeholder_id: int | None
-) -> PreparedPrompt:
-    """Builds the unexpanded prompt of one request and loads its images.
+) -> ResolvedPrompt:
+    """Builds the unexpanded prompt of one request and checks its images against it (nothing read yet).
 
     Args:
         tokenizer: the served model's tokenizer (chat template included).
@@ -106,24 +128,19 @@ def prepare_prompt(
         index: its global index (named in errors).
         placeholder_id: id of `<|image_pad|>` when the model takes images, else None.
 
-    Returns:
-        The prompt ids and the images in placeholder order.
-
     Raises:
         BadRequestError: images sent to a text-only model, a placeholder count that differs from the image
-            count, an unreadable image, or messages the template rejects.
+            count, or messages the template rejects.
     """
-    if request.messages is not None:
-        in_messages = iter_image_refs(request.messages)
-        extra = [ref for ref in request.images if ref not in in_messages]
-        messages = attach_images(request.messages, extra)
+    messages = request_messages(request)
+    if messages is not None:
         refs = iter_image_refs(messages)
         ids = _encode(tokenizer, messages, index)
     else:
         assert request.prompt_token_ids is not None
         refs, ids = list(request.images), list(request.prompt_token_ids)
     if not refs:
-        return PreparedPrompt(ids)
+        return ResolvedPrompt(ids, refs, messages)
     if placeholder_id is None:
         raise BadRequestError(
             f"request {index}: {len(refs)} image(s) sent but the served model takes no images;"
@@ -138,4 +155,21 @@ def prepare_prompt(
             type="image_placeholder_mismatch",
             detail={"index": index, "placeholders": found, "images": len(refs)},
         )
-    return PreparedPrompt(ids, [load_image(ref, index, k) for k, ref in enumerate(refs)])
+    return ResolvedPrompt(ids, refs, messages)
+
+
+def prepare_prompt(
+    tokenizer: Any, request: InferRequest, index: int, *, placeholder_id: int | None
+) -> PreparedPrompt:
+    """Builds the unexpanded prompt of one request (`resolve_prompt`, same arguments) and loads its images.
+
+    Returns:
+        The prompt ids and the images in placeholder order.
+
+    Raises:
+        BadRequestError: what `resolve_prompt` raises, or an unreadable image.
+    """
+    resolved = resolve_prompt(tokenizer, request, index, placeholder_id=placeholder_id)
+    return PreparedPrompt(
+        resolved.prompt_token_ids, [load_image(ref, index, k) for k, ref in enumerate(resolved.refs)]
+    )

