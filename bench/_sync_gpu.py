@@ -139,7 +139,7 @@ def _free() -> None:
 
 
 def _raw_broadcast_worker(
-    rank: int, backend: str, port: int, sizes: list[int], repeats: int, out: str
+    rank: int, backend: str, port: int, sizes: list[int], repeats: int, out: str, world: int = 2
 ) -> None:
     import datetime
 
@@ -149,7 +149,7 @@ def _raw_broadcast_worker(
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
     if rank == 0:
@@ -167,25 +167,32 @@ def _raw_broadcast_worker(
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     ok = all(bool((b[:64] == 7).all()) for b in buffers)
-    if rank == 1:
-        Path(out).write_text(json.dumps({"times": times[1:], "ok": ok}))
+    if rank > 0:
+        Path(f"{out}.{rank}").write_text(json.dumps({"times": times[1:], "ok": ok}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def raw_broadcast_seconds(backend: str, sizes: list[int], repeats: int = 3) -> tuple[float, bool]:
-    """Best seconds of broadcasting buffers of `sizes` bytes from one process (GPU 0) to another (GPU 1)."""
+def raw_broadcast_seconds(
+    backend: str, sizes: list[int], repeats: int = 3, world: int = 2
+) -> tuple[float, bool]:
+    """Best seconds of broadcasting buffers of `sizes` bytes from one process (GPU 0) to `world - 1` others
+    (GPUs 1..world - 1), each repeat timed by its last receiver; and whether every receiver got the bytes."""
     import tempfile
 
     import torch.multiprocessing as mp
     from bench_server import free_port
 
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    mp.spawn(_raw_broadcast_worker, args=(backend, free_port(), sizes, repeats, out), nprocs=2, join=True)
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return min(result["times"]), result["ok"]
+    folder = tempfile.mkdtemp(prefix="raw-broadcast-")
+    out = str(Path(folder) / "times.json")  # one file per receiver: times.json.<rank>
+    try:
+        mp.spawn(_raw_broadcast_worker, args=(backend, free_port(), sizes, repeats, out, world), nprocs=world,
+                 join=True)  # fmt: skip
+        results = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(1, world)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    best = min(max(r["times"][i] for r in results) for i in range(repeats))
+    return best, all(r["ok"] for r in results)
 
 
 def server_config(model_dir: Path, tmp: Path, name: str, staging: str) -> tuple[Path, str, Path]:

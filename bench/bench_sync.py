@@ -18,6 +18,11 @@ itself (the output says which cores); without them both share every core.
 learner on GPU 0 and an HF-backend server on GPU 1, against the raw GPU 0 → GPU 1 copy and a raw 2-process NCCL
 broadcast of the same bytes, with the effect check (`bench/_sync_gpu.py` says what each line holds).
 ``--gpu --cpu-check`` runs that flow on CPU (gloo, a tiny model) to check the script without a GPU.
+
+``python bench/bench_sync.py --gpu --servers 3 [--models 1b 7b]``: the 3+1 topology — the learner on GPU 0 and one
+HF-backend server per GPU 1..3, all in ONE nccl group — timing syncs to 1 server and to all 3 against raw NCCL
+broadcasts to 2 and to 4 ranks (`bench/_sync_fleet.py` says what each line holds; NOT RUN on GPUs yet: no 4-GPU
+machine was available when it was written). ``--gpu --cpu-check --servers 2 --models tiny`` checks it on CPU.
 """
 
 from __future__ import annotations
@@ -148,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-check", action="store_true", help="with --gpu: the same flow on CPU (gloo)")
     parser.add_argument("--models", nargs="+", default=["1b", "7b"], choices=["1b", "7b", "tiny"])
     parser.add_argument("--server-gpu", default="1", help="--gpu: CUDA_VISIBLE_DEVICES of the server")
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="--gpu: N > 1 servers in one group, one per GPU 1..N (see above)",
+    )
+    parser.add_argument("--server-gpus", default=None, help="--servers: the servers' GPUs, default 1,..,N")
     parser.add_argument("--staging", default="auto", choices=["auto", "device", "host"])
     parser.add_argument("--prompts", type=int, default=8, help="--gpu: prompts of the effect check")
     parser.add_argument("--out", default=None, help="--gpu: also append the JSON lines to this file")
@@ -163,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-cpus", default=None, help="taskset -c list for the server, e.g. 1")
     parser.add_argument("--learner-cpus", default=None, help="cores this (learner) process pins to, e.g. 0")
     args = parser.parse_args(argv)
+    if args.servers < 1 or (args.servers > 1 and not args.gpu):
+        parser.error("--servers N needs --gpu (with --cpu-check on a host without GPUs) and N >= 1")
     if args.bucket_mb is None:
         args.bucket_mb = 512 if args.gpu else 128
     if args.transports is None:
@@ -171,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {int(c) for c in args.learner_cpus.split(",")})
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
-        if args.gpu:
+        if args.gpu and args.servers > 1:
+            from _sync_fleet import bench_fleet
+
+            bench_fleet(args, tmp)
+        elif args.gpu:
             from _sync_gpu import bench_gpu
 
             bench_gpu(args, tmp)

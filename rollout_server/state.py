@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rollout_server.config import ServerConfig
-from rollout_server.engines.base import Engine
-from rollout_server.errors import EngineNotReadyError
+from rollout_server.engines.base import CollectiveEngine, Engine
+from rollout_server.errors import EngineError, EngineNotReadyError
 from rollout_server.health_listener import HealthListener
 from rollout_server.metrics import ServerMetrics
 from rollout_server.weights.staging import SyncStaging
@@ -79,6 +79,7 @@ class ServerState:
             dtype=cfg.served_dtype,
             uptime_s=self.uptime_s,
             detail=engine_health.detail,
+            collective_ranks=_collective_ranks(self.engine),
         )
 
     async def publish_health_forever(self, listener: HealthListener, interval_s: float = 0.2) -> None:
@@ -135,3 +136,14 @@ class ServerState:
         if engine is not None:
             await engine.aclose()
             logger.info("engine closed")
+
+
+def _collective_ranks(engine: Engine) -> int | None:
+    """Receivers the engine brings into a collective weight-sync group (None: it cannot receive over one)."""
+    try:
+        if not isinstance(engine, CollectiveEngine):
+            return None
+        ranks = engine.collective_ranks
+    except EngineError:
+        return None  # e.g. an engine group whose members cannot receive
+    return ranks if ranks >= 1 else None

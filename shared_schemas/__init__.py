@@ -42,6 +42,7 @@ from shared_schemas.sync import (
     SYNC_ABORT_PATH,
     SYNC_BEGIN_PATH,
     SYNC_COMMIT_PATH,
+    SYNC_PREPARE_PATH,
     BucketAck,
     BucketSpec,
     ShmBucketRef,
@@ -52,6 +53,8 @@ from shared_schemas.sync import (
     SyncCommitRequest,
     SyncCommitResponse,
     SyncManifest,
+    SyncPrepareRequest,
+    SyncPrepareResponse,
     TensorSpec,
 )
 
@@ -68,6 +71,7 @@ __all__ = [
     "SYNC_ABORT_PATH",
     "SYNC_BEGIN_PATH",
     "SYNC_COMMIT_PATH",
+    "SYNC_PREPARE_PATH",
     "BucketAck",
     "BucketMismatchError",
     "BucketSpec",
@@ -92,6 +96,8 @@ __all__ = [
     "SyncCommitRequest",
     "SyncCommitResponse",
     "SyncManifest",
+    "SyncPrepareRequest",
+    "SyncPrepareResponse",
     "TensorSpec",
     "Timing",
     "check_bucket",

@@ -12,11 +12,16 @@ Routes (`{sync_id}` from `SyncBeginResponse`, `{index}` the bucket's index in th
 | begin | `POST /sync_weights/begin` | `SyncBeginRequest` → `SyncBeginResponse` |
 | bucket (HTTP) | `PUT /sync_weights/{sync_id}/buckets/{index}` | safetensors bytes (`application/octet-stream`) → `BucketAck` |
 | bucket (shm) | `POST /sync_weights/{sync_id}/buckets/{index}/shm` | `ShmBucketRef` → `BucketAck` |
+| prepare (optional) | `POST /sync_weights/prepare` | `SyncPrepareRequest` → `SyncPrepareResponse` |
 | commit | `POST /sync_weights/commit` | `SyncCommitRequest` → `SyncCommitResponse` |
 | abort | `POST /sync_weights/abort` | `SyncAbortRequest` → `SyncAbortResponse` |
 
 With `SyncBeginRequest.collective` the bucket phase is not HTTP at all: one broadcast per bucket over the
-learner's process group (`CollectiveSpec`), between begin and commit.
+learner's process group (`CollectiveSpec`), between begin and commit. ONE group spans the learner and every
+receiver of every server of the sync (the learner assigns each server its ranks), so each bucket is one
+broadcast whatever the number of servers; `prepare` then tells the learner that a server holds every bucket,
+and the learner commits no server before every server has answered it (a server that died mid-broadcast
+leaves every server on its old weights).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = [
     "SYNC_ABORT_PATH",
     "SYNC_BEGIN_PATH",
     "SYNC_COMMIT_PATH",
+    "SYNC_PREPARE_PATH",
     "BucketAck",
     "BucketSpec",
     "CollectiveSpec",
@@ -44,6 +50,8 @@ __all__ = [
     "SyncCommitRequest",
     "SyncCommitResponse",
     "SyncManifest",
+    "SyncPrepareRequest",
+    "SyncPrepareResponse",
     "TensorSpec",
 ]
 
@@ -51,6 +59,7 @@ SYNC_BEGIN_PATH = "/sync_weights/begin"
 BUCKET_PATH = "/sync_weights/{sync_id}/buckets/{index}"
 BUCKET_SHM_PATH = "/sync_weights/{sync_id}/buckets/{index}/shm"
 SYNC_COMMIT_PATH = "/sync_weights/commit"
+SYNC_PREPARE_PATH = "/sync_weights/prepare"
 SYNC_ABORT_PATH = "/sync_weights/abort"
 
 DTYPE_NBYTES: dict[str, int] = {
@@ -181,10 +190,16 @@ class SyncManifest(BaseModel):
 class CollectiveSpec(BaseModel):
     """Collective transport of a full sync: the bytes travel over a process group the learner hosts, not HTTP.
 
-    The server's receivers (every worker of every engine) join the group `group` at `master_address:master_port`
-    as ranks 1..n (the begin answer says n), the learner is rank 0; each manifest bucket is then ONE broadcast
-    from rank 0 of its tensors' raw bytes back to back, in manifest order (exactly `BucketSpec.nbytes`, no
-    header). A server keeps its group for the next sync that names the same `group`.
+    ONE group spans the learner (rank 0, the only sender) and every receiver of every server of the sync (every
+    worker of every engine): the learner asks each server how many receivers it has (`Health.collective_ranks`)
+    and gives each server a contiguous block of ranks, `rank_offset` ... `rank_offset + n - 1`, in the order of
+    its `rollout.servers`; `world_size` is 1 + every server's receivers. Each manifest bucket is then ONE
+    broadcast from rank 0 to the whole group of its tensors' raw bytes back to back, in manifest order (exactly
+    `BucketSpec.nbytes`, no header), so the learner's link carries one copy of the weights whatever the number of
+    servers. A server keeps its group for the next sync that names the same `group`.
+
+    Without `world_size` (one server, or a learner that predates fleet groups) the group is this server alone:
+    its receivers are ranks 1..n of a world of n + 1.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
@@ -199,6 +214,19 @@ class CollectiveSpec(BaseModel):
     """Group token: the same token reuses the group joined by an earlier sync, a new one joins anew."""
     timeout_s: float = Field(default=120.0, gt=0, le=3_600)
     """Limit of the rendezvous and of each broadcast; a peer silent for longer fails the sync."""
+    world_size: int | None = Field(default=None, ge=2, le=65_536)
+    """Ranks of the whole group: the learner + every receiver of every server (None: 1 + this server's)."""
+    rank_offset: int = Field(default=1, ge=1, le=65_535)
+    """Rank of this server's first receiver; its n receivers are `rank_offset` ... `rank_offset + n - 1`."""
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> CollectiveSpec:
+        if self.world_size is not None and self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} is outside a group of world_size {self.world_size}"
+                " (rank 0 is the learner; receivers are 1 .. world_size - 1)"
+            )
+        return self
 
 
 class SyncBeginRequest(BaseModel):
@@ -223,7 +251,7 @@ class SyncBeginResponse(BaseModel):
     num_buckets: int = Field(ge=1)
     expires_in_s: float = Field(gt=0)
     collective_ranks: int = Field(default=0, ge=0)
-    """Collective syncs: how many receivers of this server are in the group (its world size is this + 1)."""
+    """Collective syncs: how many receivers of this server are in the group (ranks `rank_offset` onwards)."""
     collective_joining: bool = False
     """Collective syncs: the server joins the group now (a new token, or it lost the previous group); when
     False it reuses the group it joined before under the same token."""
@@ -264,6 +292,22 @@ class SyncCommitRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     sync_id: str = Field(pattern=_SYNC_ID)
+
+
+class SyncPrepareRequest(SyncCommitRequest):
+    """Asks whether a staged sync holds every bucket (collective: waits until its receive has finished)."""
+
+
+class SyncPrepareResponse(BaseModel):
+    """Every bucket is in and matches the manifest: the commit will only apply (nothing left to receive)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sync_id: str
+    received: int = Field(ge=0)
+    """Buckets received."""
+    receive_s: float = Field(ge=0)
+    """Collective syncs: seconds the prepare waited for the receive to finish."""
 
 
 class SyncCommitResponse(BaseModel):

@@ -110,9 +110,10 @@ class ServerRolloutSource:
     Every call is bounded by the client timeouts, so a failure is raised, never a hang, never a drop.
     `sync_weights` sends every bucket to EVERY server through one weight-sync transport
     (`learner.rollout.transports`): `http` (bucket bodies), `shm` (files in the shared staging directory, all
-    servers on this host), `gloo` (one broadcast per bucket over a process group with each server, packed on the
-    host) or `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always
-    carries the control (begin, commit, abort); adapter syncs go over `http` when the transport is collective.
+    servers on this host), `gloo` (one broadcast per bucket over ONE process group that spans the learner and
+    every server, packed on the host: the learner's link carries one copy whatever the number of servers) or
+    `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always carries
+    the control (begin, prepare, commit, abort); adapter syncs go over `http` when the transport is collective.
 
     Args:
         servers: server base URLs, one per server process (a DP server is one entry).
@@ -341,8 +342,11 @@ class ServerRolloutSource:
         """Sends `update` to every server (begin on all → each bucket to all → commit on all).
 
         Any failure aborts the sync on every server that has not committed yet; sync phases are never
-        retried. Servers commit one after another, so when a commit fails after an earlier one succeeded
-        the servers disagree until the next sync (which uses a higher version and fixes it).
+        retried. No server commits before every server holds every bucket (HTTP/shm: every upload acknowledged;
+        gloo/nccl: every server answered `prepare` once its receive finished, so a server that dies mid-broadcast
+        leaves every server on its old weights). Servers then commit one after another, so when a commit itself
+        fails after an earlier one succeeded the servers disagree until the next sync (which uses a higher
+        version and fixes it).
 
         Raises:
             SyncRejected: a server refused the update (409: adapter sync without LoRA, stale version).
@@ -364,12 +368,13 @@ class ServerRolloutSource:
         transport = self._http if update.mode != "full" and self._transport.full_only else self._transport
         urls = [c.base_url for c in self._clients]
         try:
+            specs = transport.rendezvous(self._clients)
             with ExitStack() as stack:
                 sessions = [
-                    stack.enter_context(c.weight_sync(manifest, collective=transport.rendezvous(c.base_url)))
-                    for c in self._clients
+                    stack.enter_context(c.weight_sync(manifest, collective=spec))
+                    for c, spec in zip(self._clients, specs, strict=True)
                 ]
-                transport.joined(urls, [session.begin for session in sessions])
+                transport.joined(sessions)
                 stages["begin_s"] = time.perf_counter() - started
                 transport.send(sessions, manifest, update.iter_tensors(), stages)
                 mark = time.perf_counter()

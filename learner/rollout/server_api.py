@@ -34,6 +34,7 @@ from shared_schemas.sync import (
     SYNC_ABORT_PATH,
     SYNC_BEGIN_PATH,
     SYNC_COMMIT_PATH,
+    SYNC_PREPARE_PATH,
     BucketAck,
     CollectiveSpec,
     ShmBucketRef,
@@ -44,6 +45,8 @@ from shared_schemas.sync import (
     SyncCommitRequest,
     SyncCommitResponse,
     SyncManifest,
+    SyncPrepareRequest,
+    SyncPrepareResponse,
 )
 
 logger = logging.getLogger(__name__)
@@ -342,6 +345,20 @@ class RolloutClient:
             "POST", BUCKET_SHM_PATH.format(sync_id=sync_id, index=index), json=body.model_dump(mode="json")
         )
         return BucketAck.model_validate_json(response.content)
+
+    def sync_prepare(self, sync_id: str, *, timeout_s: float | None = None) -> SyncPrepareResponse:
+        """Returns once the server holds every bucket of the sync (collective: its receive has finished), so the
+        commit will only apply; `timeout_s` bounds the wait (default the read timeout).
+
+        Raises:
+            ServerError: 400 `collective_failed` (the receive failed; the server discarded the sync) or
+                `missing_bucket`; 404 when the sync is gone.
+            ServerUnreachable: no answer within `timeout_s` (the server died or hangs).
+        """
+        body = SyncPrepareRequest(sync_id=sync_id)
+        extra = {"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}
+        response = self._request("POST", SYNC_PREPARE_PATH, json=body.model_dump(mode="json"), **extra)
+        return SyncPrepareResponse.model_validate_json(response.content)
 
     def sync_commit(self, sync_id: str) -> SyncCommitResponse:
         """Applies the staged sync atomically; afterwards every generation uses the new version."""

@@ -63,9 +63,9 @@ class SyncConfig(BaseModel):
     """On any adapter-sync failure: warn once, sync full now and for the rest of the run."""
     transport: Literal["http", "shm", "gloo", "nccl"] = "http"
     """Server mode: buckets as HTTP bodies; as files in the shared staging dir (same host only); or broadcast
-    over a process group with each server (`gloo` on CPU hosts, packed on the host; `nccl` on GPUs, packed on
-    the learner's GPU and never through host memory: HTTP then carries only the control; full syncs only,
-    adapter syncs stay on HTTP). Implementations: `learner.rollout.transports`."""
+    over ONE process group with every server, one broadcast per bucket (`gloo` on CPU hosts, packed on the host;
+    `nccl` on GPUs, packed on the learner's GPU and never through host memory: HTTP then carries only the
+    control; full syncs only, adapter syncs stay on HTTP). Implementations: `learner.rollout.transports`."""
     bucket_mb: int = Field(default=512, ge=1)
     """Upper bound of one safetensors bucket, MiB."""
     shm_dir: str | None = None
@@ -74,7 +74,8 @@ class SyncConfig(BaseModel):
     """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens there);
     None = `127.0.0.1`, allowed only when every server is on this host."""
     collective_timeout_s: float = Field(default=120.0, gt=0, le=3600)
-    """`gloo`/`nccl`: limit of each group rendezvous and each bucket broadcast, seconds."""
+    """`gloo`/`nccl`: limit of each group rendezvous, each bucket broadcast and each server's prepare wait,
+    seconds (a server that dies mid-sync fails the sync within it)."""
 
 
 class WeightSyncPolicy:

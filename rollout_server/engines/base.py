@@ -116,10 +116,11 @@ class Rendezvous:
         master_address: the learner's rendezvous store.
         master_port: its port.
         group: group token (a new token means a new group).
-        world_size: learner + every receiver of this server.
+        world_size: the whole group: learner + every receiver of every server of the sync.
         timeout_s: limit of the rendezvous and of each broadcast.
         staging: where the receivers keep the received buckets until the commit (`server.sync_staging`:
             `device`, `host`, or `auto` = device when the GPU has room; `engines.collective.resolve_staging`).
+        first_rank: rank of this server's first receiver (the learner gives each server its block of ranks).
     """
 
     backend: Literal["gloo", "nccl"]
@@ -129,6 +130,7 @@ class Rendezvous:
     world_size: int
     timeout_s: float
     staging: Literal["auto", "device", "host"] = "auto"
+    first_rank: int = 1
 
 
 BucketLayout = list[list[tuple[str, str, tuple[int, ...]]]]

@@ -2,11 +2,13 @@
 builder (`process_group`, used by the learner's sender too) and the ONE receive function (`receive_buckets`,
 used by the HF engine in the server process and by every vLLM worker through `vllm_transfer`).
 
-The learner's rank 0 and the receivers of ONE server form a process group of their own (learner = rank 0,
-receivers = ranks 1..n: every TP worker of every DP engine of that server). HTTP carries only the control
-(`begin` with the manifest and the rendezvous, `commit`/`abort`, the version); the bytes of each manifest
-bucket travel as one flattened `uint8` broadcast from rank 0 — the bucket's tensors back to back in manifest
-order, exactly `BucketSpec.nbytes` long, no header (the manifest, validated at `begin`, is the header).
+The learner's rank 0 and the receivers of EVERY server of the sync form ONE process group (learner = rank 0;
+each server's receivers — every TP worker of every DP engine — a block of ranks the learner assigns at `begin`:
+`CollectiveSpec.rank_offset` onwards, in a group of `world_size`). HTTP carries only the control (`begin` with
+the manifest and the rendezvous, `prepare`, `commit`/`abort`, the version); the bytes of each manifest bucket
+travel as ONE flattened `uint8` broadcast from rank 0 to the whole group, whatever the number of servers — the
+bucket's tensors back to back in manifest order, exactly `BucketSpec.nbytes` long, no header (the manifest,
+validated at `begin`, is the header).
 
 Receivers STAGE what they receive: it is loaded only at the sync's commit, so a learner that dies mid-broadcast
 leaves the served weights untouched. Where the staged copy lives is `server.sync_staging`: `device` keeps every
@@ -81,7 +83,7 @@ def process_group(
         backend: `gloo` or `nccl`.
         store: the rendezvous store (already prefixed with the group token).
         rank: this process's rank (learner 0).
-        world_size: learner + receivers.
+        world_size: learner + every receiver of every server.
         timeout_s: limit of the rendezvous and of each collective.
         hostname: gloo only: the local address the peers reach this process on.
     """

@@ -1,4 +1,4 @@
-"""`/sync_weights/...`: begin → buckets (HTTP body or shm file name) → commit | abort.
+"""`/sync_weights/...`: begin → buckets (HTTP body or shm file name) → [prepare] → commit | abort.
 
 The route split is documented in `shared_schemas.sync`; the state machine lives in
 `rollout_server.weights.staging`.
@@ -18,6 +18,7 @@ from shared_schemas.sync import (
     SYNC_ABORT_PATH,
     SYNC_BEGIN_PATH,
     SYNC_COMMIT_PATH,
+    SYNC_PREPARE_PATH,
     BucketAck,
     ShmBucketRef,
     SyncAbortRequest,
@@ -26,6 +27,8 @@ from shared_schemas.sync import (
     SyncBeginResponse,
     SyncCommitRequest,
     SyncCommitResponse,
+    SyncPrepareRequest,
+    SyncPrepareResponse,
 )
 
 __all__ = ["router"]
@@ -59,6 +62,13 @@ async def put_shm_bucket(
 ) -> BucketAck:
     """Stages one bucket the learner wrote into the server's staging directory (named by file name)."""
     return await state.staging.put_shm_bucket(sync_id, index, body)
+
+
+@router.post(SYNC_PREPARE_PATH, response_model=SyncPrepareResponse, responses=ERROR_RESPONSES)
+async def prepare(body: SyncPrepareRequest, state: StateDep) -> SyncPrepareResponse:
+    """Answers once the staged sync holds every bucket (collective: its receive has finished), so the commit
+    will only apply; a learner with several servers prepares them all before it commits any."""
+    return await state.staging.prepare(body.sync_id)
 
 
 @router.post(SYNC_COMMIT_PATH, response_model=SyncCommitResponse, responses=ERROR_RESPONSES)

@@ -7,17 +7,18 @@ receiver for the bytes:
 
 - `http` (`HttpReceiver`): each bucket is the body of `PUT .../buckets/{k}`, streamed into a staging file;
 - `shm` (`ShmReceiver`): each bucket is a file the learner wrote into `server.shm_dir`, adopted by hard link;
-- `gloo` / `nccl` (`CollectiveReceiver`): no bucket route; the begin carries a rendezvous, the engine joins the
-  learner's group and receives every bucket (`CollectiveEngine.receive_collective`, staged where
-  `server.sync_staging` says), and the commit waits for that receive, bounded by the group's timeout.
+- `gloo` / `nccl` (`CollectiveReceiver`): no bucket route; the begin carries a rendezvous (the learner's group
+  over every server, and this server's ranks in it), the engine joins it and receives every bucket
+  (`CollectiveEngine.receive_collective`, staged where `server.sync_staging` says), and `prepare` / the commit
+  wait for that receive, bounded by the group's timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from rollout_server.engines.base import BucketLayout, CollectiveEngine, Engine, Rendezvous
 from rollout_server.errors import EngineError, SyncValidationError
@@ -81,12 +82,19 @@ class ShmReceiver(FileReceiver):
 class CollectiveReceiver(Receiver):
     """The learner's process group: the engine receives every bucket between begin and commit.
 
+    The group spans the learner and every server of the sync; this server's receivers are the ranks the begin
+    names (`CollectiveSpec.rank_offset` onwards, in a group of `world_size`). Receives run one after another:
+    a receive whose sync was abandoned (the learner failed, another server died) cannot be interrupted inside a
+    broadcast and runs out on its own, bounded by the group's timeout; the next sync's receive starts after it,
+    so two receives never share the engine's group state.
+
     Args:
         staging: `server.sync_staging`, handed to the engine's receivers with each sync.
     """
 
     def __init__(self, staging: Literal["auto", "device", "host"] = "auto") -> None:
         self.staging = staging
+        self._last: asyncio.Task[None] | None = None
 
     def rendezvous(self, request: SyncBeginRequest, engine: Engine) -> Rendezvous:
         """The group a begin names, checked against its manifest (full syncs only) and the engine."""
@@ -105,22 +113,35 @@ class CollectiveReceiver(Receiver):
             ranks = engine.collective_ranks
         except EngineError as exc:
             raise SyncValidationError(str(exc), type="collective_unsupported") from exc
+        world_size = spec.world_size if spec.world_size is not None else 1 + ranks
+        if spec.rank_offset + ranks > world_size:
+            raise SyncValidationError(
+                f"this server has {ranks} weight-sync receivers, but the learner gave it ranks"
+                f" {spec.rank_offset}..{world_size - 1} of a {world_size}-rank group (it counted fewer: was the"
+                " server restarted with another data/tensor parallel size?); the learner asks again at its next"
+                " sync",
+                type="collective_ranks",
+            )
         return Rendezvous(
             backend=spec.backend,
             master_address=spec.master_address,
             master_port=spec.master_port,
             group=spec.group,
-            world_size=1 + ranks,
+            world_size=world_size,
             timeout_s=spec.timeout_s,
             staging=self.staging,
+            first_rank=spec.rank_offset,
         )
 
     def start(self, engine: Engine, rendezvous: Rendezvous, manifest: SyncManifest) -> asyncio.Task[None]:
-        """Starts the engine's receive of every bucket (it runs while the learner broadcasts)."""
+        """Starts the engine's receive of every bucket (it runs while the learner broadcasts), after the
+        previous receive has ended."""
         assert isinstance(engine, CollectiveEngine)
         layout: BucketLayout = [[(t.name, t.dtype, t.shape) for t in b.tensors] for b in manifest.buckets]
-        task = asyncio.create_task(engine.receive_collective(rendezvous, 1, layout))
+        receive = engine.receive_collective(rendezvous, rendezvous.first_rank, layout)
+        task = asyncio.create_task(_after(self._last, receive))
         task.add_done_callback(_retrieve)
+        self._last = task
         return task
 
     async def finish(self, task: asyncio.Task[None], rendezvous: Rendezvous) -> None:
@@ -140,6 +161,17 @@ class GlooReceiver(CollectiveReceiver):
 @register("nccl")
 class NcclReceiver(CollectiveReceiver):
     """`nccl` (GPUs; received into device buffers): see `CollectiveReceiver`."""
+
+
+async def _after(previous: asyncio.Task[None] | None, receive: Coroutine[Any, Any, None]) -> None:
+    """Runs `receive` once `previous` (an earlier sync's receive, maybe still running out) has ended."""
+    try:
+        if previous is not None and not previous.done():
+            await asyncio.wait({previous})
+    except BaseException:
+        receive.close()  # cancelled before it started (server shutdown)
+        raise
+    await receive
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

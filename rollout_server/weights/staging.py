@@ -1,9 +1,11 @@
-"""Weight-sync staging: begin → buckets → commit (or abort / timeout), applied all or nothing.
+"""Weight-sync staging: begin → buckets → [prepare] → commit (or abort / timeout), applied all or nothing.
 
 One sync is staged at a time; a new `begin` supersedes (discards) a staged one, so a learner that died
 mid-sync never blocks the next. Every phase runs under one lock, so a commit never races a bucket. Any
 rejected bucket or commit discards the staged sync: nothing reaches the engine until every bucket has
-arrived and matched the manifest, and the engine's `apply_update` is itself all or nothing.
+arrived and matched the manifest, and the engine's `apply_update` is itself all or nothing. `prepare` answers once
+every bucket is in (a collective sync: once its receive has finished), so that a learner with several servers
+commits none of them before all hold the update.
 
 Every staged bucket is a FILE, never bytes in the server's heap: an HTTP body streams into a file of the
 server's private pool directory (on `/dev/shm`; after a committed sync its files are kept and overwritten by
@@ -64,6 +66,7 @@ from shared_schemas.sync import (
     SyncBeginResponse,
     SyncCommitResponse,
     SyncManifest,
+    SyncPrepareResponse,
 )
 
 logger = logging.getLogger(__name__)
@@ -166,8 +169,9 @@ class SyncStaging:
     def _finish(self, pending: _Pending, *, outcome: str, stages: dict[str, float] | None = None) -> None:
         """Ends a sync: removes its files (after a commit its pool files become the spares) and reports its
         `outcome` (`committed`, `rejected`, `aborted`, `expired`, `superseded`, `failed`, `closed`).
-        A collective receive still running is cancelled here (its engine drops the group when the learner's
-        side goes quiet past the group's timeout; the next sync joins a new one)."""
+        A collective receive still running is left to run out (a thread blocked in a broadcast cannot be
+        interrupted; its engine drops the group when the learner's side stays quiet past the group's timeout, and
+        the next sync's receive starts after it: `CollectiveReceiver.start`); it is cancelled only at shutdown."""
         recycle = outcome == "committed"
         if self._on_finish is not None and outcome != "closed":
             extra = {"stages": stages} if stages is not None else {}
@@ -179,7 +183,7 @@ class SyncStaging:
                 seconds=self._clock() - pending.began,
                 **extra,
             )
-        if pending.receiving is not None and not pending.receiving.done():
+        if outcome == "closed" and pending.receiving is not None and not pending.receiving.done():
             pending.receiving.cancel()
         if pending.dir is not None:
             shutil.rmtree(pending.dir, ignore_errors=True)
@@ -264,11 +268,22 @@ class SyncStaging:
                 collective=rendezvous,
             )
             joining = False
+            receivers = 0
             if rendezvous is not None:
                 assert isinstance(engine, CollectiveEngine)
                 joining = not engine.holds_group(rendezvous.group)
+                receivers = engine.collective_ranks
                 assert receiver is not None
                 pending.receiving = receiver.start(engine, rendezvous, manifest)
+                logger.info(
+                    "sync receives over %s group %s as ranks %d..%d of %d (%s)",
+                    rendezvous.backend,
+                    rendezvous.group,
+                    rendezvous.first_rank,
+                    rendezvous.first_rank + receivers - 1,
+                    rendezvous.world_size,
+                    "joining" if joining else "joined before",
+                )
             self._pending = pending
             logger.info(
                 "sync %s begun: mode %s, version %d, %d buckets, %d tensors, %.1f MiB",
@@ -284,7 +299,7 @@ class SyncStaging:
                 current_version=engine.weight_version,
                 num_buckets=len(manifest.buckets),
                 expires_in_s=timeout_s,
-                collective_ranks=rendezvous.world_size - 1 if rendezvous else 0,
+                collective_ranks=receivers,
                 collective_joining=joining,
             )
 
@@ -387,6 +402,56 @@ class SyncStaging:
             expected=len(pending.manifest.buckets),
         )
 
+    async def prepare(self, sync_id: str) -> SyncPrepareResponse:
+        """Answers once the staged sync holds every bucket, so that the commit will only apply: a collective
+        sync waits (bounded by the group's timeout, outside the lock: an abort goes through meanwhile) for its
+        receive to finish. A learner with several servers prepares every one before it commits any.
+
+        Raises:
+            SyncValidationError: the receive failed or timed out (`collective_failed`; the sync is discarded), or
+                HTTP/shm buckets are missing (`missing_bucket`; the sync stays staged).
+            UnknownSyncError: no such sync (or it was aborted or superseded while waiting).
+        """
+        started = time.perf_counter()
+        async with self._lock:
+            pending = self._get(sync_id)
+            task = pending.receiving
+        if task is not None and pending.collective is not None:
+            await asyncio.wait({task}, timeout=pending.collective.timeout_s)
+        async with self._lock:
+            self._get(sync_id)  # 404 when it was aborted, superseded or timed out meanwhile
+            if task is not None and pending.collective is not None:
+                reason = None
+                if not task.done():
+                    reason = f"not every broadcast arrived within {pending.collective.timeout_s:.0f} s"
+                elif task.cancelled():
+                    reason = "the receive was cancelled"
+                elif task.exception() is not None:
+                    reason = str(task.exception())
+                if reason is not None:
+                    self._discard(pending, f"receive failed at prepare ({reason})", "failed")
+                    raise _collective_failed(pending, reason)
+                pending.receive_s = time.perf_counter() - started
+            missing = self._missing(pending)
+            if missing:
+                raise SyncValidationError(
+                    f"sync {sync_id} is missing buckets {missing[:10]} of {len(pending.manifest.buckets)}; send"
+                    " them before the commit",
+                    type="missing_bucket",
+                    detail={"missing": missing[:100]},
+                )
+            return SyncPrepareResponse(
+                sync_id=sync_id,
+                received=len(pending.manifest.buckets),
+                receive_s=time.perf_counter() - started,
+            )
+
+    def _missing(self, pending: _Pending) -> list[int]:
+        """Manifest buckets not received yet (none for a collective sync: its receive brings them all)."""
+        if pending.collective is not None:
+            return []
+        return [i for i in range(len(pending.manifest.buckets)) if i not in pending.buckets]
+
     async def commit(self, sync_id: str, engine: Engine) -> SyncCommitResponse:
         """Applies a complete sync through `engine.apply_update`; any failure discards it."""
         async with self._lock:
@@ -396,11 +461,7 @@ class SyncStaging:
             self._pending = None
             if pending.receiving is not None:
                 await self._await_receive(pending)
-            missing = [
-                i
-                for i in range(len(manifest.buckets))
-                if i not in pending.buckets and pending.collective is None
-            ]
+            missing = self._missing(pending)
             if missing:
                 self._finish(pending, outcome="rejected")
                 logger.warning("sync %s discarded at commit: buckets %s missing", sync_id, missing)
@@ -479,12 +540,9 @@ class SyncStaging:
                 if isinstance(exc, TimeoutError)
                 else str(exc)
             )
-            raise SyncValidationError(
-                f"sync {pending.sync_id}: receiving over the {pending.collective.backend} group failed ({reason});"
-                " nothing applied, begin again",
-                type="collective_failed",
-            ) from exc
-        pending.receive_s = time.perf_counter() - started
+            raise _collective_failed(pending, reason) from exc
+        if not pending.receive_s:  # already measured by the prepare, which waited for it
+            pending.receive_s = time.perf_counter() - started
 
     async def abort(self, sync_id: str) -> SyncAbortResponse:
         """Discards the staged sync `sync_id`; aborting an unknown id is not an error."""
@@ -494,6 +552,15 @@ class SyncStaging:
                 self._discard(pending, "aborted by the client", "aborted")
                 return SyncAbortResponse(sync_id=sync_id, aborted=True)
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
+
+
+def _collective_failed(pending: _Pending, reason: str) -> SyncValidationError:
+    assert pending.collective is not None
+    return SyncValidationError(
+        f"sync {pending.sync_id}: receiving over the {pending.collective.backend} group failed ({reason});"
+        " nothing applied, begin again",
+        type="collective_failed",
+    )
 
 
 def _staging_stages(pending: _Pending, stages: dict[str, float]) -> dict[str, float]:

@@ -8,7 +8,9 @@ throw-away HF-backend server (no second vLLM engine) that it kills.
   like the seed-1 model;
 - an adapter sync against a LoRA-less server raises `SyncRejected`, and the policy falls back to full once
   (the merged LoRA weights are then served);
-- killing a server makes the next `infer` fail fast, naming that server (no hang).
+- killing a server makes the next `infer` fail fast, naming that server (no hang); killing one of three
+  servers in the middle of a gloo sync fails the sync naming it, and no other server commits;
+- a gloo sync reaches two or three servers (vLLM and HF engines) through ONE group, one broadcast per bucket.
 
 Every test leaves the shared server serving the seed-0 weights it started with.
 """
@@ -25,7 +27,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from learner.rollout.base import SyncRejected, WeightUpdate
+from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.client import InferFailed, ServerRolloutSource
 from learner.weights.export import adapter_state
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
@@ -165,9 +167,19 @@ def test_adapter_sync_rejected_then_policy_falls_back_to_full(
             restore_seed0(source, tiny_model_dir)
 
 
+@pytest.mark.parametrize("during", ["infer", "gloo_sync"])
 def test_killed_server_fails_fast_naming_it(
-    vllm_server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+    vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path, during: str
 ) -> None:
+    """`infer`: the next rollout fails fast naming the killed server. `gloo_sync`: three servers in one gloo
+    group (vLLM, the doomed HF server, another HF server); the doomed one is SIGKILLed before the learner's third
+    bucket of a seed-1 sync: the sync fails within the group's timeout naming it, neither other server commits
+    (both still serve the seed-0 weights at their old version), a retry through the same source fails at once
+    naming it again (the documented policy: the run stops), and a source over the two survivors (the dead server
+    removed from rollout.servers) forms a new group and syncs."""
+    if during == "gloo_sync":
+        killed_mid_gloo_sync(vllm_server, tiny_model_dir, tiny_model_dir_seed1, tmp_path)
+        return
     doomed = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
     infer_timeout_s = 30.0
     try:
@@ -187,32 +199,116 @@ def test_killed_server_fails_fast_naming_it(
     assert info.value.indices == [2]  # 3 requests over 2 servers: the second server held index 2
 
 
-def test_gloo_sync_reaches_a_vllm_and_an_hf_server_at_once(
+def killed_mid_gloo_sync(
     vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path
 ) -> None:
-    """One group per server, both fed by the same broadcasts: the vLLM workers (vLLM's weight-transfer engine)
-    and the HF engine (in its process) receive, stage and serve the seed-1 weights; the restore reuses both
-    groups."""
-    seed1 = load_lm(tiny_model_dir_seed1)
-    hf_server = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
+    from learner.rollout.collective import CollectiveSender
+
+    seed0, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
+    doomed = start_server(tiny_model_dir, tmp_path / "doomed", backend="hf", max_model_len=512)
+    other = start_server(tiny_model_dir, tmp_path / "other", backend="hf", max_model_len=512)
+    timeout_s = 5.0
+    urls = [vllm_server.base_url, doomed.base_url, other.base_url]
+    survivors = [vllm_server.base_url, other.base_url]
     try:
         with ServerRolloutSource(
-            [vllm_server.base_url, hf_server.base_url], timeout_s=30, transport="gloo", bucket_mb=0.1
+            urls, timeout_s=10, transport="gloo", bucket_mb=0.1, collective_timeout_s=timeout_s
         ) as source:
+            policy = WeightSyncPolicy(SyncConfig(transport="gloo"))
+            policy.maybe_sync(seed0, 0, source)  # forms the group of 4 ranks; serves what it served
+            assert source.last_sync_stages["collective_world_size"] == 4.0
+            versions = {url: _health_of(url).weight_version for url in urls}
+            assert set(versions.values()) == {policy.version}
+            broadcast = CollectiveSender.broadcast
+
+            def kill_before_bucket_2(sender: CollectiveSender, flat: torch.Tensor, index: int) -> None:
+                if index == 2:
+                    doomed.kill()
+                broadcast(sender, flat, index)
+
+            CollectiveSender.broadcast = kill_before_bucket_2  # type: ignore[method-assign]
+            try:
+                started = time.monotonic()
+                with pytest.raises(SyncError) as info:
+                    policy.maybe_sync(seed1, 1, source)
+                elapsed = time.monotonic() - started
+            finally:
+                CollectiveSender.broadcast = broadcast  # type: ignore[method-assign]
+            assert f"rollout server {doomed.base_url} no longer answers" in str(info.value)
+            assert "No server applied this sync" in str(info.value)
+            # The broadcast or the prepare round is bounded by the timeout, plus the health probe.
+            assert elapsed < 2 * timeout_s + 15, elapsed
+            assert {url: _health_of(url).weight_version for url in survivors} == {
+                url: versions[url] for url in survivors
+            }, "a server committed a sync another server did not receive"
+            with pytest.raises(
+                SyncError, match=doomed.base_url
+            ):  # the same fleet: its group is not re-formed
+                policy.maybe_sync(seed1, 2, source)
+        with ServerRolloutSource(
+            survivors, timeout_s=10, transport="gloo", bucket_mb=0.1, collective_timeout_s=4 * timeout_s
+        ) as source:
+            after_failure = rollout(source)  # request 2 runs on the HF survivor
+            assert same_model(after_failure, reference(seed0, after_failure)), "old weights everywhere"
+            WeightSyncPolicy(SyncConfig(transport="gloo")).maybe_sync(seed0, 0, source)
+            assert (
+                source.last_sync_stages["collective_world_size"] == 3.0
+            )  # a new group without the dead server
+            assert len({_health_of(url).weight_version for url in survivors}) == 1
+            assert same_model(rollout(source), after_failure, atol=0.0)
+    finally:
+        doomed.stop()
+        other.stop()
+
+
+@pytest.mark.parametrize("fleet", ["vllm+hf", "hf+hf", "hf+hf+hf"])
+def test_gloo_sync_reaches_every_server_through_one_group(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    tiny_model_dir_seed1: Path,
+    tmp_path: Path,
+    fleet: str,
+) -> None:
+    """ONE gloo group over every server (world size 1 + every receiver), each bucket one broadcast: the vLLM
+    workers (vLLM's weight-transfer engine) and the HF engines (in their processes) receive, stage and serve the
+    seed-1 weights, every server commits the same version exactly once, and the fleet answers like one server
+    holding the same weights (the ordered chunking: each request keeps its own seed wherever its chunk runs).
+    The restore reuses the group."""
+    seed1 = load_lm(tiny_model_dir_seed1)
+    kinds = fleet.split("+")
+    vllm = request.getfixturevalue("vllm_server") if "vllm" in kinds else None
+    started = [
+        start_server(tiny_model_dir, tmp_path / f"hf{i}", backend="hf", max_model_len=512)
+        for i in range(kinds.count("hf"))
+    ]
+    urls = ([vllm.base_url] if vllm is not None else []) + [s.base_url for s in started]
+    try:
+        with ServerRolloutSource(urls, timeout_s=30, transport="gloo", bucket_mb=0.1) as source:
+            before = {url: _health_of(url).weight_version for url in urls}
             policy = WeightSyncPolicy(SyncConfig(transport="gloo"))
             try:
                 policy.maybe_sync(seed1, 0, source)
-                assert {
-                    h.weight_version for h in map(_health_of, [vllm_server.base_url, hf_server.base_url])
-                } == {policy.version}
-                after = rollout(source)  # request 2 runs on the HF server
+                assert policy.version == max(before.values()) + 1
+                assert {url: _health_of(url).weight_version for url in urls} == dict.fromkeys(
+                    urls, policy.version
+                )
+                assert source.last_sync_stages["collective_world_size"] == 1 + len(urls)  # 1 receiver each
+                group = source._transport.sender.fleet.token  # type: ignore[attr-defined]
+                after = rollout(source)  # 3 requests chunked in order over the servers
                 assert same_model(after, reference(seed1, after))
-                assert "server_workers_receive_s" in source.last_sync_stages
+                with ServerRolloutSource(
+                    urls[-1:], timeout_s=30
+                ) as single:  # one HF server, the same weights
+                    assert same_model(rollout(single), after, atol=0.0 if vllm is None else 1e-4)
+                if vllm is not None:
+                    assert "server_workers_receive_s" in source.last_sync_stages
             finally:
                 restore_seed0(source, tiny_model_dir, "gloo")
+            assert source._transport.sender.fleet.token == group  # type: ignore[attr-defined]  # reused
             assert same_model(rollout(source), reference(load_lm(tiny_model_dir), after))
     finally:
-        hf_server.stop()
+        for server in started:
+            server.stop()
 
 
 def _health_of(base_url: str) -> Health:

@@ -230,7 +230,11 @@ def test_collective_sync_whose_learner_goes_silent_changes_nothing(
     manifest = SyncManifest.model_validate({"mode": "full", "version": version + 1, "buckets": buckets})
     sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=3.0)
     with RolloutClient(vllm_server.base_url, timeout_s=60) as client:
-        begin = client.sync_begin(manifest, collective=sender.spec(client.base_url))
+        ranks = client.health().collective_ranks
+        assert ranks == 1  # one worker (TP 1, DP 1)
+        (spec,) = sender.specs([client.base_url], [ranks])
+        assert (spec.world_size, spec.rank_offset) == (2, 1)
+        begin = client.sync_begin(manifest, collective=spec)
         assert begin.collective_ranks == 1 and begin.collective_joining
         refused = httpx.put(
             f"{vllm_server.base_url}/sync_weights/{begin.sync_id}/buckets/0", content=blobs[0], timeout=30
@@ -238,7 +242,7 @@ def test_collective_sync_whose_learner_goes_silent_changes_nothing(
         assert refused.status_code == 409 and refused.json()["error"]["type"] == "collective_sync"
         sender.connect([client.base_url], [begin])
         parts = _parts(blobs[0])
-        sender.broadcast([client.base_url], flat_bucket(parts, manifest.buckets[0].nbytes), 0)
+        sender.broadcast(flat_bucket(parts, manifest.buckets[0].nbytes), 0)
         with pytest.raises(ServerError) as failed:  # buckets 1.. never come
             client.sync_commit(begin.sync_id)
         assert failed.value.type == "collective_failed" and "gloo" in str(failed.value)
@@ -247,11 +251,11 @@ def test_collective_sync_whose_learner_goes_silent_changes_nothing(
         sender.close()
 
         sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=30.0)
-        begin = client.sync_begin(manifest, collective=sender.spec(client.base_url))
+        begin = client.sync_begin(manifest, collective=sender.specs([client.base_url], [ranks])[0])
         assert begin.collective_joining, "the failed group was dropped: a new one is formed"
         sender.connect([client.base_url], [begin])
         for spec, blob in zip(manifest.buckets, blobs, strict=True):
-            sender.broadcast([client.base_url], flat_bucket(_parts(blob), spec.nbytes), spec.index)
+            sender.broadcast(flat_bucket(_parts(blob), spec.nbytes), spec.index)
         committed = client.sync_commit(begin.sync_id)
         sender.close()
     assert committed.weight_version == version + 1 and "workers_receive_s" in committed.stages

@@ -57,3 +57,29 @@ def test_bench_logits_vlm_smoke_image_segments() -> None:
     steps = [line for line in lines if "mode" in line]
     assert steps and all(line["model"] == "qwen3_vl" for line in steps)
     assert steps[0]["image_tokens_per_segment"][1] > steps[0]["image_tokens_per_segment"][0] > 0
+
+
+def test_bench_sync_fleet_cpu_check_one_group_over_two_servers() -> None:
+    """`bench_sync.py --gpu --servers N` (the N+1 GPU topology) in its CPU variant: gloo, two HF servers, the
+    raw broadcasts to 2 and 3 ranks, syncs to 1 then 2 servers through one group, every server serving each
+    sync's version once."""
+    lines = run_bench(
+        "bench_sync.py", "--gpu", "--cpu-check", "--servers", "2", "--models", "tiny", "--repeats", "1",
+        "--bucket-mb", "1", "--prompts", "2",
+    )  # fmt: skip
+    assert not [line for line in lines if line["measure"] == "error"], lines
+    raw = [line for line in lines if line["measure"] == "ceiling_raw_gloo_broadcast"]
+    assert [line["world_size"] for line in raw] == [2, 3] and all(line["received_ok"] for line in raw)
+    syncs = [line for line in lines if line["measure"] == "fleet_sync"]
+    assert [(line["servers"], line["stages"]["collective_world_size"]) for line in syncs] == [
+        (1, 2.0),
+        (2, 3.0),
+    ]
+    for line in syncs:
+        assert all(
+            served == [version] * line["servers"]
+            for version, served in line["sync_version_and_served_versions"]
+        )
+        assert line["effect_after_sync"]["max_gap_nats"] < 0.05
+    (scaling,) = [line for line in lines if line["measure"] == "fleet_scaling"]
+    assert scaling["sync_seconds_2"] > 0

@@ -83,11 +83,15 @@ def test_network_and_loopback_bind(compose: dict) -> None:
         assert "ports" not in compose["services"]["rollout-server"]
 
 
-def test_shared_shm_volume(compose: dict) -> None:
+def test_shared_shm_volume_and_the_sync_transport(compose: dict) -> None:
     cfg_path = _default_config(compose)
     server = load_server_config(cfg_path, overrides={"model": str(REPO)})
     run = load_run_config(cfg_path, overrides={"model": {"path": str(REPO)}})
-    assert run.rollout.sync.transport == "shm" and server.shm_dir == run.rollout.sync.shm_dir
+    assert run.rollout.sync.transport in ("shm", "nccl")
+    if run.rollout.sync.transport == "shm":
+        assert server.shm_dir == run.rollout.sync.shm_dir
+    else:  # nccl between the two containers: one IPC namespace for NCCL's GPU-to-GPU and shared-memory paths
+        assert all(s.get("ipc") == "host" for s in compose["services"].values())
     for name, service in compose["services"].items():
         mounts = dict(v.split(":")[:2] for v in service["volumes"])
         assert mounts.get("rollmatch-shm") == server.shm_dir, name

@@ -87,9 +87,11 @@ def test_server_3v1_template(tiny_model_dir: Path) -> None:
     assert not server.vllm.enable_lora
     # One learner entry per server process, pointing at the server's own address.
     assert [s.base_url for s in run.rollout.servers] == [f"http://{server.host}:{server.port}"]
-    assert run.rollout.sync.transport == "shm" and run.rollout.sync.shm_dir == server.shm_dir
+    # One nccl group: the learner + every engine's worker (DP 3 x TP 1), all on this node (loopback address).
+    assert run.rollout.sync.transport == "nccl" and run.rollout.sync.collective_address is None
+    assert server.sync_staging == "auto" and run.rollout.sync.collective_timeout_s <= server.sync_timeout_s
     assert run.stage2.encode.global_max_length <= server.vllm.max_model_len
-    assert run.rollout.sync.bucket_mb <= server.max_body_mb
+    assert run.rollout.sync.bucket_mb <= server.max_body_mb  # adapter syncs go over HTTP
     # Both sides load the same checkpoint (one YAML anchor), so prompt ids agree.
     raw = load_yaml_with_extends(SERVER_3V1)
     assert raw["model"]["path"] == raw["server"]["model"]

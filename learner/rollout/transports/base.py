@@ -5,9 +5,11 @@ A transport moves a full or adapter sync's buckets from the learner to every ser
 It answers four questions, one method each (the shape of vLLM's `distributed/weight_transfer` engines, sender
 side: init info, then send):
 
-- `rendezvous(url)`: what the server's `begin` must carry (a collective group to join; None otherwise);
-- `joined(urls, begins)`: what to do once every server has answered its `begin` (form the groups);
-- `send(sessions, manifest, items, stages)`: move every bucket, in manifest order;
+- `rendezvous(clients)`: what each server's `begin` must carry (its part of the collective group; None
+  otherwise);
+- `joined(sessions)`: what to do once every server has answered its `begin` (form the group);
+- `send(sessions, manifest, items, stages)`: move every bucket, in manifest order (a collective transport also
+  waits until every server holds every bucket, so that no server commits unless all can);
 - `failed(urls)` / `close()`: forget per-server state after a failure, release everything at the end.
 
 Implementations register under their configuration name (`register`); `build_transport(name, ...)` makes one.
@@ -29,10 +31,10 @@ import torch
 
 from learner.rollout.sync_stream import BucketParts, bucket_payloads, prefetched
 from shared_schemas.registry import registrar
-from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncBeginResponse, SyncManifest
+from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.server_api import SyncSession
+    from learner.rollout.server_api import RolloutClient, SyncSession
 
 __all__ = ["TRANSPORTS", "Transport", "TransportOptions", "build_transport", "register"]
 
@@ -68,11 +70,16 @@ class Transport:
     def __init__(self, options: TransportOptions) -> None:
         self.options = options
 
-    def rendezvous(self, url: str) -> CollectiveSpec | None:
-        """The collective group `url`'s begin carries (None: buckets come over HTTP/shm)."""
-        return None
+    def rendezvous(self, clients: Sequence[RolloutClient]) -> list[CollectiveSpec | None]:
+        """The collective group each server's begin carries, in `clients` order (None: buckets come over
+        HTTP/shm).
 
-    def joined(self, urls: Sequence[str], begins: Sequence[SyncBeginResponse]) -> None:
+        Raises:
+            SyncError / ServerUnreachable / ServerError: the group could not be planned (names the server).
+        """
+        return [None] * len(clients)
+
+    def joined(self, sessions: Sequence[SyncSession]) -> None:
         """Called once every server has answered its begin."""
 
     def send(

@@ -1,22 +1,30 @@
 """The weight-sync transports behind one interface (`learner.rollout.transports`): the registry, the nccl
 transport's device packing (double buffer, in-place single tensors, the one host wait at the end) exercised on
-CPU tensors with a fake group, and the policy's seed-plan line."""
+CPU tensors with a fake group, the policy's seed-plan line, and the ONE gloo group over every server (real gloo,
+each fake server's receivers on threads of this process): ranks, one broadcast per bucket, the prepare round
+before any commit, a dead server named and no server committing."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
-from learner.rollout.base import SyncError
+from learner.rollout.base import SyncError, WeightUpdate
 from learner.rollout.transports import TRANSPORTS, Transport, TransportOptions, build_transport, register
 from learner.rollout.transports import collective as collective_transport
 from learner.rollout.transports.collective import DeviceBucketPacker, NcclTransport
+from rollout_server.engines.collective import open_receiver_group, receive_buckets
 from shared_schemas.buckets import plan_buckets
-from shared_schemas.sync import SyncManifest, TensorSpec
+from shared_schemas.sync import CollectiveSpec, SyncBeginRequest, SyncBeginResponse, SyncManifest, TensorSpec
+from tests.unit.learner.test_client import URLS, Cluster, FakeServer, envelope, weights
 
 CPU = torch.device("cpu")
 
@@ -91,17 +99,25 @@ def test_packer_sends_a_lone_contiguous_tensor_in_place() -> None:
 
 
 class FakeSender:
+    """One group over every server: one broadcast (one work) per bucket."""
+
+    fleet = None
+
     def __init__(self) -> None:
         self.sent: list[tuple[int, bytes]] = []
         self.log: list[str] = []
         self.finished: list[int] = []
 
-    def start_broadcast(self, urls: Any, flat: torch.Tensor, index: int) -> list[FakeWork]:
+    def start_broadcast(self, flat: torch.Tensor, index: int) -> list[FakeWork]:
         self.sent.append((index, bytes(flat.numpy().tobytes())))
         return [FakeWork(self.log, f"b{index}")]
 
-    def finish(self, urls: Any, works: Any, index: int) -> None:
+    def finish(self, works: Any, index: int) -> None:
+        assert len(works) == 1
         self.finished.append(index)
+
+    def drop(self) -> None:
+        pass
 
 
 def nccl_on_cpu(monkeypatch: pytest.MonkeyPatch) -> tuple[NcclTransport, FakeSender]:
@@ -166,3 +182,218 @@ def test_sync_report_names_collective_transports() -> None:
         "nccl",
         "in_process",
     }
+
+
+# -- one weight-sync group over every server (gloo, receivers on threads of this process) ---------------------
+
+
+class CollectiveServer(FakeServer):
+    """A fake server whose `ranks` receivers are threads of this process in the learner's real gloo group: they
+    join at the begin's ranks, receive every broadcast (the server's `receive_buckets`), and the prepare waits
+    for them; `dead` refuses every connection from then on (a crashed server)."""
+
+    def __init__(self, url: str, ranks: int) -> None:
+        super().__init__(url)
+        self.ranks = ranks
+        self.specs: list[CollectiveSpec] = []
+        self.token: str | None = None
+        self.groups: list[Any] = []
+        self.threads: list[threading.Thread] = []
+        self.received: list[dict[str, torch.Tensor] | Exception] = []
+        self.dead = False
+        self.stop_after: int | None = None  # receivers go silent after this many buckets (the server hangs)
+
+    def health(self) -> dict:
+        return super().health() | {"collective_ranks": self.ranks}
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        path = request.url.path
+        if path == "/sync_weights/begin":
+            body = SyncBeginRequest.model_validate_json(request.content)
+            if body.collective is not None:
+                self.routes.append(f"{request.method} {path}")
+                return self.begin_collective(body)
+        if path == "/sync_weights/prepare":
+            self.routes.append(f"{request.method} {path}")
+            for thread in self.threads:
+                thread.join(10)
+            failed = [r for r in self.received if isinstance(r, Exception)]
+            if failed or len(self.received) < self.ranks:
+                return envelope(400, "collective_failed", f"receiving failed ({failed[:1]})")
+            return httpx.Response(200, json={"sync_id": "ab" * 8, "received": 1, "receive_s": 0.0})
+        if path == "/sync_weights/commit":
+            self.buckets = {}  # the weights came over the group: `received`
+        return super().handle(request)
+
+    def begin_collective(self, body: SyncBeginRequest) -> httpx.Response:
+        spec = body.collective
+        assert spec is not None
+        self.manifest = body.manifest
+        self.specs.append(spec)
+        joining = self.token != spec.group
+        world = spec.world_size if spec.world_size is not None else 1 + self.ranks
+        rendezvous = SimpleNamespace(**(spec.model_dump() | {"world_size": world}))
+        layout = [[(t.name, t.dtype, t.shape) for t in b.tensors] for b in body.manifest.buckets]
+        if joining:
+            self.token, self.groups = spec.group, [None] * self.ranks
+        self.received = []
+        stop = self.stop_after
+
+        def receive(k: int) -> None:
+            try:
+                if self.groups[k] is None:
+                    self.groups[k] = open_receiver_group(rendezvous, spec.rank_offset + k)
+                result = receive_buckets(
+                    self.groups[k], layout[:stop], device="cpu", timeout_s=spec.timeout_s
+                )
+                if stop is not None:
+                    raise RuntimeError("went silent")
+                self.received.append({n: t.clone() for n, t in result.tensors})
+            except Exception as exc:
+                self.received.append(exc)
+
+        self.threads = [threading.Thread(target=receive, args=(k,), daemon=True) for k in range(self.ranks)]
+        for thread in self.threads:
+            thread.start()
+        return httpx.Response(
+            200,
+            json={"sync_id": "ab" * 8, "current_version": self.weight_version, "num_buckets": len(layout),
+                  "expires_in_s": 60, "collective_ranks": self.ranks, "collective_joining": joining},
+        )  # fmt: skip
+
+
+def collective_cluster(ranks: list[int]) -> Cluster:
+    cluster = Cluster(0)
+    cluster.servers = {URLS[i]: CollectiveServer(URLS[i], n) for i, n in enumerate(ranks)}
+    return cluster
+
+
+def counting(group: Any, calls: list[int]) -> Any:
+    """`group` with its broadcasts counted."""
+
+    class Counted:
+        counted = True
+
+        def broadcast(self, *args: Any) -> Any:
+            calls.append(args[0].numel())
+            return group.broadcast(*args)
+
+    return Counted()
+
+
+def test_one_gloo_group_spans_every_server_and_each_bucket_is_one_broadcast() -> None:
+    cluster = collective_cluster([1, 2, 1])
+    tensors = weights()
+    calls: list[int] = []
+    with cluster.source(transport="gloo", bucket_mb=0.005, collective_timeout_s=20) as source:
+        transport = source._transport
+        assert isinstance(transport, collective_transport._Collective)
+        connect = transport.sender.connect
+
+        def connect_and_count(urls: Any, begins: Any) -> None:
+            connect(urls, begins)
+            fleet = transport.sender.fleet
+            if not getattr(fleet.group, "counted", False):
+                fleet.group = counting(fleet.group, calls)
+
+        transport.sender.connect = connect_and_count  # type: ignore[method-assign]
+        source.sync_weights(WeightUpdate(mode="full", version=1, tensors=tensors))
+        buckets = len(cluster[0].manifest.buckets)
+        assert buckets >= 3 and len(calls) == buckets  # ONE broadcast per bucket, not one per server
+        assert source.last_sync_stages["collective_world_size"] == 5.0
+        # Ranks in server order: learner 0, server 0 -> 1, server 1 -> 2..3, server 2 -> 4.
+        assert [(s.specs[0].world_size, s.specs[0].rank_offset) for s in cluster.servers.values()] == [
+            (5, 1), (5, 2), (5, 4)
+        ]  # fmt: skip
+        assert len({s.specs[0].group for s in cluster.servers.values()}) == 1
+        for server in cluster.servers.values():
+            assert len(server.received) == server.ranks
+            for got in server.received:
+                assert isinstance(got, dict) and all(torch.equal(got[n], t) for n, t in tensors.items())
+            # Every server confirmed every bucket before the first commit.
+            assert server.routes == ["GET /health", "POST /sync_weights/begin", "POST /sync_weights/prepare",
+                                     "POST /sync_weights/commit"]  # fmt: skip
+            assert server.weight_version == 1
+        # The next sync reuses the group: no /health round, the same token, the same ranks.
+        source.sync_weights(WeightUpdate(mode="full", version=2, tensors=tensors))
+        assert len(calls) == 2 * buckets
+        for server in cluster.servers.values():
+            assert server.specs[1] == server.specs[0] and server.routes.count("GET /health") == 1
+            assert server.weight_version == 2
+
+
+@pytest.mark.parametrize("when", ["before", "mid"])
+def test_a_dead_server_fails_the_sync_naming_it_and_no_server_commits(when: str) -> None:
+    """`before`: the server died between two syncs (its begin is refused). `mid`: it answered the begin, its
+    receivers went silent after the first bucket and the server stopped answering; the learner's prepare round
+    fails at once on it, and the other servers, whose receive may have finished, commit nothing."""
+    cluster = collective_cluster([1, 1, 1])
+    tensors = weights()
+    with cluster.source(transport="gloo", bucket_mb=0.005, collective_timeout_s=3) as source:
+        source.sync_weights(WeightUpdate(mode="full", version=1, tensors=tensors))
+        doomed = cluster[1]
+        if when == "before":
+            doomed.dead = True
+        else:
+            doomed.stop_after = 1
+            original = doomed.begin_collective
+
+            def begin_then_die(body: SyncBeginRequest) -> httpx.Response:
+                response = original(body)
+                threading.Timer(0.2, lambda: setattr(doomed, "dead", True)).start()
+                return response
+
+            doomed.begin_collective = begin_then_die  # type: ignore[method-assign]
+        started = time.monotonic()
+        with pytest.raises(SyncError) as info:
+            source.sync_weights(WeightUpdate(mode="full", version=2, tensors=tensors))
+        elapsed = time.monotonic() - started
+        assert transport_fleet(source) is None  # dropped: the next sync plans a new group
+    message = str(info.value)
+    if when == "before":  # the client's own message: its begin got no answer
+        assert f"to {doomed.url} failed" in message and "is it running?" in message
+    else:
+        assert f"rollout server {doomed.url} no longer answers" in message and "No server applied" in message
+    assert elapsed < 3 + 10, "bounded by rollout.sync.collective_timeout_s (+ the prepare margin)"
+    for server in (cluster[0], cluster[2]):
+        assert server.weight_version == 1, "no server commits a sync another server did not receive"
+        assert "POST /sync_weights/commit" not in server.routes[4:]  # routes 0-3: the first sync
+    assert (
+        cluster[0].routes[-1] == "POST /sync_weights/abort"
+    )  # (server 2 got no begin when server 1's failed)
+    if when == "mid":
+        assert cluster[2].routes[-1] == "POST /sync_weights/abort"
+
+
+def transport_fleet(source: Any) -> Any:
+    return source._transport.sender.fleet
+
+
+def test_sender_plans_ranks_and_refuses_servers_out_of_step() -> None:
+    from learner.rollout.collective import CollectiveSender
+
+    sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=5)
+    urls = URLS[:3]
+    specs = sender.specs(urls, [2, 1, 3])
+    assert [(s.world_size, s.rank_offset) for s in specs] == [(7, 1), (7, 3), (7, 4)]
+    assert sender.holds(urls) and not sender.holds(urls[:2])
+    assert sender.specs(urls) == specs  # planned: no counts needed, the same group
+    begin = {"sync_id": "ab" * 8, "current_version": 0, "num_buckets": 1, "expires_in_s": 9}
+    begins = [SyncBeginResponse(**begin, collective_ranks=n, collective_joining=True) for n in (2, 2, 3)]
+    with pytest.raises(SyncError, match=f"{URLS[1]} brings 2 weight-sync receivers, its /health said 1"):
+        sender.connect(urls, begins)
+    assert sender.fleet is None
+    sender.specs(urls, [2, 1, 3])
+    sender.fleet.group = object()  # type: ignore[union-attr]  # formed at an earlier sync
+    begins = [SyncBeginResponse(**begin, collective_ranks=n, collective_joining=False) for n in (2, 1, 3)]
+    begins[1] = SyncBeginResponse(**begin, collective_ranks=1, collective_joining=True)  # restarted
+    with pytest.raises(SyncError, match=f"{URLS[1]} no longer holds weight-sync group"):
+        sender.connect(urls, begins)
+    assert sender.fleet is None
+    with pytest.raises(ValueError, match="every server"):
+        sender.specs(urls, [2, None, 3])
+    # A lone server that does not report its receivers: its group is itself (the begin answer says how many).
+    (lone,) = sender.specs(urls[:1], [None])
+    assert lone.world_size is None and lone.rank_offset == 1

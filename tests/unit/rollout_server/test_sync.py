@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,8 @@ from fastapi.testclient import TestClient
 
 from rollout_server.app import create_app
 from rollout_server.config import ServerConfig
-from rollout_server.engines.base import AdapterUpdate, FullUpdate
+from rollout_server.engines.base import AdapterUpdate, FullUpdate, ReceivedUpdate, Rendezvous, StagedUpdate
+from rollout_server.errors import EngineError
 from rollout_server.weights.staging import STAGED_DIR_PREFIX, SyncStaging
 from shared_schemas.buckets import RawTensor, bucket_parts, encode_bucket, plan_buckets
 from shared_schemas.sync import TensorSpec
@@ -413,3 +418,166 @@ def test_collective_begin_is_validated_and_changes_nothing(
     if kind is not None:
         assert resp.json()["error"]["type"] == kind and "http or shm" in resp.json()["error"]["message"]
     assert engine.weight_version == 0 and client.app.state.server.staging.active_sync_id is None  # type: ignore[attr-defined]
+
+
+class CollectiveFake(FakeEngine):
+    """A fake engine with `ranks` weight-sync receivers: each receive is logged and waits for `release` (then
+    fails with `error` when set); a committed collective sync only moves the version."""
+
+    def __init__(self, ranks: int = 2) -> None:
+        super().__init__()
+        self.ranks = ranks
+        self.group: str | None = None
+        self.release = threading.Event()
+        self.error: str | None = None
+        self.log: list[tuple[str, int, int]] = []
+
+    @property
+    def collective_ranks(self) -> int:
+        return self.ranks
+
+    def holds_group(self, group: str) -> bool:
+        return self.group == group
+
+    async def receive_collective(self, rendezvous: Rendezvous, first_rank: int, buckets: Any) -> None:
+        self.log.append(("start", first_rank, rendezvous.world_size))
+        await asyncio.to_thread(self.release.wait, 10)
+        self.log.append(("end", first_rank, rendezvous.world_size))
+        if self.error:
+            self.group = None
+            raise EngineError(self.error)
+        self.group = rendezvous.group
+
+    async def apply_update(self, update: StagedUpdate) -> None:
+        if isinstance(update, ReceivedUpdate):
+            self.applied.append(update)
+            self.version = update.version
+            return
+        await super().apply_update(update)
+
+
+@pytest.fixture
+def collective_engine() -> CollectiveFake:
+    return CollectiveFake(ranks=2)
+
+
+@pytest.fixture
+def collective_client(cfg: ServerConfig, collective_engine: CollectiveFake) -> Iterator[TestClient]:
+    with TestClient(create_app(cfg, engine=collective_engine)) as test_client:
+        yield test_client
+
+
+def test_health_reports_the_weight_sync_receivers(collective_client: TestClient, client: TestClient) -> None:
+    assert collective_client.get("/health").json()["collective_ranks"] == 2
+    assert client.get("/health").json()["collective_ranks"] is None  # an engine that cannot receive
+
+
+@pytest.mark.parametrize(
+    ("ranks", "status", "kind"),
+    [
+        ({"world_size": 6, "rank_offset": 3}, 200, None),  # ranks 3..4 of 6: another server holds 1..2 and 5
+        ({}, 200, None),  # one server: ranks 1..2 of 3
+        ({"world_size": 6, "rank_offset": 5}, 400, "collective_ranks"),  # 2 receivers do not fit in 5..5
+        ({"world_size": 4, "rank_offset": 4}, 422, None),  # outside the group
+        ({"world_size": 1}, 422, None),
+        ({"rank_offset": 0}, 422, None),  # rank 0 is the learner
+    ],
+)
+def test_collective_begin_takes_the_ranks_the_learner_assigns(
+    collective_client: TestClient,
+    collective_engine: CollectiveFake,
+    ranks: dict,
+    status: int,
+    kind: str | None,
+) -> None:
+    resp = begin(collective_client, manifest_for(tensors(), 1), collective=COLLECTIVE | ranks)
+    assert resp.status_code == status, resp.text
+    if status != 200:
+        assert kind is None or error_type(resp) == kind
+        assert (
+            collective_engine.log == [] and collective_client.app.state.server.staging.active_sync_id is None
+        )  # type: ignore[attr-defined]
+        return
+    assert resp.json()["collective_ranks"] == 2 and resp.json()["collective_joining"]
+    first, world = ranks.get("rank_offset", 1), ranks.get("world_size", 3)
+    time.sleep(0.2)
+    assert collective_engine.log == [("start", first, world)]
+    collective_engine.release.set()
+
+
+def test_prepare_waits_for_the_receive_and_commit_then_only_applies(
+    collective_client: TestClient, collective_engine: CollectiveFake
+) -> None:
+    resp = begin(
+        collective_client,
+        manifest_for(tensors(), 1),
+        collective=COLLECTIVE | {"world_size": 5, "rank_offset": 2},
+    )
+    sync_id = resp.json()["sync_id"]
+    threading.Timer(0.5, collective_engine.release.set).start()
+    started = time.monotonic()
+    prepared = collective_client.post(f"{SYNC}/prepare", json={"sync_id": sync_id})
+    assert prepared.status_code == 200, prepared.text
+    assert time.monotonic() - started >= 0.4 and prepared.json()["received"] == len(
+        manifest_for(tensors(), 1)["buckets"]
+    )
+    assert collective_engine.version == 0, "prepare applies nothing"
+    committed = collective_client.post(f"{SYNC}/commit", json={"sync_id": sync_id})
+    assert committed.status_code == 200 and committed.json()["weight_version"] == 1
+    # A second sync names the same group: no new rendezvous.
+    again = begin(
+        collective_client,
+        manifest_for(tensors(), 2),
+        collective=COLLECTIVE | {"world_size": 5, "rank_offset": 2},
+    )
+    assert again.status_code == 200 and not again.json()["collective_joining"]
+    assert (
+        collective_client.post(f"{SYNC}/commit", json={"sync_id": again.json()["sync_id"]}).status_code == 200
+    )
+
+
+def test_prepare_of_a_failed_receive_discards_the_sync(
+    collective_client: TestClient, collective_engine: CollectiveFake
+) -> None:
+    collective_engine.error = "a peer of the group died"
+    collective_engine.release.set()
+    sync_id = begin(collective_client, manifest_for(tensors(), 1), collective=COLLECTIVE).json()["sync_id"]
+    prepared = collective_client.post(f"{SYNC}/prepare", json={"sync_id": sync_id})
+    assert prepared.status_code == 400 and error_type(prepared) == "collective_failed"
+    assert "a peer of the group died" in prepared.json()["error"]["message"]
+    assert collective_client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 404
+    assert collective_engine.version == 0
+
+
+def test_an_aborted_receive_runs_out_before_the_next_sync_receives(
+    collective_client: TestClient, collective_engine: CollectiveFake
+) -> None:
+    """A receive blocked in a broadcast cannot be interrupted: after an abort it runs out on its own, and the
+    next sync's receive starts only then (never two receives on the engine's group at once)."""
+    first = begin(collective_client, manifest_for(tensors(), 1), collective=COLLECTIVE).json()["sync_id"]
+    assert collective_client.post(f"{SYNC}/abort", json={"sync_id": first}).json()["aborted"]
+    second = begin(
+        collective_client, manifest_for(tensors(), 1), collective=COLLECTIVE | {"group": "ef56ab78"}
+    )
+    assert second.status_code == 200
+    time.sleep(0.2)
+    assert collective_engine.log == [("start", 1, 3)], "the second receive waits for the first"
+    collective_engine.release.set()
+    sync_id = second.json()["sync_id"]
+    assert collective_client.post(f"{SYNC}/prepare", json={"sync_id": sync_id}).status_code == 200
+    assert [event for event, _, _ in collective_engine.log] == ["start", "end", "start", "end"]
+    assert collective_client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).json()["weight_version"] == 1
+
+
+def test_prepare_of_an_http_sync_names_missing_buckets(client: TestClient) -> None:
+    items = tensors()
+    manifest = manifest_for(items, 1)
+    sync_id = begin(client, manifest).json()["sync_id"]
+    blobs = bucket_blobs(items, manifest)
+    assert client.put(f"{SYNC}/{sync_id}/buckets/0", content=blobs[0]).status_code == 200
+    missing = client.post(f"{SYNC}/prepare", json={"sync_id": sync_id})
+    assert missing.status_code == 400 and error_type(missing) == "missing_bucket"
+    for i, blob in enumerate(blobs[1:], 1):
+        assert client.put(f"{SYNC}/{sync_id}/buckets/{i}", content=blob).status_code == 200
+    assert client.post(f"{SYNC}/prepare", json={"sync_id": sync_id}).status_code == 200
+    assert client.post(f"{SYNC}/commit", json={"sync_id": sync_id}).status_code == 200
