@@ -377,17 +377,17 @@ def _kill_child(
     start_broadcast = CollectiveSender.start_broadcast
     broadcast = CollectiveSender.broadcast
 
-    def dying_start(self: Any, urls: Any, flat: Any, index: int) -> Any:
-        if index >= kill_at:
-            print(f"kill-child: exiting before bucket {index}", flush=True)
+    def dying_start(self: Any, *args: Any) -> Any:  # (..., flat, index): the bucket index comes last
+        if args[-1] >= kill_at:
+            print(f"kill-child: exiting before bucket {args[-1]}", flush=True)
             os._exit(9)
-        return start_broadcast(self, urls, flat, index)
+        return start_broadcast(self, *args)
 
-    def dying(self: Any, urls: Any, flat: Any, index: int) -> Any:
-        if index >= kill_at:
-            print(f"kill-child: exiting before bucket {index}", flush=True)
+    def dying(self: Any, *args: Any) -> Any:
+        if args[-1] >= kill_at:
+            print(f"kill-child: exiting before bucket {args[-1]}", flush=True)
             os._exit(9)
-        return broadcast(self, urls, flat, index)
+        return broadcast(self, *args)
 
     CollectiveSender.start_broadcast = dying_start  # type: ignore[method-assign]
     CollectiveSender.broadcast = dying  # type: ignore[method-assign]

