@@ -102,7 +102,7 @@ class VllmServerConfig(_Section):
     """Concurrent sequences per engine."""
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     """Tokens per engine step (null: vLLM's default; on CPU max(4096, max_model_len), and at least max_model_len
-    there, since the CPU server never prefills in chunks: see `engines/vllm_params.py`)."""
+    there, since the CPU server never prefills in chunks: see `engines/vllm/params.py`)."""
     kv_cache_space_gb: int | None = Field(default=None, ge=1)
     """CPU backend only: KV cache GiB (exported as `VLLM_CPU_KVCACHE_SPACE` by `__main__`/launcher)."""
     disable_custom_all_reduce: bool | None = None

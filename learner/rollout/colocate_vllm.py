@@ -184,7 +184,7 @@ class VllmColocateBackend:
             return cls(None, None, **kwargs)
         loop = LoopThread()
         try:
-            from rollout_server.engines.vllm import VllmEngine
+            from rollout_server.engines.vllm.engine import VllmEngine
 
             engine = loop.run(VllmEngine.from_config(server_cfg, env=env))
         except Exception as exc:

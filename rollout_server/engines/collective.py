@@ -1,6 +1,6 @@
 """Both ends of the collective weight transport (`rollout.sync.transport: gloo | nccl`): the ONE process-group
 builder (`process_group`, used by the learner's sender too) and the ONE receive function (`receive_buckets`,
-used by the HF engine in the server process and by every vLLM worker through `vllm_transfer`).
+used by the HF engine in the server process and by every vLLM worker through `vllm.transfer`).
 
 The learner's rank 0 and the receivers of EVERY server of the sync form ONE process group (learner = rank 0;
 each server's receivers — every TP worker of every DP engine — a block of ranks the learner assigns at `begin`:

@@ -28,7 +28,7 @@ def engine_constructor(cfg: ServerConfig) -> Callable[[ServerConfig], Any]:
     elif cfg.vllm.data_parallel_size > 1:
         module, name = "rollout_server.engines.group", "EngineGroup"
     else:
-        module, name = "rollout_server.engines.vllm", "VllmEngine"
+        module, name = "rollout_server.engines.vllm.engine", "VllmEngine"
     return getattr(importlib.import_module(module), name).from_config
 
 

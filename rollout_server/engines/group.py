@@ -113,7 +113,7 @@ class EngineGroup:
     @classmethod
     async def from_config(cls, cfg: ServerConfig) -> EngineGroup:
         """Starts `cfg.vllm.data_parallel_size` vLLM engines one after the other (each spawns its processes)."""
-        from rollout_server.engines.vllm import VllmEngine
+        from rollout_server.engines.vllm.engine import VllmEngine
 
         dp, tp = cfg.vllm.data_parallel_size, cfg.vllm.tensor_parallel_size
         envs = member_device_envs(dp, tp, _visible_devices(cfg))

@@ -6,12 +6,12 @@ weights and no request sees a mix.
 
 A causal LM loads as `AutoModelForCausalLM`; a vision-language checkpoint (Qwen-VL, `is_vl_checkpoint`) as
 `AutoModelForImageTextToText` with its `AutoProcessor`, and serves image prompts. A request is resolved and
-checked exactly as the vLLM engine does it (`vllm_inputs.resolve_prompt`: chat template, ms-swift `images`
+checked exactly as the vLLM engine does it (`vllm.inputs.resolve_prompt`: chat template, ms-swift `images`
 placed, one `<|image_pad|>` per image, the same 400s), then encoded by
 `hf_prompts.MessageEncoder.encode`, the encoder of the learner's teacher forcing and colocated HF engine: the
 processor expands each placeholder to the image's token count, so `prompt_token_ids` are the expanded ids
 (what vLLM returns, and what the learner's alignment check re-encodes). Images are decoded by
-`vllm_inputs.load_image` (an unreadable one is a 400 `bad_image`); `server.vllm.mm_processor_kwargs` go into
+`vllm.inputs.load_image` (an unreadable one is a 400 `bad_image`); `server.vllm.mm_processor_kwargs` go into
 every processor call, as vLLM passes them. The decode loop (`hf_decode`) takes each image prompt's vision
 tensors and M-RoPE positions as a `VisionRow`. Image prompts need `messages`: `prompt_token_ids` with
 `images` is a 400 `images_need_messages` here (the processor expands text, not ids; the vLLM backend takes
@@ -48,7 +48,7 @@ from rollout_server.engines.base import (
 from rollout_server.engines.collective import open_receiver_group, receive_buckets, retire_group
 from rollout_server.engines.hf_decode import RowOutput, VisionRow, decode_requests
 from rollout_server.engines.hf_prompts import MessageEncoder
-from rollout_server.engines.vllm_inputs import load_image, resolve_prompt
+from rollout_server.engines.vllm.inputs import load_image, resolve_prompt
 from rollout_server.errors import BadRequestError, EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.checkpoints import is_vl_checkpoint
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds

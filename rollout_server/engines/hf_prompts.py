@@ -20,7 +20,7 @@ prompt; what follows a prompt continues every row from ``max(prompt positions) +
 generating, `learner.stage2.packed_batch.segment_rope_positions` while training).
 
 Image references are decoded by `shared_schemas.images.load_image` (the server passes its wrapper
-`vllm_inputs.load_image`, which reports an unreadable image as a 400), so every side sees the same pixels.
+`vllm.inputs.load_image`, which reports an unreadable image as a 400), so every side sees the same pixels.
 """
 
 from __future__ import annotations

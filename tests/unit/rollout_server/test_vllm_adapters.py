@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from rollout_server.engines.base import AdapterUpdate
-from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
+from rollout_server.engines.vllm.adapters import AdapterStore, adapter_rank
 
 
 def _update(name: str, version: int) -> AdapterUpdate:

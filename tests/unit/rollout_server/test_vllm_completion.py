@@ -12,7 +12,7 @@ import pytest
 from vllm.exceptions import VLLMValidationError
 from vllm.logprobs import FlatLogprobs, Logprob
 
-from rollout_server.engines.vllm_completion import run_completion, sampled_logprobs, token_logprobs
+from rollout_server.engines.vllm.completion import run_completion, sampled_logprobs, token_logprobs
 from rollout_server.errors import BadRequestError, EngineError, PromptTooLongError
 from shared_schemas.infer import RepeatTerminateConfig
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_server.engines.vllm_guard import PrefixView, first_guard_cut
+from rollout_server.engines.vllm.guard import PrefixView, first_guard_cut
 from shared_schemas.infer import RepeatTerminateConfig
 from shared_schemas.repeat_guard import should_terminate
 

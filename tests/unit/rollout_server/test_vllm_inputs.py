@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from rollout_server.engines.base import encode_chat_prompt
-from rollout_server.engines.vllm_inputs import (
+from rollout_server.engines.vllm.inputs import (
     IMAGE_PLACEHOLDER,
     attach_images,
     image_bytes,

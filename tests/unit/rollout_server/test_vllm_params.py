@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save
 
 from rollout_server.config import ServerConfig
-from rollout_server.engines.vllm_params import (
+from rollout_server.engines.vllm.params import (
     checkpoint_specs,
     dtype_code,
     engine_kwargs_from_config,
@@ -19,7 +19,7 @@ from rollout_server.engines.vllm_params import (
     safetensors_names,
     sampling_params,
 )
-from rollout_server.engines.vllm_worker import WORKER_EXTENSION
+from rollout_server.engines.vllm.worker import WORKER_EXTENSION
 from shared_schemas.infer import RequestConfig
 
 

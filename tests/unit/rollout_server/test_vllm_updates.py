@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import save
 
 from rollout_server.engines.base import AdapterUpdate, FullUpdate
-from rollout_server.engines.vllm_updates import WeightUpdater
-from rollout_server.engines.vllm_worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
+from rollout_server.engines.vllm.updates import WeightUpdater
+from rollout_server.engines.vllm.worker import COMMIT_METHOD, DISCARD_METHOD, STAGE_METHOD
 from rollout_server.errors import EngineError, LoraDisabledError, StaleVersionError, SyncValidationError
 
 SPECS = {

@@ -1,4 +1,4 @@
-"""Worker-side mapping of staged bucket files (`rollout_server.engines.vllm_worker.map_safetensors`)."""
+"""Worker-side mapping of staged bucket files (`rollout_server.engines.vllm.worker.map_safetensors`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from rollout_server.engines.vllm_worker import WeightLoadExtension, map_safetensors
+from rollout_server.engines.vllm.worker import WeightLoadExtension, map_safetensors
 
 
 def test_maps_every_dtype_without_copy(tmp_path: Path) -> None:

@@ -2,12 +2,12 @@
 `vllm.distributed.weight_transfer` API.
 
 `CollectiveTransferEngine` is a `WeightTransferEngine` registered in `WeightTransferEngineFactory` under
-`COLLECTIVE_BACKEND` (by `vllm_worker`, which vLLM imports in every worker before it builds the engine), switched
+`COLLECTIVE_BACKEND` (by `worker`, which vLLM imports in every worker before it builds the engine), switched
 on through the engine's `weight_transfer_config`, and driven by `AsyncLLM.init_weight_transfer_engine` /
 `start_weight_update` / `update_weights` / `finish_weight_update` — the worker plumbing vLLM's own NCCL engine
 uses. It differs from vLLM's NCCL engine in one way, on purpose: it does not load while receiving. The received
 tensors are STAGED in the worker and loaded only at the sync's commit, through the same `reload_weights` as
-every other transport (`vllm_worker.rollmatch_stage_received` + `rollmatch_commit_weights`), so a learner that
+every other transport (`worker.rollmatch_stage_received` + `rollmatch_commit_weights`), so a learner that
 dies mid-broadcast leaves the served weights untouched; the cost is one model's worth of staging memory per
 worker (GPU memory with `server.sync_staging: device`, pinned host memory with `host`), which the file
 transports pay too. The receive itself is `engines.collective.receive_buckets`, the function the HF engine
@@ -32,7 +32,7 @@ from rollout_server.engines.collective import (
     receive_buckets,
     retire_group,
 )
-from rollout_server.engines.vllm_worker import COLLECTIVE_BACKEND
+from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND
 
 __all__ = ["COLLECTIVE_BACKEND", "CollectiveInitInfo", "CollectiveTransferEngine", "CollectiveUpdateInfo"]
 

@@ -1,5 +1,5 @@
 """One completion through `AsyncLLM.generate`: collects ids, text, logprobs and the finish reason, and applies
-the repeat-terminate guard as a per-step stop check (spec/STAGE2.md §5.4, see `vllm_guard`).
+the repeat-terminate guard as a per-step stop check (spec/STAGE2.md §5.4, see `guard`).
 
 Without the guard the request asks vLLM for its final output only (one message per completion, the
 cheapest path); with the guard outputs are streamed as deltas so the guard can stop the request early.
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_server.engines.vllm_guard import first_guard_cut
+from rollout_server.engines.vllm.guard import first_guard_cut
 from rollout_server.errors import BadRequestError, EngineError, PromptTooLongError
 from shared_schemas.infer import RepeatTerminateConfig
 from shared_schemas.repeat_guard import needs_text

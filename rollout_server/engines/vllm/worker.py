@@ -37,7 +37,7 @@ DISCARD_METHOD = "rollmatch_discard_weights"
 WORKER_EXTENSION = f"{__name__}.WeightLoadExtension"
 """Qualified name passed to vLLM as `worker_extension_cls`."""
 COLLECTIVE_BACKEND = "rollmatch"
-"""`weight_transfer_config.backend` of the collective transport (`vllm_transfer.CollectiveTransferEngine`)."""
+"""`weight_transfer_config.backend` of the collective transport (`transfer.CollectiveTransferEngine`)."""
 
 
 def _register_collective_engine() -> None:
@@ -49,7 +49,7 @@ def _register_collective_engine() -> None:
         return
     if COLLECTIVE_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            COLLECTIVE_BACKEND, "rollout_server.engines.vllm_transfer", "CollectiveTransferEngine"
+            COLLECTIVE_BACKEND, "rollout_server.engines.vllm.transfer", "CollectiveTransferEngine"
         )
 
 
@@ -182,7 +182,7 @@ class WeightLoadExtension:
         return len(staged)
 
     def rollmatch_stage_received(self) -> int:
-        """Adds the tensors the collective transport received (`vllm_transfer`) to the staged update.
+        """Adds the tensors the collective transport received (`transfer`) to the staged update.
 
         Returns:
             The number of tensors staged so far.

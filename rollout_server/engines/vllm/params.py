@@ -14,7 +14,7 @@ from typing import Any
 
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import ParamSpec
-from rollout_server.engines.vllm_worker import COLLECTIVE_BACKEND, WORKER_EXTENSION
+from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND, WORKER_EXTENSION
 from shared_schemas.infer import RequestConfig
 
 __all__ = [
@@ -74,7 +74,7 @@ def engine_kwargs_from_config(cfg: ServerConfig, *, cpu: bool = False) -> dict[s
         enforce_eager=v.enforce_eager,
         enable_lora=v.enable_lora,
         worker_extension_cls=WORKER_EXTENSION,
-        # The collective weight transport (`vllm_transfer`); idle until a learner's sync joins a group.
+        # The collective weight transport (`transfer`); idle until a learner's sync joins a group.
         weight_transfer_config={"backend": COLLECTIVE_BACKEND},
         disable_log_stats=True,
     )

@@ -2,7 +2,7 @@
 update to all its members or to none (DESIGN.md §3 `/sync_weights/`).
 
 Staging happens while generations go on and changes nothing served: every worker maps the staged bucket
-files by name (`vllm_worker`; bytes are sent through the RPC only for in-memory buckets), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit
+files by name (`worker`; bytes are sent through the RPC only for in-memory buckets), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit
 closes the `UpdateGate` (new batches wait, running ones finish on the old weights), swaps the update in,
 resets the prefix and encoder caches and sets the version. A full sync may leave whole layers out, but a
 layer sent in part is refused before anything is staged (vLLM rebuilds every layer it touches).
@@ -27,9 +27,9 @@ from rollout_server.engines.base import (
     StagedUpdate,
 )
 from rollout_server.engines.gate import UpdateGate
-from rollout_server.engines.vllm_adapters import AdapterStore, adapter_rank
-from rollout_server.engines.vllm_params import incomplete_load_groups, safetensors_names
-from rollout_server.engines.vllm_worker import (
+from rollout_server.engines.vllm.adapters import AdapterStore, adapter_rank
+from rollout_server.engines.vllm.params import incomplete_load_groups, safetensors_names
+from rollout_server.engines.vllm.worker import (
     COMMIT_METHOD,
     DISCARD_METHOD,
     STAGE_FILES_METHOD,
@@ -79,7 +79,7 @@ class WeightUpdater:
 
     async def receive(self, rendezvous: Rendezvous, rank_offset: int, buckets: BucketLayout) -> None:
         """Collective transport: every worker joins the group (new token) and receives the buckets into its
-        staging (`vllm_transfer.CollectiveTransferEngine`, vLLM's `update_weights` path); nothing served changes.
+        staging (`transfer.CollectiveTransferEngine`, vLLM's `update_weights` path); nothing served changes.
 
         Raises:
             EngineError: the rendezvous or a broadcast failed (the group is dropped; the next sync joins anew).

@@ -9,7 +9,7 @@ decoding, engine start and stop) runs in worker threads, so `/health` answers du
 
 Updates: an `UpdateGate` closes the engine to new batches, lets running batches finish on the old weights,
 applies, resets the prefix cache and bumps `weight_version` — no batch ever sees a mix. Full weights
-reach every worker as safetensors bytes through `collective_rpc` (see `vllm_worker`). Adapters are written
+reach every worker as safetensors bytes through `collective_rpc` (see `worker`). Adapters are written
 as PEFT folders and served with a `LoRARequest`: requests naming the adapter use it, and after an adapter
 sync the latest adapter is the default (a later full sync clears the default; its weights already hold the
 merged adapter).
@@ -44,14 +44,14 @@ from rollout_server.engines.base import (
     check_prompt_lengths,
     gather_or_cancel,
 )
-from rollout_server.engines.vllm_completion import Completion, run_completion
-from rollout_server.engines.vllm_inputs import IMAGE_PLACEHOLDER, PreparedPrompt, prepare_prompt
-from rollout_server.engines.vllm_params import (
+from rollout_server.engines.vllm.completion import Completion, run_completion
+from rollout_server.engines.vllm.inputs import IMAGE_PLACEHOLDER, PreparedPrompt, prepare_prompt
+from rollout_server.engines.vllm.params import (
     checkpoint_specs,
     engine_args_from_config,
     sampling_params,
 )
-from rollout_server.engines.vllm_updates import WeightUpdater
+from rollout_server.engines.vllm.updates import WeightUpdater
 from rollout_server.errors import EngineError
 from shared_schemas.infer import (
     Choice,
@@ -346,7 +346,7 @@ class VllmEngine:
             weight_version=version,
         )
 
-    # ---- updates (two-phase, see `vllm_updates`) -----------------------------------------------------------
+    # ---- updates (two-phase, see `updates`) -----------------------------------------------------------
 
     @property
     def collective_ranks(self) -> int:
