@@ -1,4 +1,4 @@
-"""Wire models of the weight sync (DESIGN.md §3 `/sync_weights/`).
+"""Wire models of the weight sync (docs/ARCHITECTURE.md#sync-weights).
 
 A sync is `begin(manifest)` → one upload per bucket → `commit` (or `abort`). Buckets are safetensors
 files of bounded size, sent either as the HTTP body (`PUT {BUCKET_PATH}`) or, on the same host, as the

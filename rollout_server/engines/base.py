@@ -1,4 +1,5 @@
-"""The narrow engine seam of the rollout server (DESIGN.md §2–§4, STYLE.md §4).
+"""The narrow engine seam of the rollout server
+(docs/ARCHITECTURE.md#rollout-source, #the-contract, #determinism).
 
 Routes talk only to `Engine`; `VllmEngine`, `HfEngine` and `EngineGroup` (data parallel) satisfy it, so no
 route ever sees DP or a backend. This module also holds the pieces every engine shares: the staged weight
@@ -139,7 +140,8 @@ BucketLayout = list[list[tuple[str, str, tuple[int, ...]]]]
 
 @dataclass(frozen=True)
 class EngineHealth:
-    """An engine's view of itself; the app adds `status: loading` and `uptime_s` (DESIGN.md §3 `/health`).
+    """An engine's view of itself; the app adds `status: loading` and `uptime_s`
+    (docs/ARCHITECTURE.md#health).
 
     Attributes:
         status: `ok` when it can serve, `error` when it cannot (see `detail`).
@@ -289,7 +291,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 
     Args:
         tokenizer: a transformers tokenizer or processor with `apply_chat_template`.
-        messages: rollout messages (spec/STAGE2.md §3.3), passed unchanged.
+        messages: rollout messages (docs/ALGORITHM.md#prompt-hygiene), passed unchanged.
 
     Returns:
         The prompt text.

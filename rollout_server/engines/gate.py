@@ -1,4 +1,5 @@
-"""`UpdateGate`: makes weight updates atomic with respect to generation batches (DESIGN.md §3 `/sync_weights/`).
+"""`UpdateGate`: makes weight updates atomic with respect to generation batches
+(docs/ARCHITECTURE.md#sync-weights).
 
 Generations hold the gate shared; an update holds it exclusively. An update that starts waiting closes the
 gate to NEW generations at once (writer preference, so a steady stream of batches cannot starve a sync),

@@ -1,4 +1,5 @@
-"""`EngineGroup`: `data_parallel_size` engines behind one `Engine` (DESIGN.md §4), so routes never see DP.
+"""`EngineGroup`: `data_parallel_size` engines behind one `Engine` so routes never see DP
+(docs/ARCHITECTURE.md#determinism).
 
 A batch is split with the same chunk plan the client uses across servers (`shared_schemas.plan_chunks`:
 contiguous ranges of `ceil(N / DP)`, empty parts skipped), chunks run concurrently, and results are

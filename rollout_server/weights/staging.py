@@ -12,9 +12,8 @@ server's private pool directory (on `/dev/shm`; after a committed sync its files
 the next sync's bodies, so their tmpfs pages are not allocated and zeroed again — steady-state cost: one
 model's worth of tmpfs per server, which a sync needs anyway), an shm bucket is adopted into a per-sync private
 directory inside `server.shm_dir` (`.rollmatch-staged-*`, removed with the sync). Either way
-the engine's worker processes map it by name at commit and load from the mapping (`engines.vllm.worker`),
-so bucket
-bytes never travel through the engine's RPC. An HTTP body is written as it arrives (no whole-body buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened
+the engine's worker processes map it by name at commit and load from the mapping (`engines.vllm.worker`), so
+bucket bytes never travel through the engine's RPC. An HTTP body is written as it arrives (no whole-body buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened
 without following links, checked to be a regular file, and taken over with a hard link of the server's own
 (the learner's name may go after the ack; with several servers each keeps its own link to the one file).
 Each bucket's header is checked against the manifest before its ack; the files of a discarded, superseded,

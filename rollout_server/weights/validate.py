@@ -1,4 +1,5 @@
-"""Checks of a sync manifest against the engine before any byte is staged (DESIGN.md §3 `/sync_weights/`)."""
+"""Checks of a sync manifest against the engine before any byte is staged
+(docs/ARCHITECTURE.md#sync-weights)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`AdapterStore`: synced PEFT adapters as vLLM `LoRARequest`s (DESIGN.md §3 `mode: adapter`).
+"""`AdapterStore`: synced PEFT adapters as vLLM `LoRARequest`s
+(docs/ARCHITECTURE.md#sync-weights, `mode: adapter`).
 
 Each adapter sync is written as a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) under a
 private temp directory, one folder per (name, version), and gets a fresh LoRA int id, so vLLM never serves a

@@ -1,5 +1,5 @@
 """One completion through `AsyncLLM.generate`: collects ids, text, logprobs and the finish reason, and applies
-the repeat-terminate guard as a per-step stop check (spec/STAGE2.md §5.4, see `guard`).
+the repeat-terminate guard as a per-step stop check (docs/ALGORITHM.md#repeat-guard, see `guard`).
 
 Without the guard the request asks vLLM for its final output only (one message per completion, the
 cheapest path); with the guard outputs are streamed as deltas so the guard can stop the request early.

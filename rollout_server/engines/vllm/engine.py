@@ -1,4 +1,5 @@
-"""`VllmEngine`: the rollout server's vLLM backend over `AsyncLLM` (DESIGN.md §3–§6, STYLE.md §4).
+"""`VllmEngine`: the rollout server's vLLM backend over `AsyncLLM`
+(docs/ARCHITECTURE.md#the-contract to #weight-sync).
 
 Generation: the chat template is applied server-side with the model's tokenizer (the HF engine's exact
 ids); images go to vLLM as `multi_modal_data` with ONE unexpanded `<|image_pad|>` each, and results carry

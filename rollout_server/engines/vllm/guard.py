@@ -1,4 +1,5 @@
-"""The repeat-terminate guard (spec/STAGE2.md §5.4) as a per-step stop check over a streamed completion.
+"""The repeat-terminate guard (docs/ALGORITHM.md#repeat-guard) as a per-step stop check over a streamed
+completion.
 
 vLLM streams each completion's new tokens; after every chunk the engine asks `first_guard_cut` whether the
 guard fires before some token `n` that was already produced. The rule itself is the shared pure function

@@ -1,5 +1,5 @@
 """Weight updates of one vLLM engine: two-phase (stage, then commit) so a data-parallel group can apply an
-update to all its members or to none (DESIGN.md §3 `/sync_weights/`).
+update to all its members or to none (docs/ARCHITECTURE.md#sync-weights).
 
 Staging happens while generations go on and changes nothing served: every worker maps the staged bucket
 files by name (`worker`; bytes are sent through the RPC only for in-memory buckets), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit

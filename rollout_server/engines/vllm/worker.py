@@ -4,8 +4,8 @@ It runs inside every vLLM worker process (one per tensor-parallel rank), reached
 `AsyncLLM.collective_rpc`. The RPC carries only the NAMES of the server's staged safetensors files:
 `STAGE_FILES_METHOD` maps each file read-only (shared, pre-faulted) and keeps tensor views of the mapping, so
 bucket bytes are never pickled, queued or copied on their way into a worker; `STAGE_METHOD` still takes
-safetensors bytes for in-memory buckets (DESIGN.md §6: plain tensors would arrive as lists, and pickle is never
-used). An update is two-phase so that a data-parallel group can apply it all or nothing: staging keeps the
+safetensors bytes for in-memory buckets (docs/ARCHITECTURE.md#weight-sync: plain tensors would arrive as
+lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or nothing: staging keeps the
 tensors aside (the served weights are untouched, a malformed bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
 which maps checkpoint names (fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as
 loading the checkpoint from disk does — and `DISCARD_METHOD` drops a staged update.
