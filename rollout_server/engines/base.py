@@ -38,7 +38,7 @@ __all__ = [
     "StagedUpdate",
     "check_adapter_request",
     "check_prompt_lengths",
-    "check_results",
+    "check_engine_results",
     "encode_chat_prompt",
     "gather_or_cancel",
     "render_chat_prompt",
@@ -312,7 +312,7 @@ def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[i
     return [int(t) for t in ids]
 
 
-def check_results(batch: InferBatch, results: Sequence[InferResult]) -> list[InferResult]:
+def check_engine_results(batch: InferBatch, results: Sequence[InferResult]) -> list[InferResult]:
     """Verifies count, order (`index == first_index + i`), request ids and `n` before returning results.
 
     Raises:

@@ -32,7 +32,7 @@ from rollout_server.engines.base import (
     ParamSpec,
     Rendezvous,
     StagedUpdate,
-    check_results,
+    check_engine_results,
     gather_or_cancel,
 )
 from rollout_server.engines.gate import UpdateGate
@@ -206,7 +206,7 @@ class EngineGroup:
             parts = await gather_or_cancel(
                 [self._members[c.part].generate(batch.slice(c.start, c.stop)) for c in chunks]
             )
-        return check_results(batch, [result for part in parts for result in part])
+        return check_engine_results(batch, [result for part in parts for result in part])
 
     async def apply_update(self, update: StagedUpdate) -> None:
         """Stages on every member (all or nothing), then commits on every member with the group drained."""

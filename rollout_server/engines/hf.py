@@ -50,35 +50,16 @@ from rollout_server.engines.hf_decode import RowOutput, VisionRow, decode_reques
 from rollout_server.engines.hf_prompts import MessageEncoder
 from rollout_server.engines.vllm.inputs import load_image, resolve_prompt
 from rollout_server.errors import BadRequestError, EngineError, LoraDisabledError, SyncValidationError
+from shared_schemas.buckets import dtype_code
 from shared_schemas.checkpoints import is_vl_checkpoint
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HfEngine", "torch_dtype_code"]
+__all__ = ["HfEngine"]
 
-_DTYPE_CODES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""Seed offset between the `n` completions of one request (odd, so completions never share a stream)."""
-
-
-def torch_dtype_code(dtype: torch.dtype) -> str:
-    """safetensors code of a torch dtype (`torch.bfloat16` → `"BF16"`)."""
-    try:
-        return _DTYPE_CODES[dtype]
-    except KeyError as exc:
-        raise ValueError(f"dtype {dtype} has no safetensors code in this server") from exc
+"""`server.dtype` → the dtype the model is loaded in; any other value (`auto`) keeps the checkpoint's own."""
 
 
 class HfEngine:
@@ -140,9 +121,7 @@ class HfEngine:
         self._eos_ids = _eos_ids(model, tokenizer)
         self._end_of_turn_id = _end_of_turn_id(tokenizer, self._eos_ids)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
-        self._specs = {
-            name: (torch_dtype_code(t.dtype), tuple(t.shape)) for name, t in model.state_dict().items()
-        }
+        self._specs = {name: (dtype_code(t.dtype), tuple(t.shape)) for name, t in model.state_dict().items()}
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> HfEngine:
@@ -350,7 +329,7 @@ class HfEngine:
         staged = self._staged_tensors(update)
         for name, tensor in staged.items():
             spec = self._specs.get(name)
-            if spec is None or (torch_dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
+            if spec is None or (dtype_code(tensor.dtype), tuple(tensor.shape)) != spec:
                 raise SyncValidationError(f"tensor {name!r} does not match the served parameter table")
         state = self._model.state_dict()
         started = time.perf_counter()

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rollout_server.deps import EngineDep, StateDep
-from rollout_server.engines.base import Engine, check_results
+from rollout_server.engines.base import Engine, check_engine_results
 from rollout_server.errors import ERROR_RESPONSES
 from rollout_server.state import ServerState
 from shared_schemas.infer import InferBatch, InferResponse, InferResult, Timing
@@ -38,20 +38,28 @@ async def infer(
     metrics.calls_in_flight.inc()
     metrics.samples_in_flight.inc(samples)
     try:
+        engine_started = time.perf_counter()
         generated = await _unless_disconnected(batch, engine, request, state)
+        engine_s = time.perf_counter() - engine_started
     finally:
         metrics.calls_in_flight.dec()
         metrics.samples_in_flight.dec(samples)
     if generated is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; keeps the access log honest
-    results = check_results(batch, generated)
+    results = check_engine_results(batch, generated)
     metrics.infer_done(results)
-    engine_s = time.perf_counter() - started
-    logger.debug("infer: %d requests from index %d in %.3f s", len(results), batch.first_index, engine_s)
+    total_s = time.perf_counter() - started
+    logger.debug(
+        "infer: %d requests from index %d in %.3f s (engine %.3f s)",
+        len(results),
+        batch.first_index,
+        total_s,
+        engine_s,
+    )
     return InferResponse(
         results=results,
         weight_version=engine.weight_version,
-        timing=Timing(total_s=time.perf_counter() - started, engine_s=engine_s),
+        timing=Timing(total_s=total_s, engine_s=engine_s),
     )
 
 

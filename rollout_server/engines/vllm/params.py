@@ -15,6 +15,7 @@ from typing import Any
 from rollout_server.config import ServerConfig
 from rollout_server.engines.base import ParamSpec
 from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND, WORKER_EXTENSION
+from shared_schemas import buckets
 from shared_schemas.infer import RequestConfig
 
 __all__ = [
@@ -39,7 +40,6 @@ _FUSED_LEAVES = {
 }
 """Checkpoint modules that vLLM loads into one fused layer."""
 _FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
-_TORCH_TO_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
 _CPU_DEFAULT_BATCHED_TOKENS = 4096
@@ -167,14 +167,21 @@ def sampling_params(
 
 
 def dtype_code(dtype: Any) -> str:
-    """safetensors code of a torch dtype or dtype name (`torch.bfloat16` / `"bfloat16"` → `"BF16"`)."""
-    name = str(dtype).removeprefix("torch.")
+    """safetensors code of a served torch dtype or dtype name (`torch.bfloat16` / `"bfloat16"` → `"BF16"`):
+    `shared_schemas.buckets.dtype_code`, restricted to the floating-point dtypes a model can be served in.
+
+    Raises:
+        ValueError: a dtype that is not floating point, or that the wire cannot carry.
+    """
     try:
-        return _TORCH_TO_CODE[name]
-    except KeyError as exc:
+        code = buckets.dtype_code(dtype)
+    except ValueError:
+        code = None
+    if code not in _FLOAT_CODES:
         raise ValueError(
-            f"served dtype {dtype} has no safetensors code; serve float32/bfloat16/float16"
-        ) from exc
+            f"served dtype {dtype} is not a floating-point safetensors dtype; serve float32/bfloat16/float16"
+        )
+    return code
 
 
 def _read_header(path: Path) -> dict[str, Any]:
