@@ -51,7 +51,7 @@ def measure_fleet(
     import httpx
     from _sync_gpu import greedy_gap
 
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     def versions() -> list[int]:

@@ -268,7 +268,7 @@ def measure_transport(
     and the `full_sync` line. Returns the next optimizer step number."""
     import torch
 
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     cpu = args.cpu_check
@@ -328,7 +328,7 @@ def kill_check(args: Any, emit: Emitter, model: Any, preset: str, transport: str
     import subprocess
 
     from learner.rollout.base import SyncError
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     timeout_s = args.kill_timeout_s
@@ -369,7 +369,7 @@ def _kill_child(
     base: str, preset: str, bucket_mb: int, transport: str, timeout_s: float, device: str, kill_at: int
 ) -> None:
     """The learner that dies mid-broadcast (see `kill_check`)."""
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
     from learner.rollout.collective import CollectiveSender
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 

@@ -72,7 +72,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
     from learner.weights.export import full_state_items
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 

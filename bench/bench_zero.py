@@ -125,7 +125,7 @@ def server_effect(model_dir: Path, checkpoint: Path, url: str, device: str) -> d
     from _sync_gpu import greedy_gap
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
     from shared_schemas.checkpoints import is_vl_checkpoint
 
     loader = AutoModelForImageTextToText if is_vl_checkpoint(model_dir) else AutoModelForCausalLM

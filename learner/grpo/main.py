@@ -155,7 +155,7 @@ def _sync_dtype(resolved: ResolvedGrpoRun) -> torch.dtype | None:
 
 
 def _build_source(cfg: RunConfig) -> RolloutSource:
-    from learner.rollout.client import ServerRolloutSource
+    from learner.rollout.server_source import ServerRolloutSource
 
     source = ServerRolloutSource.from_config(cfg.rollout)
     source.wait_healthy()

@@ -1,8 +1,8 @@
-"""The one rollout seam of the learner (DESIGN.md §2): `RolloutSource`, the weight update it receives, and
-the reassembly check every source applies to its results.
+"""The one rollout seam of the learner: `RolloutSource`, the weight update it receives, and the reassembly
+check every source applies to its results (docs/ARCHITECTURE.md#rollout-source).
 
 The learner never knows whether rollouts come from rollout servers over HTTP (`ServerRolloutSource` in
-`learner.rollout.client`) or from an in-process engine (`ColocateRolloutSource`); both take the wire
+`learner.rollout.server_source`) or from an in-process engine (`ColocateRolloutSource`); both take the wire
 schema objects of `shared_schemas` and return `InferResult`s in request order.
 """
 

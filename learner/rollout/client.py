@@ -1,405 +1,408 @@
-"""The learner's client of the rollout servers: `ServerRolloutSource` (spec/STAGE2.md §5.5, DESIGN.md §4).
+"""HTTP client of ONE rollout server (STYLE.md §5) — one method per route, schema models in and out.
 
-`ServerRolloutSource` is the `RolloutSource` over one or more servers: deterministic chunking, concurrent
-calls, the retry policy, reassembly by index, weight sync to every server. It talks to each server through
-`RolloutClient` (`learner.rollout.server_api`, one method per route); both, and the typed errors of
-`learner.rollout.errors`, are importable from here.
+`RolloutClient` owns one pooled `httpx.Client` with explicit timeouts (connect `min(10, timeout_s)`, read
+`infer_timeout_s`), so a wedged server can never hang training. It never retries: the retry policy of
+docs/ALGORITHM.md#chunking-and-retries lives in `learner.rollout.server_source.ServerRolloutSource`, the
+`RolloutSource` over one or more servers (which re-exports this module's names). Weight-sync phases are
+never retried. Errors are the typed ones of `learner.rollout.errors`.
 
 Example:
-    >>> with ServerRolloutSource(["http://127.0.0.1:8000"], timeout_s=240) as source:  # doctest: +SKIP
-    ...     source.wait_healthy()
-    ...     results = source.infer(batch)
+    >>> with RolloutClient("http://127.0.0.1:8000", timeout_s=240) as client:  # doctest: +SKIP
+    ...     client.wait_healthy(deadline_s=60)
+    ...     results = client.infer(batch)
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import ExitStack
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
-from learner.rollout.base import (
-    ResultMismatchError,
-    SyncError,
-    SyncRejected,
-    SyncReport,
-    WeightUpdate,
-    check_results,
-    staleness,
-)
-from learner.rollout.errors import (
-    InferFailed,
-    RolloutClientError,
-    ServerConflict,
-    ServerError,
-    ServerNotReady,
-    ServerUnreachable,
-    format_indices,
-)
-from learner.rollout.server_api import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
-from learner.rollout.transports import Transport, TransportOptions, build_transport
-from shared_schemas.buckets import plan_buckets
-from shared_schemas.chunking import plan_chunks
+from learner.rollout.base import check_results
+from learner.rollout.errors import ServerError, ServerNotReady, ServerUnreachable, error_from_response
 from shared_schemas.health import Health
-from shared_schemas.infer import InferBatch, InferResult
-from shared_schemas.sync import SyncManifest
-
-if TYPE_CHECKING:
-    from learner.config import RolloutConfig
+from shared_schemas.infer import InferBatch, InferResponse, InferResult
+from shared_schemas.sync import (
+    BUCKET_PATH,
+    BUCKET_SHM_PATH,
+    SYNC_ABORT_PATH,
+    SYNC_BEGIN_PATH,
+    SYNC_COMMIT_PATH,
+    SYNC_PREPARE_PATH,
+    BucketAck,
+    CollectiveSpec,
+    ShmBucketRef,
+    SyncAbortRequest,
+    SyncAbortResponse,
+    SyncBeginRequest,
+    SyncBeginResponse,
+    SyncCommitRequest,
+    SyncCommitResponse,
+    SyncManifest,
+    SyncPrepareRequest,
+    SyncPrepareResponse,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "LAUNCH_HINT",
-    "InferFailed",
-    "InferStats",
-    "RolloutClient",
-    "RolloutClientError",
-    "ServerConflict",
-    "ServerError",
-    "ServerNotReady",
-    "ServerRolloutSource",
-    "ServerUnreachable",
-    "SyncError",
-    "SyncRejected",
-    "SyncSession",
-    "normalize_base_url",
-]
+__all__ = ["LAUNCH_HINT", "RolloutClient", "SyncSession", "normalize_base_url"]
+
+LAUNCH_HINT = "start it with scripts/start_rollout_server.sh --config <yaml> and check its log"
+"""The fix named by every 'server not reachable' message."""
+
+_HEALTH_POLL_S = 0.5
+"""Pause between `/health` probes while waiting for a server."""
+
+_SEND_CHUNK = 4 << 20
+"""Bytes handed to the HTTP stack at a time when a bucket streams from its parts (cache-sized pieces)."""
+
+
+def _chunks(parts: Sequence[memoryview]) -> Iterator[bytes]:
+    # httpx/h11 join each chunk into bytes before the socket write: pieces of a few MiB keep that copy in
+    # cache and the memory bounded.
+    for part in parts:
+        view = part.cast("B") if part.format != "B" else part
+        for start in range(0, view.nbytes, _SEND_CHUNK):
+            yield view[start : start + _SEND_CHUNK]  # type: ignore[misc]
+
+
+def normalize_base_url(base_url: str) -> str:
+    """`http(s)://host:port` with the trailing `/` stripped.
+
+    Raises:
+        ValueError: not an http(s) URL with a host.
+    """
+    url = httpx.URL(base_url.rstrip("/"))
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"rollout server base_url {base_url!r} must look like http://host:port")
+    return str(url).rstrip("/")
 
 
 @dataclass
-class InferStats:
-    """What the last `ServerRolloutSource.infer` took.
+class SyncSession:
+    """One open weight sync on one server (yielded by `RolloutClient.weight_sync`).
 
     Attributes:
-        calls: HTTP `/infer/` calls made (first tries, retries and split halves).
-        retries: calls repeated on a fresh connection.
-        splits: chunks split in half after failing twice.
-        staleness: per result, learner weight version − the version that produced it (0 = on-policy).
-        seconds: wall time of the whole call.
+        client: the server's client.
+        begin: the server's answer to `begin` (sync id, current version).
+        manifest: what will be sent.
+        committed: the commit answer, set when the `with` block exited cleanly.
     """
 
-    calls: int = 0
-    retries: int = 0
-    splits: int = 0
-    staleness: list[int] = field(default_factory=list)
-    seconds: float = 0.0
+    client: RolloutClient
+    begin: SyncBeginResponse
+    manifest: SyncManifest
+    committed: SyncCommitResponse | None = None
+
+    @property
+    def sync_id(self) -> str:
+        """The id every phase names."""
+        return self.begin.sync_id
+
+    def upload(self, index: int, data: bytes | Sequence[memoryview]) -> BucketAck:
+        """Sends bucket `index` as the HTTP body (one blob, or its parts in order)."""
+        return self.client.upload_bucket(self.sync_id, index, data)
+
+    def upload_shm(self, index: int, file_name: str) -> BucketAck:
+        """Names bucket `index`, already written into the server's staging directory."""
+        return self.client.upload_bucket_shm(self.sync_id, index, file_name)
 
 
-class ServerRolloutSource:
-    """`RolloutSource` over one or more rollout servers (spec/STAGE2.md §5.5, DESIGN.md §4).
-
-    `infer` splits a batch with `plan_chunks` (contiguous ranges of `ceil(N/S)`, empty parts skipped,
-    N == 0 → no call), runs the chunks concurrently (one worker thread per server) and reassembles by
-    index, checked against request ids. Retry policy, per chunk and declared only here:
-
-    - 4xx caller errors (bad request, prompt too long, 409, 401, ...) raise at once, never retried;
-    - any other failure is retried ONCE on a fresh connection (per-request seeds make it reproduce the
-      same tokens);
-    - a second failure splits the chunk in half and treats each half the same way, recursively; a single
-      request failing twice raises `InferFailed` naming the server URL and the global index;
-    - except when the server is down (connection refused) or not ready (503): no request is at fault,
-      so splitting cannot help and `InferFailed` is raised after the retry.
-
-    Every call is bounded by the client timeouts, so a failure is raised, never a hang, never a drop.
-    `sync_weights` sends every bucket to EVERY server through one weight-sync transport
-    (`learner.rollout.transports`): `http` (bucket bodies), `shm` (files in the shared staging directory, all
-    servers on this host), `gloo` (one broadcast per bucket over ONE process group that spans the learner and
-    every server, packed on the host: the learner's link carries one copy whatever the number of servers) or
-    `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always carries
-    the control (begin, prepare, commit, abort); adapter syncs go over `http` when the transport is collective.
+class RolloutClient:
+    """Client of one rollout server: `/health`, `/infer/` and the `/sync_weights/` phases.
 
     Args:
-        servers: server base URLs, one per server process (a DP server is one entry).
-        timeout_s: connect timeout cap and health deadline (`rollout.timeout_s`).
-        infer_timeout_s: read timeout of one call (`rollout.infer_timeout_s`, default `timeout_s`).
-        auth_token: bearer token (`rollout.auth_token`).
-        transport: `http`, `shm`, `gloo` or `nccl` (`rollout.sync.transport`).
-        shm_dir: staging directory for `shm` (`rollout.sync.shm_dir`, = the servers' `server.shm_dir`).
-        bucket_mb: bucket size bound in MiB (`rollout.sync.bucket_mb`).
-        collective_address: `gloo`/`nccl`: this host's address as the servers reach it
-            (`rollout.sync.collective_address`); None = `127.0.0.1`, allowed only when every server is local.
-        collective_timeout_s: `gloo`/`nccl`: limit of each group rendezvous and each broadcast
-            (`rollout.sync.collective_timeout_s`).
-        transport_factory: httpx transport factory for tests (see `RolloutClient`).
+        base_url: `http(s)://host:port` (a trailing `/` is stripped).
+        timeout_s: connect timeout cap (`min(10, timeout_s)`), write/pool timeout, and the default
+            deadline of `wait_healthy`.
+        infer_timeout_s: read timeout of every call but `/health` (default `timeout_s`).
+        auth_token: sent as `Authorization: Bearer <token>` when set.
+        transport_factory: builds the httpx transport of each (re)connection; tests pass
+            `lambda: httpx.MockTransport(handler)`. Default: httpx's pooled HTTP transport.
 
-    Raises:
-        ValueError: no server, an unknown transport, `shm` without `shm_dir` or with a server on another
-            host, or `gloo`/`nccl` with a server on another host and no `collective_address`.
+    Calls are thread-safe (httpx's pool is), `reconnect` is not; use it as a context manager or call
+    `close()`.
     """
 
     def __init__(
         self,
-        servers: Sequence[str],
+        base_url: str,
         *,
         timeout_s: float = 240.0,
         infer_timeout_s: float | None = None,
         auth_token: str | None = None,
-        transport: Literal["http", "shm", "gloo", "nccl"] = "http",
-        shm_dir: str | Path | None = None,
-        bucket_mb: float = 512,
-        collective_address: str | None = None,
-        collective_timeout_s: float = 120.0,
         transport_factory: Callable[[], httpx.BaseTransport] | None = None,
     ) -> None:
-        if not servers:
-            raise ValueError("ServerRolloutSource needs at least one server base_url (rollout.servers)")
-        if bucket_mb <= 0:
-            raise ValueError(f"rollout.sync.bucket_mb must be > 0, got {bucket_mb}")
-        urls = [normalize_base_url(url) for url in servers]
-        self.transport = transport
-        self._bucket_bytes = int(bucket_mb * 2**20)
-        self._clients = [
-            RolloutClient(
-                url,
-                timeout_s=timeout_s,
-                infer_timeout_s=infer_timeout_s,
-                auth_token=auth_token,
-                transport_factory=transport_factory,
+        if timeout_s <= 0 or (infer_timeout_s is not None and infer_timeout_s <= 0):
+            raise ValueError(
+                f"timeouts must be > 0, got timeout_s={timeout_s}, infer_timeout_s={infer_timeout_s}"
             )
-            for url in urls
-        ]
-        self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="rollout-server")
-        options = TransportOptions(
-            urls=tuple(urls),
-            pool=self._pool,
-            shm_dir=shm_dir,
-            collective_address=collective_address,
-            collective_timeout_s=collective_timeout_s,
+        self.base_url = normalize_base_url(base_url)
+        self.timeout_s = timeout_s
+        self.infer_timeout_s = infer_timeout_s if infer_timeout_s is not None else timeout_s
+        self._timeout = httpx.Timeout(
+            connect=min(10.0, timeout_s), read=self.infer_timeout_s, write=timeout_s, pool=timeout_s
         )
-        try:
-            self._transport: Transport = build_transport(transport, options)
-            self._http: Transport = (
-                self._transport if transport == "http" else build_transport("http", options)
-            )
-        except ValueError:
-            self._pool.shutdown(wait=False)
-            for client in self._clients:
-                client.close()
-            raise
-        self.weight_version: int | None = None
-        """Version of the last sync this source committed (None before the first)."""
-        self.last_infer = InferStats()
-        """Counters of the last `infer` call to FINISH (metrics: staleness, retries), replaced whole (never
-        mutated). With overlapped rollouts (`rollout.async`) a background call and a foreground one can finish in
-        either order: read the staleness of a batch from its results' `weight_version` instead."""
-        self.last_sync_stages: dict[str, float] = {}
-        """Seconds per stage of the last sync: learner side (`begin_s`, `produce_s` = export + encode,
-        `upload_s`, `commit_s`, and the transport's own figures, e.g. nccl's `wire_wait_s`) and the first
-        server's own split (`server_*`, with its `server_staging_*_bytes`), for profiling."""
+        # /health must answer at once (it never waits on the engine), so a short read timeout.
+        self._health_timeout = httpx.Timeout(min(10.0, timeout_s))
+        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._transport_factory = transport_factory
+        self._client = self._connect()
+        # Calls in flight per pool: a retry's `reconnect` must not close a pool that another thread (a background
+        # rollout, a sync from the main thread) is still using; the last caller closes a replaced pool.
+        self._in_use: dict[int, int] = {}
+        self._pool_lock = threading.Lock()
 
-    @classmethod
-    def from_config(cls, rollout: RolloutConfig) -> ServerRolloutSource:
-        """The source for `rollout:` in server mode (servers, timeouts, token, `rollout.sync` transport)."""
-        return cls(
-            [entry.base_url for entry in rollout.servers],
-            timeout_s=rollout.timeout_s,
-            infer_timeout_s=rollout.read_timeout_s,
-            auth_token=rollout.auth_token,
-            transport=rollout.sync.transport,
-            shm_dir=rollout.sync.shm_dir,
-            bucket_mb=rollout.sync.bucket_mb,
-            collective_address=rollout.sync.collective_address,
-            collective_timeout_s=rollout.sync.collective_timeout_s,
+    def _connect(self) -> httpx.Client:
+        transport = self._transport_factory() if self._transport_factory is not None else None
+        # trust_env=False: a corporate proxy must never sit between the learner and its servers.
+        return httpx.Client(
+            base_url=self.base_url,
+            timeout=self._timeout,
+            headers=self._headers,
+            transport=transport,
+            trust_env=False,
         )
 
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        """Server base URLs, in chunk order."""
-        return tuple(c.base_url for c in self._clients)
+    def reconnect(self) -> None:
+        """Drops every pooled connection; the next call opens a fresh one (the §5.5 retry). Calls still running
+        on the old pool (other threads) finish on it; it is closed when the last of them returns."""
+        with self._pool_lock:
+            old, self._client = self._client, self._connect()
+            idle = self._in_use.get(id(old), 0) == 0
+        if idle:
+            old.close()
 
     def close(self) -> None:
-        """Closes every connection pool and the worker threads; idempotent."""
-        self._pool.shutdown(wait=True)
-        self._transport.close()
-        for client in self._clients:
-            client.close()
+        """Closes the connection pool; idempotent."""
+        self._client.close()
 
-    def __enter__(self) -> ServerRolloutSource:
+    def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- health ------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"RolloutClient({self.base_url!r})"
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One HTTP call, any status; no answer → `ServerUnreachable`."""
+        with self._pool_lock:
+            client = self._client
+            self._in_use[id(client)] = self._in_use.get(id(client), 0) + 1
+        try:
+            return client.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            connect_failed = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+            raise ServerUnreachable(
+                f"rollout server {self.base_url} did not answer {method} {path}"
+                f" ({type(exc).__name__}: {exc or 'no detail'}); is it running? {LAUNCH_HINT}",
+                url=self.base_url,
+                connect_failed=connect_failed,
+            ) from exc
+        finally:
+            with self._pool_lock:
+                left = self._in_use[id(client)] = self._in_use[id(client)] - 1
+                if left == 0:
+                    del self._in_use[id(client)]
+            if left == 0 and client is not self._client:
+                client.close()  # replaced by `reconnect` while this call ran
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One HTTP call; non-2xx → typed `ServerError`, no answer → `ServerUnreachable`."""
+        response = self._send(method, path, **kwargs)
+        if response.is_error:
+            raise error_from_response(response)
+        return response
+
+    # -- /health ---------------------------------------------------------------------------------
     def health(self) -> Health:
-        """Combined status: `ok` only when every server is; `lora_enabled` only when every server has
-        LoRA; `weight_version` the highest (the next sync must exceed it everywhere); `dp` summed."""
-        bodies = list(self._pool.map(RolloutClient.health, self._clients))
-        first = bodies[0]
-        worst = next((h for h in bodies if h.status != "ok"), first)
-        return first.model_copy(
-            update={
-                "status": worst.status,
-                "detail": worst.detail,
-                "weight_version": max(h.weight_version for h in bodies),
-                "lora_enabled": all(h.lora_enabled for h in bodies),
-                "dp": sum(h.dp for h in bodies),
-                "max_model_len": min(h.max_model_len for h in bodies),
-                "uptime_s": min(h.uptime_s for h in bodies),
-            }
-        )
+        """`GET /health`: the server's status, also while it is loading (503 with the same body).
+
+        Raises:
+            ServerUnreachable: no answer.
+            ServerError: an answer that is not a health body.
+        """
+        response = self._send("GET", "/health", timeout=self._health_timeout)
+        if response.status_code in (200, 503):
+            try:
+                return Health.model_validate_json(response.content)
+            except ValueError:
+                pass  # not a health body (e.g. a proxy's 503 page): report it as an error below
+        if response.is_success:
+            raise ServerError(
+                response.status_code,
+                "bad_health",
+                "/health answered without a health body",
+                url=self.base_url,
+            )
+        raise error_from_response(response)
 
     def wait_healthy(self, deadline_s: float | None = None) -> Health:
-        """Waits (concurrently, one overall deadline) until every server reports `ok`.
+        """Polls `/health` until the server reports `ok`.
+
+        Args:
+            deadline_s: overall seconds to wait (default `timeout_s`).
+
+        Returns:
+            The first `ok` health body.
 
         Raises:
-            ServerUnreachable / ServerNotReady: naming the first server that did not come up.
+            ServerUnreachable: never answered within the deadline.
+            ServerNotReady: answered, but not `ok` within the deadline (or `error`: load failed).
         """
-        list(self._pool.map(lambda c: c.wait_healthy(deadline_s), self._clients))
-        return self.health()
-
-    # -- infer -------------------------------------------------------------------------------------
-    def infer(self, batch: InferBatch) -> list[InferResult]:
-        """Generates every request over the servers; `results[i]` answers `batch.infer_requests[i]`.
-
-        Raises:
-            ServerError: a 4xx caller error (never retried).
-            InferFailed: requests that still failed after the retry policy (names server and indices).
-            ResultMismatchError: reassembly found a missing, duplicated or extra result.
-        """
-        started = time.perf_counter()
-        stats = InferStats()
-        n = len(batch.infer_requests)
-        if n == 0:
-            self.last_infer = stats
-            return []
-        chunks = [c for c in plan_chunks(n, len(self._clients)) if not c.empty]
-        futures = [
-            self._pool.submit(self._infer_chunk, self._clients[c.part], batch.slice(c.start, c.stop))
-            for c in chunks
-        ]
-        wait(futures)
-        parts: list[InferResult] = []
-        for future in futures:
-            results, counts = future.result()  # raises the first failed chunk's error, in server order
-            parts.extend(results)
-            stats.calls += counts.calls
-            stats.retries += counts.retries
-            stats.splits += counts.splits
-        ordered = check_results(batch, parts)
-        learner_version = self.weight_version
-        if learner_version is None:
-            learner_version = max(r.weight_version for r in ordered)
-        stats.staleness = staleness(learner_version, ordered)
-        stats.seconds = time.perf_counter() - started
-        self.last_infer = stats
-        return ordered
-
-    def _infer_chunk(self, client: RolloutClient, sub: InferBatch) -> tuple[list[InferResult], InferStats]:
-        counts = InferStats()
-        return self._infer_with_retries(client, sub, counts), counts
-
-    def _infer_with_retries(
-        self, client: RolloutClient, sub: InferBatch, counts: InferStats
-    ) -> list[InferResult]:
-        n = len(sub.infer_requests)
-        indices = range(sub.first_index, sub.first_index + n)
-        error: Exception | None = None
-        for attempt in range(2):
-            if attempt:
-                counts.retries += 1
-                client.reconnect()
-            counts.calls += 1
+        deadline_s = self.timeout_s if deadline_s is None else deadline_s
+        give_up = time.monotonic() + deadline_s
+        last: Exception | Health | None = None
+        while True:
             try:
-                return client.infer(sub)
-            except ServerError as exc:
-                if exc.is_caller_error:
-                    raise
-                error = exc
-            except (ServerUnreachable, ResultMismatchError) as exc:
-                error = exc
-            logger.warning(
-                "rollout server %s failed %s (attempt %d of 2): %s",
-                client.base_url,
-                format_indices(indices),
-                attempt + 1,
-                error,
+                last = self.health()
+                if last.status == "ok":
+                    return last
+                if last.status == "error":
+                    break
+            except (ServerUnreachable, ServerError) as exc:
+                last = exc
+            if time.monotonic() + _HEALTH_POLL_S > give_up:
+                break
+            time.sleep(_HEALTH_POLL_S)
+        if isinstance(last, Health):
+            raise ServerNotReady(
+                503,
+                "not_ready",
+                f"rollout server {self.base_url} reports status {last.status!r} after {deadline_s:.0f} s"
+                f" ({last.detail or 'no detail'}); {LAUNCH_HINT}",
+                url=self.base_url,
             )
-        server_down = isinstance(error, ServerNotReady) or (
-            isinstance(error, ServerUnreachable) and error.connect_failed
-        )
-        if n == 1 or server_down:
-            raise InferFailed(
-                f"rollout server {client.base_url} failed request {format_indices(indices)} twice ({error});"
-                " see that server's log",
-                url=client.base_url,
-                indices=indices,
-            ) from error
-        counts.splits += 1
-        mid = n // 2
-        left = self._infer_with_retries(client, sub.slice(0, mid), counts)
-        return left + self._infer_with_retries(client, sub.slice(mid, n), counts)
+        raise ServerUnreachable(
+            f"rollout server {self.base_url} not reachable within {deadline_s:.0f} s ({last}); {LAUNCH_HINT}",
+            url=self.base_url,
+            connect_failed=True,
+        ) from last
 
-    # -- weight sync -------------------------------------------------------------------------------
-    def sync_weights(self, update: WeightUpdate) -> SyncReport:
-        """Sends `update` to every server (begin on all → each bucket to all → commit on all).
+    # -- /infer/ ---------------------------------------------------------------------------------
+    def infer(self, batch: InferBatch) -> list[InferResult]:
+        """`POST /infer/`: results in request order, checked by index and request id.
 
-        Any failure aborts the sync on every server that has not committed yet; sync phases are never
-        retried. No server commits before every server holds every bucket (HTTP/shm: every upload acknowledged;
-        gloo/nccl: every server answered `prepare` once its receive finished, so a server that dies mid-broadcast
-        leaves every server on its old weights). Servers then commit one after another, so when a commit itself
-        fails after an earlier one succeeded the servers disagree until the next sync (which uses a higher
-        version and fixes it).
+        An empty batch returns `[]` without any HTTP call.
 
         Raises:
-            SyncRejected: a server refused the update (409: adapter sync without LoRA, stale version).
-            SyncError: anything else (names the server and the cause).
+            ServerError / ServerUnreachable: the call failed (no retry here).
+            ResultMismatchError: the server's results do not answer the batch one-to-one.
         """
-        started = time.perf_counter()
-        specs = update.tensor_specs()
-        if not specs:
-            raise SyncError(f"weight update v{update.version} ({update.mode}) holds no tensors")
-        manifest = SyncManifest(
-            mode=update.mode,
-            version=update.version,
-            buckets=tuple(plan_buckets(specs, self._bucket_bytes)),
-            adapter_name=update.adapter_name,
-            adapter_config=update.adapter_config,
+        if not batch.infer_requests:
+            return []
+        response = self._request("POST", "/infer/", json=batch.model_dump(mode="json", exclude_none=True))
+        return check_results(batch, InferResponse.model_validate_json(response.content).results)
+
+    # -- /sync_weights/ --------------------------------------------------------------------------
+    def sync_begin(
+        self,
+        manifest: SyncManifest,
+        *,
+        timeout_s: float | None = None,
+        collective: CollectiveSpec | None = None,
+    ) -> SyncBeginResponse:
+        """Opens a sync: the server validates names, dtypes, shapes, version and LoRA up front. With
+        `collective`, its receivers start joining that group (the buckets are then broadcast, not uploaded).
+
+        Raises:
+            ServerConflict: 409 (`lora_disabled` for an adapter sync without LoRA, `stale_version`).
+            ServerError: 400 (`unknown_parameter`, `parameter_mismatch`) and others.
+        """
+        body = SyncBeginRequest(manifest=manifest, timeout_s=timeout_s, collective=collective)
+        response = self._request("POST", SYNC_BEGIN_PATH, json=body.model_dump(mode="json"))
+        return SyncBeginResponse.model_validate_json(response.content)
+
+    def upload_bucket(self, sync_id: str, index: int, data: bytes | Sequence[memoryview]) -> BucketAck:
+        """Sends one safetensors bucket as the request body: a blob, or its parts (header, then each tensor's
+        bytes), streamed from the caller's memory with an exact `Content-Length` (no assembled copy)."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            content: bytes | Iterator[bytes] = bytes(data)
+            length = len(content)
+        else:
+            content = _chunks(data)
+            length = sum(part.nbytes for part in data)
+        response = self._request(
+            "PUT",
+            BUCKET_PATH.format(sync_id=sync_id, index=index),
+            content=content,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(length)},
         )
-        stages = {"begin_s": 0.0, "produce_s": 0.0, "upload_s": 0.0, "commit_s": 0.0}
-        # Adapters are small and only the file transports stage them: collective transports send them over HTTP.
-        transport = self._http if update.mode != "full" and self._transport.full_only else self._transport
-        urls = [c.base_url for c in self._clients]
+        return BucketAck.model_validate_json(response.content)
+
+    def upload_bucket_shm(self, sync_id: str, index: int, file_name: str) -> BucketAck:
+        """Names one bucket file already written into the server's staging directory (same host)."""
+        body = ShmBucketRef(file_name=file_name)
+        response = self._request(
+            "POST", BUCKET_SHM_PATH.format(sync_id=sync_id, index=index), json=body.model_dump(mode="json")
+        )
+        return BucketAck.model_validate_json(response.content)
+
+    def sync_prepare(self, sync_id: str, *, timeout_s: float | None = None) -> SyncPrepareResponse:
+        """Returns once the server holds every bucket of the sync (collective: its receive has finished), so the
+        commit will only apply; `timeout_s` bounds the wait (default the read timeout).
+
+        Raises:
+            ServerError: 400 `collective_failed` (the receive failed; the server discarded the sync) or
+                `missing_bucket`; 404 when the sync is gone.
+            ServerUnreachable: no answer within `timeout_s` (the server died or hangs).
+        """
+        body = SyncPrepareRequest(sync_id=sync_id)
+        extra = {"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}
+        response = self._request("POST", SYNC_PREPARE_PATH, json=body.model_dump(mode="json"), **extra)
+        return SyncPrepareResponse.model_validate_json(response.content)
+
+    def sync_commit(self, sync_id: str) -> SyncCommitResponse:
+        """Applies the staged sync atomically; afterwards every generation uses the new version."""
+        body = SyncCommitRequest(sync_id=sync_id)
+        response = self._request("POST", SYNC_COMMIT_PATH, json=body.model_dump(mode="json"))
+        return SyncCommitResponse.model_validate_json(response.content)
+
+    def sync_abort(self, sync_id: str) -> SyncAbortResponse:
+        """Discards the staged sync (idempotent)."""
+        body = SyncAbortRequest(sync_id=sync_id)
+        response = self._request("POST", SYNC_ABORT_PATH, json=body.model_dump(mode="json"))
+        return SyncAbortResponse.model_validate_json(response.content)
+
+    @contextmanager
+    def weight_sync(
+        self,
+        manifest: SyncManifest,
+        *,
+        timeout_s: float | None = None,
+        collective: CollectiveSpec | None = None,
+    ) -> Iterator[SyncSession]:
+        """Groups one sync: begin on entry, commit on a clean exit, abort when the body raises.
+
+        Committing only on a clean exit (never in `finally`) is what keeps a half-sent update from ever
+        being applied.
+
+        Example:
+            >>> with client.weight_sync(manifest) as session:  # doctest: +SKIP
+            ...     for spec, blob in buckets:
+            ...         session.upload(spec.index, blob)
+        """
+        session = SyncSession(
+            self, self.sync_begin(manifest, timeout_s=timeout_s, collective=collective), manifest
+        )
         try:
-            specs = transport.rendezvous(self._clients)
-            with ExitStack() as stack:
-                sessions = [
-                    stack.enter_context(c.weight_sync(manifest, collective=spec))
-                    for c, spec in zip(self._clients, specs, strict=True)
-                ]
-                transport.joined(sessions)
-                stages["begin_s"] = time.perf_counter() - started
-                transport.send(sessions, manifest, update.iter_tensors(), stages)
-                mark = time.perf_counter()
-        except SyncError:
-            transport.failed(urls)
+            yield session
+        except BaseException:
+            self._abort_quietly(session.sync_id)
             raise
+        session.committed = self.sync_commit(session.sync_id)
+
+    def _abort_quietly(self, sync_id: str) -> None:
+        # The server also discards idle syncs after its timeout, so a failed abort loses nothing.
+        try:
+            self.sync_abort(sync_id)
         except (ServerError, ServerUnreachable) as exc:
-            transport.failed(urls)
-            hint = ""
-            if isinstance(exc, ServerError) and exc.type == "shm_file_not_found":
-                hint = "; rollout.sync.shm_dir must equal the server's server.shm_dir"
-            raise SyncError(
-                f"weight sync v{update.version} ({update.mode}) to {exc.url} failed: {exc}{hint}"
-            ) from exc
-        stages["commit_s"] = time.perf_counter() - mark
-        committed = sessions[0].committed
-        self.last_sync_stages = stages | {
-            f"server_{k}": v for k, v in (committed.stages if committed else {}).items()
-        }
-        self.weight_version = update.version
-        return SyncReport(
-            mode=update.mode,
-            version=update.version,
-            bytes=manifest.nbytes,
-            seconds=time.perf_counter() - started,
-            transport=transport.name,  # type: ignore[arg-type]
-            endpoints=self.endpoints,
-        )
+            logger.warning("abort of sync %s on %s failed: %s", sync_id, self.base_url, exc)

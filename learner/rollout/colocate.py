@@ -1,11 +1,13 @@
-"""`ColocateRolloutSource`: rollouts from an engine inside the learner process (DESIGN.md §2, §5; STAGE2 §5, §16).
+"""`ColocateRolloutSource`: rollouts from an engine inside the learner process.
+
+See docs/ARCHITECTURE.md#rollout-source, #weight-sync; docs/ALGORITHM.md#rollout, #offload.
 
 The same `RolloutSource` seam as `ServerRolloutSource`, with the same schema objects in and out, and no HTTP:
 
 - backend `vllm` (`learner.rollout.colocate_vllm`): the rollout server's own `VllmEngine` class, built in
   this process and driven from one long-lived event-loop thread; weight updates are handed over in-process.
-  This is DESIGN.md §2's one allowed learner → server import, and it is lazy: `rollout_server` and vLLM are
-  imported only when a colocated vLLM engine is built.
+  This is the one allowed learner → server import (docs/ARCHITECTURE.md#the-two-services), and it is lazy:
+  `rollout_server` and vLLM are imported only when a colocated vLLM engine is built.
 - backend `hf` (`learner.rollout.colocate_hf`): generation with the training model itself (no copy), so its
   weights are always current and a sync only records the version. It reuses the server's pure decode loop
   (`rollout_server.engines.hf_decode`, also imported lazily).

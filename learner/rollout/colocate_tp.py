@@ -1,12 +1,12 @@
-"""Tensor-parallel groups of a colocated vLLM engine (spec/STAGE2.md §16, `rollout.vllm.tensor_parallel_size`).
+"""Tensor-parallel groups of a colocated vLLM engine (docs/ALGORITHM.md#offload).
 
-With `tensor_parallel_size = tp > 1`, the learner's ranks form consecutive groups of `tp` ranks; each group
-shares ONE engine whose TP workers run on the group's GPUs. vLLM's SPMD `external_launcher` mode (every
-torchrun rank holding one TP shard) needs vLLM's synchronous in-process engine core, while `VllmEngine`
-wraps `AsyncLLM`, whose engine core always runs in its own process — so the group's first rank (the
-leader) hosts the engine, with its TP workers placed on the group's devices. Per rollout the requests of
-the group are all-gathered, the leader generates the full list, every rank of the group receives the full
-list and keeps its own slice. Only leaders apply weight updates.
+With `rollout.vllm.tensor_parallel_size = tp > 1`, the learner's ranks form consecutive groups of `tp` ranks;
+each group shares ONE engine whose TP workers run on the group's GPUs. vLLM's SPMD `external_launcher` mode
+(every torchrun rank holding one TP shard) needs vLLM's synchronous in-process engine core, while `VllmEngine`
+wraps `AsyncLLM`, whose engine core always runs in its own process — so the group's first rank (the leader)
+hosts the engine, with its TP workers placed on the group's devices. Per rollout the requests of the group are
+all-gathered, the leader generates the full list, every rank of the group receives the full list and keeps its
+own slice. Only leaders apply weight updates.
 
 `tp_layout` is pure (unit-tested); `TpGroup` wraps the `torch.distributed` collectives.
 """

@@ -1,8 +1,8 @@
 """The `vllm` colocated backend: the rollout server's `VllmEngine`, built and driven inside the learner.
 
-DESIGN.md §2 allows this one learner → server import: `rollout_server.engines.vllm.VllmEngine` (with its
-update dataclasses and errors) is imported lazily, when a colocated vLLM engine is actually built, so a learner
-in server mode never loads vLLM or the server package.
+The one learner → server import allowed (docs/ARCHITECTURE.md#the-two-services):
+`rollout_server.engines.vllm.VllmEngine` (with its update dataclasses and errors) is imported lazily, when a
+colocated vLLM engine is actually built, so a learner in server mode never loads vLLM or the server package.
 
 Threading: `AsyncLLM` binds to the event loop it first runs on, so every engine call goes through ONE
 long-lived loop thread (`LoopThread`), never `asyncio.run` per call. Learner threads submit coroutines and

@@ -2,7 +2,7 @@
 
 | error | when | retried by `ServerRolloutSource.infer` |
 |---|---|---|
-| `ServerError` | any non-2xx answer, parsed from the DESIGN.md §3 envelope | 5xx: yes; 4xx: never |
+| `ServerError` | any non-2xx answer, parsed from the error envelope (docs/ARCHITECTURE.md#errors) | 5xx: yes; 4xx: never |
 | `ServerConflict` | 409 (adapter sync without LoRA, stale version); also a `SyncRejected` | never |
 | `ServerNotReady` | 503 (engine loading, or failed) | once, never split |
 | `ServerUnreachable` | transport failure (refused, reset, timeout) | once; split unless the connect failed |
@@ -86,7 +86,9 @@ class ServerUnreachable(RolloutClientError):
 
 
 class InferFailed(RolloutClientError):
-    """Requests could not be generated after the retry policy ran out (spec/STAGE2.md §5.5).
+    """Requests could not be generated after the retry policy ran out.
+
+    See docs/ALGORITHM.md#chunking-and-retries.
 
     Attributes:
         indices: global request indices that got no result.

@@ -99,7 +99,7 @@ def build_rollout_source(
     so rollout and teacher forcing share one encoding and one image cache.
     """
     if cfg.rollout.mode == "server":
-        from learner.rollout.client import ServerRolloutSource
+        from learner.rollout.server_source import ServerRolloutSource
 
         source = ServerRolloutSource.from_config(cfg.rollout)
         source.wait_healthy()

@@ -28,7 +28,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
-from learner.rollout.client import InferFailed, ServerRolloutSource
+from learner.rollout.server_source import InferFailed, ServerRolloutSource
 from learner.weights.export import adapter_state
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
 from shared_schemas.health import Health

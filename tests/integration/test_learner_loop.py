@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.config import ConfigError, RunConfig
 from learner.rollout.base import WeightUpdate
-from learner.rollout.client import InferFailed, ServerRolloutSource
+from learner.rollout.server_source import InferFailed, ServerRolloutSource
 from learner.rollout.colocate import ColocateRolloutSource
 from learner.rollout.colocate_hf import HfColocateBackend
 from learner.trainers.build import RunParts, build_run

@@ -30,7 +30,7 @@ import torch
 
 from learner.config import RunConfig
 from learner.policy import load_policy, vl_parts
-from learner.rollout.client import ServerRolloutSource
+from learner.rollout.server_source import ServerRolloutSource
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.conftest import ServerProcess, start_server
 from tests.integration.learner_fixtures import run_config

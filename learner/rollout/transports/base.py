@@ -34,7 +34,7 @@ from shared_schemas.registry import registrar
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.server_api import RolloutClient, SyncSession
+    from learner.rollout.client import RolloutClient, SyncSession
 
 __all__ = ["TRANSPORTS", "Transport", "TransportOptions", "build_transport", "register"]
 

@@ -35,13 +35,13 @@ import torch
 from learner.rollout.base import SyncError
 from learner.rollout.collective import CollectiveError, CollectiveSender, flat_bucket
 from learner.rollout.errors import ServerError, ServerUnreachable
-from learner.rollout.server_api import RolloutClient
+from learner.rollout.client import RolloutClient
 from learner.rollout.sync_stream import BucketParts, is_loopback_url
 from learner.rollout.transports.base import PartsTransport, TensorItems, Transport, TransportOptions, register
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.server_api import SyncSession
+    from learner.rollout.client import SyncSession
 
 __all__ = ["DeviceBucketPacker", "GlooTransport", "NcclTransport"]
 

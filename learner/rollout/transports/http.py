@@ -10,7 +10,7 @@ from learner.rollout.transports.base import PartsTransport, register
 from shared_schemas.sync import BucketSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.server_api import SyncSession
+    from learner.rollout.client import SyncSession
 
 __all__ = ["HttpTransport"]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
-from learner.rollout.client import (
+from learner.rollout.server_source import (
     InferFailed,
     RolloutClient,
     ServerConflict,
