@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from learner.stage2.buffer import RolloutBufferConfig
+from learner.stage2.rollout_reuse import RolloutBufferConfig
 from learner.stage2.guard import RepeatTerminateConfig
 from learner.stage2.losses import CoordLossConfig, LossConfig
 from learner.stage2.match import MatchingConfig

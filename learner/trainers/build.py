@@ -20,7 +20,7 @@ from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
 from learner.data.records import build_sample, load_records, record_user_text
 from learner.policy import Policy, load_policy
 from learner.rollout.base import RolloutSource
-from learner.stage2.buffer import RolloutBuffer
+from learner.stage2.rollout_reuse import RolloutBuffer
 from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
 from learner.stage2.prompt_encoding import PromptEncoder

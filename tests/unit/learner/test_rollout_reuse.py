@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from learner.stage2.buffer import (
+from learner.stage2.rollout_reuse import (
     BufferConsistencyError,
     RepeatingLoader,
     RolloutBuffer,
