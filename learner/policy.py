@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from learner.yaml_loader import ConfigError
+from rollout_server.vlm_shim import SHIM_DIR as _SHIM_DIR
 from shared_schemas.checkpoints import VL_MODEL_TYPES, is_vl_checkpoint
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-_SHIM_DIR = REPO_ROOT / "scripts" / "vlm_shim"
-
 """`config.model_type` of the vision-language families the learner trains."""
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Default adapter targets of a text-only model (module-name suffixes)."""

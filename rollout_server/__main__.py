@@ -17,7 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from rollout_server.config import REPO_ROOT, ConfigError, ServerConfig, load_server_config
+from rollout_server.config import ConfigError, ServerConfig, load_server_config
+from rollout_server.vlm_shim import SHIM_DIR
 from shared_schemas.checkpoints import is_vl_checkpoint
 
 logger = logging.getLogger("rollout_server")
@@ -72,13 +73,12 @@ def export_engine_env(cfg: ServerConfig) -> None:
     """Environment the engine reads at start (set here, never deep in libraries).
 
     A Qwen-VL checkpoint on a host without torchvision (this repository's CPU machines) gets the import shim of
-    `scripts/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with torchvision
-    never load it.
+    `rollout_server/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with
+    torchvision never load it.
     """
     if is_vl_checkpoint(cfg.model_path):
-        shim = REPO_ROOT / "scripts" / "vlm_shim"
-        if str(shim) not in sys.path:
-            sys.path.insert(0, str(shim))
+        if str(SHIM_DIR) not in sys.path:
+            sys.path.insert(0, str(SHIM_DIR))
         import tinyvlm_compat
 
         tinyvlm_compat.install_everywhere()

@@ -6,8 +6,9 @@ vision special tokens plus the 1000 single-id coord tokens. The processor keeps 
 notes/tiny_vlm_on_cpu.md (text head_dim 64, mrope sections summing to head_dim/2, deepstack index below the
 vision depth, square position-embedding table, vision config matching the image processor).
 
-Loading the result without torchvision needs the import shim in `scripts/vlm_shim/` on `PYTHONPATH` (every
-process, vLLM's architecture-inspection subprocess included); the builder installs it in-process itself.
+Loading the result without torchvision needs the import shim in `rollout_server/vlm_shim/` on `PYTHONPATH`
+(every process, vLLM's architecture-inspection subprocess included); the builder installs it in-process
+itself.
 
 Presets (``PRESETS``): ``tiny-qwen3-vl`` is the image-path test model above; ``tiny-qwen3-vl-demo`` is the image
 demo's model (5M parameters, 192x192 images → 36 image tokens), built twice: ``tiny-qwen3-vl-demo-init`` (random)
@@ -34,7 +35,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SCRIPTS = Path(__file__).resolve().parent
-SHIM_DIR = SCRIPTS / "vlm_shim"
+SHIM_DIR = SCRIPTS.parent / "rollout_server" / "vlm_shim"
 """Folder to put on `PYTHONPATH` so every process loads the torchvision-free shim."""
 MODEL_NAME = "tiny-qwen3-vl"
 RECIPE_VERSION = 1

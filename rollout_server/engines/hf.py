@@ -127,7 +127,7 @@ class HfEngine:
     def from_config(cls, cfg: ServerConfig) -> HfEngine:
         """Loads model and tokenizer (and a VL model's processor) from `cfg.model_path` (local files only;
         blocking, ~seconds). Without torchvision a Qwen-VL processor needs the import shim that
-        `python -m rollout_server` installs for a VL checkpoint (`scripts/vlm_shim/`)."""
+        `python -m rollout_server` installs for a VL checkpoint (`rollout_server/vlm_shim/`)."""
         from transformers import (
             AutoModelForCausalLM,
             AutoModelForImageTextToText,

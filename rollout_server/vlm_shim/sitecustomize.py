@@ -3,7 +3,8 @@
 vLLM inspects model architectures in a subprocess that does not re-run the caller's script, so importing the
 shim in the test script is not enough; `sitecustomize` runs at interpreter start in every process (registry
 inspection, EngineCore, workers). Test environments only: it switches itself off when torchvision imports.
-See notes/tiny_vlm_on_cpu.md.
+What the shim patches and why: `tinyvlm_compat`'s docstring; when it is installed: docs/RUNBOOK.md ("Hosts
+without torchvision").
 """
 
 try:
