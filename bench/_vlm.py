@@ -33,7 +33,7 @@ for _path in (REPO, REPO / "scripts"):
 
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.labels import build_segment  # noqa: E402
-from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder  # noqa: E402
+from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder  # noqa: E402
 from learner.stage2.segment import Segment  # noqa: E402
 from learner.stage2.targets import YTrain  # noqa: E402
 

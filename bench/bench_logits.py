@@ -228,7 +228,7 @@ def vlm_layouts(
 
     from _vlm import build_vlm, forward_attention, image_messages, image_segment, image_sizes, write_images
 
-    from learner.stage2.packing import pack_segments, pad_segments
+    from learner.batching.packing import pack_segments, pad_segments
 
     parts = build_vlm(args.smoke, device, train=True, gradient_checkpointing=args.gradient_checkpointing)
     sizes = image_sizes(args.smoke)

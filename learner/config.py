@@ -19,12 +19,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from learner.stage2.rollout_reuse import RolloutBufferConfig
-from learner.stage2.guard import RepeatTerminateConfig
+from learner.rollout.repeat_guard import RepeatTerminateConfig
 from learner.stage2.losses import CoordLossConfig, LossConfig
 from learner.stage2.match import MatchingConfig
-from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
-from learner.stage2.packing import PackingConfig
-from learner.stage2.seeds import MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
+from learner.batching.packing import PackingConfig
+from learner.rollout.seeds import MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP
 from learner.stage2.targets import TargetsConfig
 from learner.weights.sync import SyncConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends

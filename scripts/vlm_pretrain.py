@@ -8,7 +8,7 @@ still well below 0.5, so that rollout-matching SFT has room to show learning. Th
 ``build_tiny_vlm.py`` copies the asset and re-runs this script only when the asset is missing.
 
 One training row is exactly what the learner teacher-forces for an empty rollout: the rollout prompt
-(``learner.stage2.messages.rollout_messages`` of ``build_sample(record, include_assistant=True)``: the system
+(``learner.data.messages.rollout_messages`` of ``build_sample(record, include_assistant=True)``: the system
 prompt, then the user turn with the image part first and the user prompt, then ``<|im_start|>assistant\\n``),
 the GT answer (``serialize_objects``, §4) and ``<|im_end|>``. The prompts default to the image demo's short ones
 (``learner.demo_data.images.DEMO_SYSTEM_PROMPT`` / ``DEMO_USER_PROMPT``, also ``prompts:`` of
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SHIM_DIR = REPO / "rollout_server" / "vlm_shim"
+SHIM_DIR = Path(__file__).resolve().parent / "vlm_shim"
 for _p in (REPO, SHIM_DIR):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
@@ -64,7 +64,7 @@ from learner.data.records import build_sample, load_records  # noqa: E402
 from learner.demo_data.images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.match import MatchingConfig  # noqa: E402
-from learner.stage2.messages import rollout_messages  # noqa: E402
+from learner.data.messages import rollout_messages  # noqa: E402
 from learner.stage2.pipeline import eval_metrics, score_rollout  # noqa: E402
 from shared_schemas.infer import Choice, InferResult  # noqa: E402
 

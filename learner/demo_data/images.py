@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 # The image demo's prompts (`prompts.system` / `prompts.user` of configs/demo_vlm_cpu.yaml, and what
 # scripts/vlm_pretrain.py trains the stage-1 asset on). Short on purpose: with the default prompts
-# (learner.stage2.messages) the system text alone is 304 tokens of a 421-token prompt, which triples a CPU step
+# (learner.data.messages) the system text alone is 304 tokens of a 421-token prompt, which triples a CPU step
 # of the 5M-parameter demo model; these give a 93-token prompt (36 of them image tokens).
 DEMO_SYSTEM_PROMPT = "Detect objects: one JSON object, desc and bbox_2d or poly, <|coord_N|> coordinates."
 DEMO_USER_PROMPT = "List every object."

@@ -6,7 +6,7 @@ Layout of a micro-batch of ``B`` completions (prompt ``P_i`` + completion ``C_i`
   natural position (no position ids needed; causal attention never sees the padding on the right);
 - Qwen-VL policies (rows with M-RoPE positions): ``position_ids`` ``[4, B, T]`` — row 0 the text positions,
   rows 1–3 the prompt's M-RoPE positions continued over the completion from ``max + 1``
-  (:func:`learner.stage2.packed_batch.segment_rope_positions`, the layout of the stage-2 padded rows), and the
+  (:func:`learner.batching.packed_batch.segment_rope_positions`, the layout of the stage-2 padded rows), and the
   vision tensors (``pixel_values``, ``image_grid_thw``) of the rows concatenated in row order (the model
   consumes images placeholder by placeholder, left to right, row by row); every completion of a prompt
   repeats its prompt's tensors;
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from learner.stage2.packed_batch import segment_rope_positions
+from learner.batching.packed_batch import segment_rope_positions
 
 __all__ = ["CompletionRow", "collate_rows", "completion_logps", "selective_log_softmax"]
 

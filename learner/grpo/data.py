@@ -18,10 +18,10 @@ reward row is ``{"task_mode": "detection", "objects": [...], "sample_id": ...}``
   :func:`learner.data.records.resolve_image`). Image parts may also sit in ``messages``
   (``{"type": "image", "image": ref}``; relative refs resolved the same way); a part without a ref takes the
   next ``images`` entry; when ``messages`` has no image part, the images go first in the first user turn (the
-  stage-2 layout of ``learner.stage2.messages.build_messages``).
+  stage-2 layout of ``learner.data.messages.build_messages``).
 
 Prompts are encoded ONCE per row on the learner with the run's prompt encoder
-(:class:`learner.stage2.prompt_encoding.PromptEncoder`: chat template, and for image rows the processor's
+(:class:`learner.data.prompt_encoding.PromptEncoder`: chat template, and for image rows the processor's
 placeholder expansion and the M-RoPE positions). A text row is sent to the server as those ids
 (``prompt_token_ids``); an image row is sent as its ``messages`` (the server templates and expands the images
 itself — already-expanded ids would be expanded twice) and the ids the server returns must equal the learner's
@@ -53,7 +53,7 @@ from torch.utils.data import Dataset
 from learner.data.errors import DataRecordError
 from learner.data.records import build_sample, record_user_text, resolve_image, validate_record
 from learner.rewards.detection import DETECTION_TASK
-from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from shared_schemas.infer import iter_image_refs
 
 __all__ = [
@@ -72,7 +72,7 @@ _IMAGE_PART_KEYS = ("image", "image_url")
 
 
 class EncodedLike(Protocol):
-    """What the prompt encoder returns (:class:`learner.stage2.prompt_encoding.EncodedPrompt`)."""
+    """What the prompt encoder returns (:class:`learner.data.prompt_encoding.EncodedPrompt`)."""
 
     ids: Sequence[int]
     rope_positions: tuple[tuple[int, ...], ...] | None

@@ -39,7 +39,7 @@ from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.stage2.prompt_encoding import EncodedPrompt, PromptEncoder
+from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.trainers.build import all_ranks_ok
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.trainers.strategy import StrategyCallback

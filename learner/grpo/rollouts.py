@@ -3,7 +3,7 @@
 One generate request per prompt with ``n = num_generations``; request ``i`` of a round carries the global
 prompt index ``first_index + i`` (its position in the step's generation batch, resample rounds continuing
 after the regular round), the explicit per-request seed ``prompt_seed`` (the one seed rule of
-``learner.stage2.seeds`` with micro-step 0) and the request id ``grpo-s<step>-p<prompt_index>``. A text prompt is sent as its ``prompt_token_ids``; an image prompt as its
+``learner.rollout.seeds`` with micro-step 0) and the request id ``grpo-s<step>-p<prompt_index>``. A text prompt is sent as its ``prompt_token_ids``; an image prompt as its
 ``messages`` with the image parts (the server templates it and expands the images itself: expanded ids would
 be expanded a second time). Results are matched back by index AND request id (a mismatch raises), never by
 position; each result must hold exactly ``n`` choices and return the prompt ids the learner encoded (for an
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from learner.grpo.data import PromptRow
 from learner.grpo.sections import GrpoConfig
-from learner.stage2.seeds import request_seed
+from learner.rollout.seeds import request_seed
 from shared_schemas.infer import FinishReason, InferBatch, InferRequest, InferResult, RequestConfig
 
 __all__ = [
@@ -40,7 +40,7 @@ class GenerationError(RuntimeError):
 
 def prompt_seed(seed: int, global_step: int, prompt_index: int) -> int:
     """``(training.seed + global_step · 1_000_003 + prompt_index) & 0x7FFFFFFF``: the one per-request seed rule
-    (``learner.stage2.seeds.request_seed``) with micro-step 0: every request of a GRPO step, resample rounds
+    (``learner.rollout.seeds.request_seed``) with micro-step 0: every request of a GRPO step, resample rounds
     included, has its own prompt index."""
     if global_step < 0 or prompt_index < 0:
         raise ValueError(f"global_step {global_step} and prompt_index {prompt_index} must be >= 0")

@@ -61,7 +61,7 @@ from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, assemble_window, slot_tags
 from learner.policy import part_param_groups
 from learner.rollout.base import RolloutSource
-from learner.stage2.prompt_encoding import PromptEncoder
+from learner.data.prompt_encoding import PromptEncoder
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.overlap import WindowLookahead
 from learner.weights.sync import WeightSyncPolicy

@@ -167,7 +167,7 @@ def _warm_start_vl(
     from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
     from learner.grpo.data import attach_images
     from learner.policy import load_policy
-    from learner.stage2.prompt_encoding import PromptEncoder
+    from learner.data.prompt_encoding import PromptEncoder
 
     policy = load_policy(
         ModelConfig(path=str(model_dir), freeze_vision=False, freeze_aligner=False), model_dir

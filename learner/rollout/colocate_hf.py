@@ -10,7 +10,7 @@ repeat-terminate guard (§5.4, the shared `should_terminate` rule), stop strings
 
 During a call the model is put in eval mode under `torch.no_grad` (dropout off, gradient checkpointing
 inactive) and its previous mode is restored afterwards, also on error. The learner's packing is done by the
-batch builder (`learner.stage2.packed_batch`), not by a model flag, so there is no padding-free state to
+batch builder (`learner.batching.packed_batch`), not by a model flag, so there is no padding-free state to
 switch off: the decode loop always passes an explicit attention mask and position ids.
 
 Prompt ids come from `rollout_server.engines.hf_prompts.MessageEncoder.encode`, the encoder of the
@@ -64,7 +64,7 @@ class HfColocateBackend:
         batch_size: rows per left-padded decode call (`rollout.decoding.rollout_generate_batch_size`).
         max_model_len: prompt + new tokens limit (`rollout.vllm.max_model_len`); None = unchecked.
         default_seed: base seed when a batch carries neither `seeds` nor `request_config.seed`.
-        encoder: the run's `PromptEncoder` (`learner.stage2.prompt_encoding`); image prompts need one built
+        encoder: the run's `PromptEncoder` (`learner.data.prompt_encoding`); image prompts need one built
             with the model's processor (`PromptEncoder.for_model`). None = text prompts through the chat
             template (an uncached `rollout_server.engines.hf_prompts.MessageEncoder` of the tokenizer).
 

@@ -23,7 +23,7 @@ from learner.rollout.base import RolloutSource
 from learner.stage2.rollout_reuse import RolloutBuffer
 from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
-from learner.stage2.prompt_encoding import PromptEncoder
+from learner.data.prompt_encoding import PromptEncoder
 from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallback
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner

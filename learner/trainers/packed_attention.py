@@ -1,6 +1,6 @@
 """Attention for the learner's teacher-forced forward: one causal SDPA call per packed segment, no mask.
 
-Why: a packed row (`learner.stage2.packed_batch.pack_segments`) holds k segments of a micro-batch in one
+Why: a packed row (`learner.batching.packed_batch.pack_segments`) holds k segments of a micro-batch in one
 padding-free row. With `attn_implementation="sdpa"` transformers isolates them with a block-diagonal mask of
 the WHOLE row, `[1, 1, T, T]` — built once per forward (T² bytes) and then attended in full: every query
 scores all T keys, so attention costs T² instead of the segments' Σ Lᵢ², and SDPA with an arbitrary mask

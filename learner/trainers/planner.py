@@ -18,10 +18,10 @@ from typing import Any
 from learner.config import DecodingConfig, Stage2Config
 from learner.metrics import StepMetrics
 from learner.rollout.base import RolloutSource
-from learner.stage2.packed_batch import pack_segments, pad_segments
-from learner.stage2.packing import CarryBuffer
+from learner.batching.packed_batch import pack_segments, pad_segments
+from learner.batching.packing import CarryBuffer
 from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
-from learner.stage2.seeds import request_seed
+from learner.rollout.seeds import request_seed
 from learner.trainers.overlap import Rollouts
 from shared_schemas.infer import (
     Choice,

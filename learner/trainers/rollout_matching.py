@@ -29,7 +29,7 @@ from learner.device_memory import peak_memory_metrics
 from learner.metrics import StepMetrics
 from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
-from learner.stage2.offload import offload_context
+from learner.rollout.offload import offload_context
 from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
 from learner.trainers.callbacks import OverlapCallback

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from learner.rollout.base import RolloutSource, SyncError, SyncReport, WeightUpdate
-from learner.stage2.seeds import MICRO_STRIDE, STEP_STRIDE, request_seed
+from learner.rollout.seeds import MICRO_STRIDE, STEP_STRIDE, request_seed
 from learner.weights.export import (
     adapter_state,
     exported_state,
@@ -287,7 +287,7 @@ class WeightSyncPolicy:
 
 
 def stage2_seed_plan(seed: int) -> Callable[[int], str]:
-    """The stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`learner.stage2.seeds`)."""
+    """The stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`learner.rollout.seeds`)."""
 
     def plan(global_step: int) -> str:
         base = request_seed(seed, global_step, 0, 0)

@@ -150,7 +150,7 @@ def prompt_rows(train_file: Path, model_dir: Path) -> dict[str, tuple[dict[str, 
     from learner.config import ModelConfig
     from learner.grpo.data import load_prompt_rows
     from learner.policy import load_policy
-    from learner.stage2.prompt_encoding import PromptEncoder
+    from learner.data.prompt_encoding import PromptEncoder
 
     policy = load_policy(ModelConfig(path=str(model_dir)), model_dir)
     encoder = PromptEncoder.for_model(policy.model, policy.tokenizer, policy.processor)

@@ -18,7 +18,7 @@ import torch
 from learner.stage2.coords import CoordVocab
 from learner.stage2.labels import build_labels
 from learner.stage2.losses import CoordLossConfig, step_loss_sums
-from learner.stage2.packing import pack_segments, pad_segments
+from learner.batching.packing import pack_segments, pad_segments
 from learner.stage2.segment import Segment, SegmentMeta
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from learner.stage2.losses import CoordLossConfig, micro_loss, read_columns, step_loss_sums
-from learner.stage2.packed_batch import pack_segments, pad_segments
+from learner.batching.packed_batch import pack_segments, pad_segments
 from tests.unit.learner.segment_factory import COORD_IDS, EOT, PAD, VOCAB_SIZE, coord, make_segment
 
 CFG = CoordLossConfig()

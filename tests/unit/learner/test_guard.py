@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from learner.stage2.guard import RepeatTerminateConfig
+from learner.rollout.repeat_guard import RepeatTerminateConfig
 from shared_schemas.repeat_guard import should_terminate
 
 A, B, C, D = 11, 12, 13, 14

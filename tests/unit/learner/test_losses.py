@@ -20,7 +20,7 @@ from learner.stage2.losses import (
     step_loss_sums,
     zero_loss,
 )
-from learner.stage2.packed_batch import pad_segments
+from learner.batching.packed_batch import pad_segments
 from tests.unit.learner.segment_factory import COORD_IDS, EOT, PAD, VOCAB_SIZE, coord, make_segment
 
 V_SPEC = 2000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from learner.data.errors import DataRecordError
-from learner.stage2.messages import (
+from learner.data.messages import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_PROMPT,
     build_messages,

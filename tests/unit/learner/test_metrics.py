@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from learner.metrics import TIME_KEYS, StepMetrics, prf
-from learner.stage2.packing import CarryBuffer
+from learner.batching.packing import CarryBuffer
 from tests.unit.learner.segment_factory import sized_segment
 
 WORKED_EXAMPLE = {  # §21: 1 sample, 3 GT, 2 valid preds (+2 invalid), 1 TP, 6 candidate pairs, 5 rejections
@@ -210,7 +210,7 @@ def test_loss_sums_names_are_registered() -> None:
     import torch
 
     from learner.stage2.losses import CoordLossConfig, step_loss_sums
-    from learner.stage2.packing import pack_segments
+    from learner.batching.packing import pack_segments
     from tests.unit.learner.segment_factory import COORD_IDS, EOT, VOCAB_SIZE, coord, make_segment
 
     batch = pack_segments([make_segment([7], [coord(4)], [9, coord(8)], prefix_targets={0: 5})])

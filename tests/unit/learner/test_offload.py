@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.stage2 import offload
-from learner.stage2.offload import offload_context
+from learner.rollout import offload
+from learner.rollout.offload import offload_context
 
 
 def _model_and_optimizer(device: str = "cpu"):

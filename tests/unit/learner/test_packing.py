@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from learner.stage2.labels import SegmentTooLongError, build_labels
 from learner.stage2.losses import CoordLossConfig, step_loss_sums
-from learner.stage2.packing import (
+from learner.batching.packing import (
     CarryBuffer,
     PackingBufferOverflowError,
     PackingConfig,

@@ -6,7 +6,7 @@ import pytest
 
 from learner.config import RunConfig
 from learner.metrics import StepMetrics
-from learner.stage2.seeds import request_seed
+from learner.rollout.seeds import request_seed
 from learner.trainers.build import _sample_context
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner

@@ -15,7 +15,7 @@ from learner.data.records import (
     resolve_image,
     validate_record,
 )
-from learner.stage2.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 
 REC = {
     "images": ["img/000123.jpg"],

@@ -21,7 +21,7 @@ from learner.stage2.rollout_reuse import (
     fingerprint,
     repeated_len,
 )
-from learner.stage2.packing import pack_segments
+from learner.batching.packing import pack_segments
 from tests.unit.learner.segment_factory import sized_segment
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.stage2.seeds import check_seed_layout, request_index, request_seed
+from learner.rollout.seeds import check_seed_layout, request_index, request_seed
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from learner.grpo.rollouts import request_config
 from learner.grpo.sections import GrpoConfig
 from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import PRESETS
-from learner.stage2.prompt_encoding import PromptEncoder
+from learner.data.prompt_encoding import PromptEncoder
 from learner.trainers.build import load_samples
 from learner.yaml_loader import load_yaml_with_extends
 from shared_schemas.health import Health

@@ -17,7 +17,7 @@ record loader made relative paths absolute from `data.image_root`).
 Qwen-VL models place tokens with multi-axis rotary positions (M-RoPE: time, height, width). The encoder
 computes the prompt's 3-row positions with the model's own rope-index function (`get_rope_index`), once per
 prompt; the text that follows a prompt continues every row from ``max(prompt positions) + 1``, so a segment's
-positions are the prompt's plus a continuation (`learner.stage2.packed_batch.segment_rope_positions`) — what `get_rope_index` returns for
+positions are the prompt's plus a continuation (`learner.batching.packed_batch.segment_rope_positions`) — what `get_rope_index` returns for
 the whole segment (tested).
 
 Encodings are cached per rollout-buffer window (`new_window()` clears the cache): the E-step's rollout (a

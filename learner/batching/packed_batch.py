@@ -12,7 +12,7 @@ causal mask built from the same restarts — checked by ``tests/integration/test
 Models with multi-axis rotary positions (Qwen-VL, M-RoPE) get ``position_ids`` of shape ``[4, B, T]``:
 row 0 is the text position above (restarting per packed segment, which is what transformers reads to isolate
 packed segments), rows 1–3 the segment's own M-RoPE positions (t, h, w) — the prompt's, computed by the
-model's rope-index function at encoding time (`learner.stage2.prompt_encoding`), continued over the answer by
+model's rope-index function at encoding time (`learner.data.prompt_encoding`), continued over the answer by
 :func:`segment_rope_positions`. So a packed segment sees the positions it would see alone. Vision tensors
 (``pixel_values``, ``image_grid_thw``) are concatenated in segment order, which is the order the model
 consumes images in (placeholders left to right).

@@ -3,7 +3,7 @@
 Only teacher-forced segments are packed, never rollouts. Per micro-step the trainer inserts the
 micro-batch's segments into the rank-local :class:`CarryBuffer`, takes one selection (always holding the
 oldest segment, never worse than FIFO) and concatenates it with
-:func:`learner.stage2.packed_batch.pack_segments` into one padding-free row. Leftovers wait for later
+:func:`learner.batching.packed_batch.pack_segments` into one padding-free row. Leftovers wait for later
 micro-steps; at the end of training they are discarded (``drop_last`` MUST be true).
 
 Selection uses ``binpacking.to_constant_volume`` for the ``constant_volume`` step of §14.3: binpacking
@@ -23,7 +23,7 @@ import binpacking
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from learner.stage2.labels import SegmentTooLongError, segment_too_long_message
-from learner.stage2.packed_batch import PackedBatch, pack_segments, pad_segments
+from learner.batching.packed_batch import PackedBatch, pack_segments, pad_segments
 from learner.stage2.segment import Segment
 
 __all__ = [
