@@ -369,8 +369,8 @@ def _kill_child(
     base: str, preset: str, bucket_mb: int, transport: str, timeout_s: float, device: str, kill_at: int
 ) -> None:
     """The learner that dies mid-broadcast (see `kill_check`)."""
-    from learner.rollout.server_source import ServerRolloutSource
     from learner.rollout.collective import CollectiveSender
+    from learner.rollout.server_source import ServerRolloutSource
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     model = make_model(preset, device, seed=2)

@@ -12,7 +12,7 @@ they are inside the model's vocabulary.
   448x448 image gives 196 image tokens and an 896x896 one 784.
 
 Prompts go through the learner's `PromptEncoder` (processor-expanded ids, vision tensors, M-RoPE positions),
-and teacher-forced segments through `learner.stage2.labels.build_segment`, as in training.
+and teacher-forced segments through `learner.stage2.targets.labels.build_segment`, as in training.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ for _path in (REPO, REPO / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from learner.stage2.coords import CoordVocab  # noqa: E402
-from learner.stage2.labels import build_segment  # noqa: E402
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder  # noqa: E402
-from learner.stage2.segment import Segment  # noqa: E402
-from learner.stage2.targets import YTrain  # noqa: E402
+from learner.stage2.coords import CoordVocab  # noqa: E402
+from learner.stage2.targets.labels import build_segment  # noqa: E402
+from learner.stage2.targets.segment import Segment  # noqa: E402
+from learner.stage2.targets.y_train import YTrain  # noqa: E402
 
 __all__ = [
     "QWEN3_VL_2B_TEXT",

@@ -54,11 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from learner.stage2.coords import CoordVocab  # noqa: E402
-from learner.stage2.labels import build_labels  # noqa: E402
-from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
-from learner.stage2.segment import Segment, SegmentMeta  # noqa: E402
+from learner.stage2.coords import CoordVocab  # noqa: E402
+from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
+from learner.stage2.targets.labels import build_labels  # noqa: E402
+from learner.stage2.targets.segment import Segment, SegmentMeta  # noqa: E402
 from learner.trainers.packed_attention import packed_attention  # noqa: E402
 from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
 

@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from learner.stage2.coords import CoordVocab, anti_collapse, canonicalize_poly, coord_token  # noqa: E402
 from learner.stage2.format import serialize_entry  # noqa: E402
 from learner.stage2.gt import extract_gt, order_objects  # noqa: E402
-from learner.stage2.match import MatchingConfig, match  # noqa: E402
-from learner.stage2.parse import parse_rollout  # noqa: E402
-from learner.stage2.targets import TargetsConfig, build_y_train  # noqa: E402
+from learner.stage2.matching.match import MatchingConfig, match  # noqa: E402
+from learner.stage2.parse.parser import parse_rollout  # noqa: E402
+from learner.stage2.targets.y_train import TargetsConfig, build_y_train  # noqa: E402
 
 TARGET_MS = 2.0
 """Per-sample budget at 50 objects (issue "Learner algorithms", bench)."""

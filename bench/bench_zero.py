@@ -44,8 +44,15 @@ REPORT = re.compile(
 
 
 def write_config(
-    out: Path, strategy: str, model: Path, steps: int, warmup: int, cuda: bool, train: Path | None,
-    server_url: str | None = None, text: bool = False,
+    out: Path,
+    strategy: str,
+    model: Path,
+    steps: int,
+    warmup: int,
+    cuda: bool,
+    train: Path | None,
+    server_url: str | None = None,
+    text: bool = False,
 ) -> Path:
     training: dict[str, Any] = {
         "max_steps": steps,

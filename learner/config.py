@@ -18,14 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from learner.stage2.rollout_reuse import RolloutBufferConfig
-from learner.rollout.repeat_guard import RepeatTerminateConfig
-from learner.stage2.losses import CoordLossConfig, LossConfig
-from learner.stage2.match import MatchingConfig
-from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from learner.batching.packing import PackingConfig
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
+from learner.rollout.repeat_guard import RepeatTerminateConfig
 from learner.rollout.seeds import MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP
-from learner.stage2.targets import TargetsConfig
+from learner.stage2.losses import CoordLossConfig, LossConfig
+from learner.stage2.matching.match import MatchingConfig
+from learner.stage2.rollout_reuse import RolloutBufferConfig
+from learner.stage2.targets.y_train import TargetsConfig
 from learner.weights.sync import SyncConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SHIM_DIR = Path(__file__).resolve().parent / "vlm_shim"
+SHIM_DIR = REPO / "rollout_server" / "vlm_shim"
 for _p in (REPO, SHIM_DIR):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
@@ -60,11 +60,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from learner.data.messages import rollout_messages  # noqa: E402
 from learner.data.records import build_sample, load_records  # noqa: E402
 from learner.demo_data.images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
-from learner.stage2.match import MatchingConfig  # noqa: E402
-from learner.data.messages import rollout_messages  # noqa: E402
+from learner.stage2.matching.match import MatchingConfig  # noqa: E402
 from learner.stage2.pipeline import eval_metrics, score_rollout  # noqa: E402
 from shared_schemas.infer import Choice, InferResult  # noqa: E402
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from learner.stage2.segment import Segment
+from learner.stage2.targets.segment import Segment
 
 __all__ = ["PackedBatch", "pack_segments", "pad_segments", "segment_rope_positions"]
 

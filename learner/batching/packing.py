@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import binpacking
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from learner.stage2.labels import SegmentTooLongError, segment_too_long_message
 from learner.batching.packed_batch import PackedBatch, pack_segments, pad_segments
-from learner.stage2.segment import Segment
+from learner.stage2.targets.labels import SegmentTooLongError, segment_too_long_message
+from learner.stage2.targets.segment import Segment
 
 __all__ = [
     "CarryBuffer",

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from learner.data.errors import DataRecordError
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT, build_messages
 from learner.stage2.format import serialize_objects
 from learner.stage2.gt import GTObject, MalformedObjectError, order_objects, parse_gt_object
-from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT, build_messages
 from shared_schemas.images import ImageRefError, local_image_path
 
 __all__ = [

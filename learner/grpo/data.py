@@ -51,9 +51,9 @@ from typing import Any, Protocol
 from torch.utils.data import Dataset
 
 from learner.data.errors import DataRecordError
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from learner.data.records import build_sample, record_user_text, resolve_image, validate_record
 from learner.rewards.detection import DETECTION_TASK
-from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from shared_schemas.infer import iter_image_refs
 
 __all__ = [

@@ -25,6 +25,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import RunConfig, check_runtime_guards
 from learner.data.errors import DataRecordError
+from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
 from learner.grpo.data import GenerationSlots, PromptSet, load_prompt_rows
 from learner.grpo.generation import GroupGenerator, ResamplePool
@@ -39,7 +40,6 @@ from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.trainers.build import all_ranks_ok
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.trainers.strategy import StrategyCallback

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from learner.data.prompt_encoding import PromptEncoder
 from learner.device_memory import peak_memory_metrics
 from learner.grpo.advantages import compute_advantages, sequence_kl
 from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
@@ -61,7 +62,6 @@ from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, assemble_window, slot_tags
 from learner.policy import part_param_groups
 from learner.rollout.base import RolloutSource
-from learner.data.prompt_encoding import PromptEncoder
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.overlap import WindowLookahead
 from learner.weights.sync import WeightSyncPolicy

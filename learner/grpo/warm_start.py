@@ -163,11 +163,11 @@ def _warm_start_vl(
 ) -> Path:
     """The Qwen-VL warm start (module docstring): rows are encoded by the GRPO data loader's rules."""
     from learner.config import ModelConfig
+    from learner.data.prompt_encoding import PromptEncoder
     from learner.data.records import resolve_image
     from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
     from learner.grpo.data import attach_images
     from learner.policy import load_policy
-    from learner.data.prompt_encoding import PromptEncoder
 
     policy = load_policy(
         ModelConfig(path=str(model_dir), freeze_vision=False, freeze_aligner=False), model_dir

@@ -2,9 +2,9 @@
 with the stage-2 machinery of rollout-matching SFT.
 
 One :class:`DetectionSample` per completion: the token-aligned strict parser
-(:func:`learner.stage2.parse.parse_rollout`, on the sampled token ids, or on ``encode(text)`` when only the text
+(:func:`learner.stage2.parse.parser.parse_rollout`, on the sampled token ids, or on ``encode(text)`` when only the text
 is known), the GT extraction of §7 (:func:`learner.stage2.gt.extract_gt`: malformed GT objects are left out) and
-the Hungarian matching of §8 with the maskIoU gate (:func:`learner.stage2.match.match`, ``stage2.matching``).
+the Hungarian matching of §8 with the maskIoU gate (:func:`learner.stage2.matching.match.match`, ``stage2.matching``).
 Predictions are the parser's VALID objects, as in the held-out ``eval_rollout_f1``; ``desc`` plays no part in
 matching (§8). The rewards are pure ``(DetectionSample) -> float``:
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.detok import encode_text
 from learner.stage2.gt import extract_gt
-from learner.stage2.match import MatchingConfig, match
-from learner.stage2.parse import DEFAULT_STOP_MARKERS, ParseResult, parse_rollout
+from learner.stage2.matching.match import MatchingConfig, match
+from learner.stage2.parse.detok import encode_text
+from learner.stage2.parse.parser import DEFAULT_STOP_MARKERS, ParseResult, parse_rollout
 
 __all__ = [
     "DETECTION_TASK",

@@ -35,6 +35,7 @@ from learner.rollout.base import (
     check_results,
     staleness,
 )
+from learner.rollout.client import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
 from learner.rollout.errors import (
     InferFailed,
     RolloutClientError,
@@ -44,7 +45,6 @@ from learner.rollout.errors import (
     ServerUnreachable,
     format_indices,
 )
-from learner.rollout.client import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
 from learner.rollout.transports import Transport, TransportOptions, build_transport
 from shared_schemas.buckets import plan_buckets
 from shared_schemas.chunking import plan_chunks

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from learner.data.errors import DataRecordError
+from learner.data.messages import rollout_messages
+from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import GtExtraction, extract_gt
-from learner.stage2.labels import encode_segment
-from learner.stage2.match import MatchingConfig, match
-from learner.data.messages import rollout_messages
-from learner.stage2.parse import ParseResult, parse_rollout
-from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
-from learner.stage2.segment import Segment
-from learner.stage2.targets import TargetsConfig, build_y_train, model_order, prune_unmatched
+from learner.stage2.matching.match import MatchingConfig, match
+from learner.stage2.parse.parser import ParseResult, parse_rollout
+from learner.stage2.targets.labels import encode_segment
+from learner.stage2.targets.segment import Segment
+from learner.stage2.targets.y_train import TargetsConfig, build_y_train, model_order, prune_unmatched
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 

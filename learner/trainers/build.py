@@ -17,13 +17,13 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import REPO_ROOT, ConfigError, RunConfig, check_runtime_guards, resolve_path
 from learner.data.dataset import RepeatedWindowDataset, SampleListDataset
+from learner.data.prompt_encoding import PromptEncoder
 from learner.data.records import build_sample, load_records, record_user_text
 from learner.policy import Policy, load_policy
 from learner.rollout.base import RolloutSource
-from learner.stage2.rollout_reuse import RolloutBuffer
 from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
-from learner.data.prompt_encoding import PromptEncoder
+from learner.stage2.rollout_reuse import RolloutBuffer
 from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallback
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner

@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from learner.batching.packed_batch import pack_segments, pad_segments
+from learner.batching.packing import CarryBuffer
 from learner.config import DecodingConfig, Stage2Config
 from learner.metrics import StepMetrics
 from learner.rollout.base import RolloutSource
-from learner.batching.packed_batch import pack_segments, pad_segments
-from learner.batching.packing import CarryBuffer
-from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
 from learner.rollout.seeds import request_seed
+from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
 from learner.trainers.overlap import Rollouts
 from shared_schemas.infer import (
     Choice,

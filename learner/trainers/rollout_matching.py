@@ -27,11 +27,11 @@ from transformers import Trainer
 
 from learner.device_memory import peak_memory_metrics
 from learner.metrics import StepMetrics
-from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
-from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.rollout.offload import offload_context
+from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
+from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
 from learner.trainers.packed_attention import packed_attention

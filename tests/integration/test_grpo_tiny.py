@@ -148,9 +148,9 @@ def prompt_rows(train_file: Path, model_dir: Path) -> dict[str, tuple[dict[str, 
     """What a request carries (its prompt ids, or its messages for an image row) → (dataset row, the prompt ids
     the LEARNER encodes for it), to recompute rewards from what the server saw and compare the ids."""
     from learner.config import ModelConfig
+    from learner.data.prompt_encoding import PromptEncoder
     from learner.grpo.data import load_prompt_rows
     from learner.policy import load_policy
-    from learner.data.prompt_encoding import PromptEncoder
 
     policy = load_policy(ModelConfig(path=str(model_dir)), model_dir)
     encoder = PromptEncoder.for_model(policy.model, policy.tokenizer, policy.processor)

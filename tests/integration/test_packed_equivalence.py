@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.stage2.coords import CoordVocab
-from learner.stage2.labels import build_labels
-from learner.stage2.losses import CoordLossConfig, step_loss_sums
 from learner.batching.packing import pack_segments, pad_segments
-from learner.stage2.segment import Segment, SegmentMeta
+from learner.stage2.coords import CoordVocab
+from learner.stage2.losses import CoordLossConfig, step_loss_sums
+from learner.stage2.targets.labels import build_labels
+from learner.stage2.targets.segment import Segment, SegmentMeta
 
 pytestmark = pytest.mark.integration
 

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.batching.packed_batch import segment_rope_positions
+from learner.batching.packing import pack_segments, pad_segments
 from learner.config import RunConfig
+from learner.data.prompt_encoding import PromptEncoder
 from learner.data.records import build_sample, validate_record
 from learner.policy import load_policy
 from learner.stage2.losses import CoordLossConfig, read_columns, step_loss_sums
-from learner.batching.packed_batch import segment_rope_positions
-from learner.batching.packing import pack_segments, pad_segments
 from learner.stage2.pipeline import prepare_segment
-from learner.data.prompt_encoding import PromptEncoder
 from learner.trainers.build import _sample_context
 from shared_schemas.infer import Choice, InferResult
 

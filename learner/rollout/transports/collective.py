@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from learner.rollout.base import SyncError
+from learner.rollout.client import RolloutClient
 from learner.rollout.collective import CollectiveError, CollectiveSender, flat_bucket
 from learner.rollout.errors import ServerError, ServerUnreachable
-from learner.rollout.client import RolloutClient
 from learner.rollout.sync_stream import BucketParts, is_loopback_url
 from learner.rollout.transports.base import PartsTransport, TensorItems, Transport, TransportOptions, register
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest

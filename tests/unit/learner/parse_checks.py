@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.detok import decode_text
-from learner.stage2.parse import ParseResult
+from learner.stage2.parse.detok import decode_text
+from learner.stage2.parse.parser import ParseResult
 
 
 def assert_parse_invariants(r: ParseResult, tok: Any, coord_vocab: CoordVocab) -> None:

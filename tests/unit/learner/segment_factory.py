@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.labels import build_labels
-from learner.stage2.segment import Segment, SegmentMeta
+from learner.stage2.targets.labels import build_labels
+from learner.stage2.targets.segment import Segment, SegmentMeta
 
 COORD_BASE = 100
 VOCAB_SIZE = 1100

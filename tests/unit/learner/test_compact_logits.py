@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.stage2.losses import CoordLossConfig, micro_loss, read_columns, step_loss_sums
 from learner.batching.packed_batch import pack_segments, pad_segments
+from learner.stage2.losses import CoordLossConfig, micro_loss, read_columns, step_loss_sums
 from tests.unit.learner.segment_factory import COORD_IDS, EOT, PAD, VOCAB_SIZE, coord, make_segment
 
 CFG = CoordLossConfig()

@@ -1,4 +1,4 @@
-"""Memoized and segmented encoding equal the plain encode (learner/stage2/encode_cache.py;
+"""Memoized and segmented encoding equal the plain encode (learner/stage2/parse/encode_cache.py;
 docs/ALGORITHM.md#token-cut, §10)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from learner.stage2.detok import decode_text, encode_text
-from learner.stage2.encode_cache import _encoder, encode_cached, encode_roundtrip, encode_segmented
 from learner.stage2.format import serialize_entry
+from learner.stage2.parse.detok import decode_text, encode_text
+from learner.stage2.parse.encode_cache import _encoder, encode_cached, encode_roundtrip, encode_segmented
 from tests.unit.learner.worked_example import make_tokenizer
 
 DESCS = [
@@ -96,7 +96,7 @@ def _flags(tok) -> dict:
 
 
 def test_added_tokens_that_could_swallow_a_coordinate_edge_are_detected() -> None:
-    from learner.stage2.encode_cache import _crosses_coord_edge
+    from learner.stage2.parse.encode_cache import _crosses_coord_edge
 
     assert not _crosses_coord_edge("<|im_end|>")
     assert not _crosses_coord_edge("|>x")  # starts inside a coordinate token: the coordinate token wins

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from learner.stage2.labels import (
+from learner.stage2.targets.labels import (
     IGNORE_INDEX,
     MITIGATIONS,
     SegmentTooLongError,
@@ -225,7 +225,7 @@ def _encode(prompt_tf, prompt_rollout, **kw):
 
 def test_encode_segment_prompt_mismatch_policies(caplog: pytest.LogCaptureFixture) -> None:
     other = PROMPT_IDS[:-1] + [TOKENIZER.id_of("b")]
-    with caplog.at_level(logging.WARNING, logger="learner.stage2.labels"):
+    with caplog.at_level(logging.WARNING, logger="learner.stage2.targets.labels"):
         seg, counters = _encode(PROMPT_IDS, other, packing_length=4096)
     assert seg is None and counters == {"prompt_mismatch_dropped": 1.0}
     assert "sample_id=11" in caplog.text and "300 tokens" in caplog.text and "position 299" in caplog.text

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
+from learner.batching.packed_batch import pad_segments
 from learner.stage2.losses import (
     CoordLossConfig,
     LossConfig,
@@ -20,7 +21,6 @@ from learner.stage2.losses import (
     step_loss_sums,
     zero_loss,
 )
-from learner.batching.packed_batch import pad_segments
 from tests.unit.learner.segment_factory import COORD_IDS, EOT, PAD, VOCAB_SIZE, coord, make_segment
 
 V_SPEC = 2000

@@ -1,5 +1,5 @@
 """Exact maskIoU fast paths agree with the plain GEOS overlay (docs/ALGORITHM.md#matching §8.2 step 4;
-learner/stage2/maskiou.py).
+learner/stage2/matching/maskiou.py).
 
 The reference below is the definition the module replaced: every geometry is a shapely polygon of its ring
 clamped to [0, 999] (bbox → its corners), repaired with ``make_valid`` when invalid, and the IoU is
@@ -17,8 +17,8 @@ import pytest
 import shapely
 
 from learner.stage2.coords import canonicalize_poly
-from learner.stage2.maskiou import geom_table, mask_iou, mask_iou_pairs, pair_ious
-from learner.stage2.match import MatchingConfig, match
+from learner.stage2.matching.maskiou import geom_table, mask_iou, mask_iou_pairs, pair_ious
+from learner.stage2.matching.match import MatchingConfig, match
 
 TOL = 1e-9
 

@@ -8,7 +8,7 @@ import numpy as np
 import pydantic
 import pytest
 
-from learner.stage2.match import (
+from learner.stage2.matching.match import (
     MatchingConfig,
     aabb,
     aabb_iou,

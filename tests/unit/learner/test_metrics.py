@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from learner.metrics import TIME_KEYS, StepMetrics, prf
 from learner.batching.packing import CarryBuffer
+from learner.metrics import TIME_KEYS, StepMetrics, prf
 from tests.unit.learner.segment_factory import sized_segment
 
 WORKED_EXAMPLE = {  # §21: 1 sample, 3 GT, 2 valid preds (+2 invalid), 1 TP, 6 candidate pairs, 5 rejections
@@ -209,8 +209,8 @@ def test_generation_distribution_and_throughput() -> None:
 def test_loss_sums_names_are_registered() -> None:
     import torch
 
-    from learner.stage2.losses import CoordLossConfig, step_loss_sums
     from learner.batching.packing import pack_segments
+    from learner.stage2.losses import CoordLossConfig, step_loss_sums
     from tests.unit.learner.segment_factory import COORD_IDS, EOT, VOCAB_SIZE, coord, make_segment
 
     batch = pack_segments([make_segment([7], [coord(4)], [9, coord(8)], prefix_targets={0: 5})])

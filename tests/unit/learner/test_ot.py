@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner.stage2.ot import barycentric_padded
+from learner.stage2.targets.ot import barycentric_padded
 
 
 def _reference_padded(preds, gts, cost: str, eps: float, iters: int):

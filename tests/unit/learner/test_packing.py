@@ -10,8 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from learner.stage2.labels import SegmentTooLongError, build_labels
-from learner.stage2.losses import CoordLossConfig, step_loss_sums
 from learner.batching.packing import (
     CarryBuffer,
     PackingBufferOverflowError,
@@ -23,6 +21,8 @@ from learner.batching.packing import (
     select_segments,
     staleness_bound,
 )
+from learner.stage2.losses import CoordLossConfig, step_loss_sums
+from learner.stage2.targets.labels import SegmentTooLongError, build_labels
 from tests.unit.learner.segment_factory import (
     COORD_IDS,
     EOT,

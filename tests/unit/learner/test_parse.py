@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from learner.stage2 import parse as parse_mod
 from learner.stage2.coords import CoordVocab
-from learner.stage2.detok import decode_text, token_pieces
-from learner.stage2.parse import CutRoundTripError, parse_rollout, token_cut
+from learner.stage2.parse import parser as parse_mod
+from learner.stage2.parse.detok import decode_text, token_pieces
+from learner.stage2.parse.parser import CutRoundTripError, parse_rollout, token_cut
 from tests.unit.learner.parse_checks import assert_parse_invariants
 from tests.unit.learner.toy_tokenizer import PrefixDecodingToyTokenizer, ToyTokenizer
 

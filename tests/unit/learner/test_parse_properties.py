@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from learner.stage2 import parse as parse_mod
 from learner.stage2.coords import CoordVocab
-from learner.stage2.detok import _Detokenizer, decode_text, encode_text, token_pieces
 from learner.stage2.format import serialize_entry, serialize_objects
 from learner.stage2.gt import GTObject
-from learner.stage2.parse import CutRoundTripError, parse_rollout, token_cut
+from learner.stage2.parse import parser as parse_mod
+from learner.stage2.parse.detok import _Detokenizer, decode_text, encode_text, token_pieces
+from learner.stage2.parse.parser import CutRoundTripError, parse_rollout, token_cut
 from tests.unit.learner.parse_checks import assert_parse_invariants
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

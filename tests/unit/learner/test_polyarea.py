@@ -1,4 +1,4 @@
-"""Ring areas and ring-pair intersection areas in numpy (learner/stage2/polyarea.py, the maskIoU fast path)."""
+"""Ring areas and ring-pair intersection areas in numpy (learner/stage2/matching/polyarea.py, the maskIoU fast path)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import shapely
 
-from learner.stage2.polyarea import pair_intersection_areas, ring_areas, ring_edges, rings, star_simple
+from learner.stage2.matching.polyarea import (
+    pair_intersection_areas,
+    ring_areas,
+    ring_edges,
+    rings,
+    star_simple,
+)
 
 
 def _rings(*polys: list[tuple[float, float]]):

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from learner.data.records import (
     DataRecordError,
     build_sample,
@@ -15,7 +16,6 @@ from learner.data.records import (
     resolve_image,
     validate_record,
 )
-from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 
 REC = {
     "images": ["img/000123.jpg"],

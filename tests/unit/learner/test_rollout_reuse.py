@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from learner.batching.packing import pack_segments
 from learner.stage2.rollout_reuse import (
     BufferConsistencyError,
     RepeatingLoader,
@@ -21,7 +22,6 @@ from learner.stage2.rollout_reuse import (
     fingerprint,
     repeated_len,
 )
-from learner.batching.packing import pack_segments
 from tests.unit.learner.segment_factory import sized_segment
 
 

@@ -1,4 +1,4 @@
-"""Desc-overlapping tail tokens (docs/ALGORITHM.md#ce-masks; learner/stage2/spans.py)."""
+"""Desc-overlapping tail tokens (docs/ALGORITHM.md#ce-masks; learner/stage2/targets/spans.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from learner.stage2.spans import char_spans, desc_overlapping_tokens, find_desc_value_spans
+from learner.stage2.targets.spans import char_spans, desc_overlapping_tokens, find_desc_value_spans
 
 
 def _reference(pieces: list[str]) -> list[int]:

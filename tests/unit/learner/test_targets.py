@@ -7,11 +7,11 @@ import numpy as np
 import pydantic
 import pytest
 
-import learner.stage2.targets as targets_mod
+import learner.stage2.targets.y_train as targets_mod
 from learner.stage2.format import serialize_entry
 from learner.stage2.gt import GTObject, extract_gt
-from learner.stage2.ot import barycentric_batch, barycentric_padded, barycentric_projection
-from learner.stage2.targets import (
+from learner.stage2.targets.ot import barycentric_batch, barycentric_padded, barycentric_projection
+from learner.stage2.targets.y_train import (
     TargetsConfig,
     YTrain,
     find_desc_value_spans,
@@ -330,9 +330,9 @@ def _seam_case(
     tokenizer: object, rollout_text: str, gt_raw: list[dict], canonical: bool
 ) -> tuple[list[int], YTrain]:
     from learner.stage2.coords import CoordVocab
-    from learner.stage2.match import MatchingConfig, gt_geoms, match, pred_geoms
-    from learner.stage2.parse import parse_rollout
-    from learner.stage2.targets import build_y_train
+    from learner.stage2.matching.match import MatchingConfig, gt_geoms, match, pred_geoms
+    from learner.stage2.parse.parser import parse_rollout
+    from learner.stage2.targets.y_train import build_y_train
 
     coords = CoordVocab.from_tokenizer(tokenizer)
     ids = tokenizer.encode(rollout_text, add_special_tokens=False) + [

@@ -142,7 +142,7 @@ def _sft_path(tokenizer, objects) -> list[int]:
     """What a model trained on the plain-GT targets generates for `objects`: their token path, then the end of
     turn."""
     from learner.stage2.coords import CoordVocab
-    from learner.stage2.targets import answer_ids
+    from learner.stage2.targets.y_train import answer_ids
 
     return answer_ids([_obj(o) for o in objects], tokenizer, CoordVocab.from_tokenizer(tokenizer)) + [
         tokenizer.convert_tokens_to_ids("<|im_end|>")

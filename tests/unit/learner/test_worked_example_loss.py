@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums
 from learner.batching.packed_batch import pad_segments
+from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums
 from tests.unit.learner.worked_example import COORDS, GT_RAW, ROLLOUT_IDS, TOKENIZER, run_pipeline
 
 PRE_BINS = [100, 80, 300, 620]

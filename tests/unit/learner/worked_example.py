@@ -14,11 +14,11 @@ from functools import cache
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import extract_gt
-from learner.stage2.labels import build_segment
-from learner.stage2.match import MatchingConfig, MatchResult, gt_geoms, match, pred_geoms
-from learner.stage2.parse import ParseResult, parse_rollout
-from learner.stage2.segment import Segment
-from learner.stage2.targets import TargetsConfig, YTrain, build_y_train
+from learner.stage2.matching.match import MatchingConfig, MatchResult, gt_geoms, match, pred_geoms
+from learner.stage2.parse.parser import ParseResult, parse_rollout
+from learner.stage2.targets.labels import build_segment
+from learner.stage2.targets.segment import Segment
+from learner.stage2.targets.y_train import TargetsConfig, YTrain, build_y_train
 from tests.unit.learner.toy_tokenizer import ToyTokenizer
 
 MULTI = [

@@ -14,6 +14,7 @@ import pytest
 
 from learner.config import RunConfig
 from learner.data.errors import DataRecordError
+from learner.data.prompt_encoding import PromptEncoder
 from learner.data.records import build_sample
 from learner.demo_data.scenes import generate_records
 from learner.grpo.config import ConfigError, validate_grpo_run
@@ -24,7 +25,6 @@ from learner.grpo.rollouts import request_config
 from learner.grpo.sections import GrpoConfig
 from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import PRESETS
-from learner.data.prompt_encoding import PromptEncoder
 from learner.trainers.build import load_samples
 from learner.yaml_loader import load_yaml_with_extends
 from shared_schemas.health import Health

@@ -11,7 +11,7 @@ import pytest
 from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, PRESETS, REWARD_NAMES, get_reward, total_reward
 from learner.stage2.format import serialize_entry
-from learner.stage2.match import MatchingConfig, mask_iou
+from learner.stage2.matching.match import MatchingConfig, mask_iou
 
 GT = [
     {"desc": "cat", "bbox_2d": [100, 100, 300, 300]},

@@ -11,9 +11,9 @@ fallback when there is no ``{`` (§6.4) → prefix cut (§6.5) → per-object va
 synthetic: its prefix is ``encode("{")``), every coord index of a valid object points at that coord id inside
 the prefix, ``prefix_text.rstrip()`` ends with ``{`` or ``}``, valid objects are in appearance order.
 
-The §6.3 streaming scan lives in ``parse_scan.py`` (with its fast path for values in the exact serializer format,
+The §6.3 streaming scan lives in ``scan.py`` (with its fast path for values in the exact serializer format,
 §4), the token cut in ``cut.py`` (with a documented refinement for multi-byte characters split across tokens),
-the §6.7 checks in ``parse_validate.py``; this module holds the result types, the per-object step that turns a
+the §6.7 checks in ``validate.py``; this module holds the result types, the per-object step that turns a
 scanned object into a ``ParsedObject`` and the entry point. For a value the scan matched in serializer format,
 the bins are the captured coord tokens' bins when those tokens spell the value's coordinate strings one for one
 (see ``_finish_object``).
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from learner.stage2.coords import CoordVocab, coord_token
-from learner.stage2.cut import CutRoundTripError, cut_with_pieces, token_cut
-from learner.stage2.detok import TokenPieces, _detokenizer, encode_text, token_pieces
-from learner.stage2.parse_scan import CANONICAL_VALUE_RE, ObjectKey, ScannedObject, scan
-from learner.stage2.parse_validate import check_geometry, validate_value
+from learner.stage2.parse.cut import CutRoundTripError, cut_with_pieces, token_cut
+from learner.stage2.parse.detok import TokenPieces, _detokenizer, encode_text, token_pieces
+from learner.stage2.parse.scan import CANONICAL_VALUE_RE, ObjectKey, ScannedObject, scan
+from learner.stage2.parse.validate import check_geometry, validate_value
 
 __all__ = [
     "DEFAULT_STOP_MARKERS",

@@ -20,7 +20,7 @@ import numpy as np
 from learner.stage2.coords import CoordVocab
 
 if TYPE_CHECKING:
-    from learner.stage2.parse import ParseResult
+    from learner.stage2.parse.parser import ParseResult
 
 __all__ = ["char_spans", "desc_overlapping_tokens", "find_desc_value_spans", "prefix_ce_positions"]
 

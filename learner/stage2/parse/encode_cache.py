@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from learner.stage2.detok import PerTokenizer, decode_text, encode_text
+from learner.stage2.parse.detok import PerTokenizer, decode_text, encode_text
 
 __all__ = ["encode_cached", "encode_roundtrip", "encode_segmented"]
 

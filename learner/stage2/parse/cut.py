@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from learner.stage2.detok import TokenPieces, _detokenizer, token_pieces
-from learner.stage2.encode_cache import encode_roundtrip
+from learner.stage2.parse.detok import TokenPieces, _detokenizer, token_pieces
+from learner.stage2.parse.encode_cache import encode_roundtrip
 
 __all__ = ["CutRoundTripError", "cut_with_pieces", "slice_pieces", "token_cut"]
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.segment import Segment, SegmentMeta
+from learner.stage2.targets.segment import Segment, SegmentMeta
 
 if TYPE_CHECKING:
-    from learner.stage2.targets import YTrain
+    from learner.stage2.targets.y_train import YTrain
 
 __all__ = [
     "IGNORE_INDEX",
@@ -227,7 +227,7 @@ def build_segment(
 
     Args:
         prompt_ids: the (already alignment-checked) prompt ids.
-        y_train: output of :func:`learner.stage2.targets.build_y_train`.
+        y_train: output of :func:`learner.stage2.targets.y_train.build_y_train`.
         eot_id: end-of-turn id (``<|im_end|>``).
         newline_id: id of the ``"\\n"`` the template places after it.
         coord_vocab: coord-token lookup.

@@ -4,7 +4,7 @@ A :class:`Segment` is atomic for packing: ``input_ids = prompt_ids + Y_train_ids
 All positions stored here are ABSOLUTE within the segment (0 = first prompt token), except the
 fields of :class:`SegmentMeta` that the spec defines as assistant-local (``prefix_coord_pos``) or
 tail-relative (``tail_ignore_pos``), which are kept in their spec form so that packing can call
-:func:`learner.stage2.labels.build_labels` again on a packed row (§14.6).
+:func:`learner.stage2.targets.labels.build_labels` again on a packed row (§14.6).
 
 Token-id sequences are plain ``tuple[int, ...]`` (the algorithm modules are torch-free); packing turns them
 into tensors.
@@ -65,7 +65,7 @@ class SegmentMeta:
 class Segment:
     """One sample's teacher-forced encoding with its labels (§11, §12.4).
 
-    Invariants (checked by :func:`learner.stage2.labels.build_segment`):
+    Invariants (checked by :func:`learner.stage2.targets.labels.build_segment`):
     ``len(labels) == len(input_ids) == meta.encoded_len``; ``coord_pos``, ``coord_bins`` and
     ``coord_is_prefix`` have equal length, prefix slots first; every supervised position ``p`` (CE or
     coord) satisfies ``meta.prompt_len <= p <= meta.prompt_len + meta.train_len``.

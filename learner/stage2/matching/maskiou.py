@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import shapely
 
-from learner.stage2.polyarea import (
+from learner.stage2.matching.polyarea import (
     Edges,
     Rings,
     pair_intersection_areas,
@@ -88,7 +88,7 @@ def aabb(geom: Geom) -> tuple[float, float, float, float]:
 
 
 class GeomTable(NamedTuple):
-    """A geometry list as flat arrays (built once per :func:`~learner.stage2.match.match` call).
+    """A geometry list as flat arrays (built once per :func:`~learner.stage2.matching.match.match` call).
 
     Attributes:
         boxes: ``[n, 4]`` float64 AABBs, unclamped (exactly :func:`aabb` of each geometry).

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy.optimize import linear_sum_assignment
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.maskiou import Geom, aabb, geom_table, mask_iou, mask_iou_pairs, pair_ious
+from learner.stage2.matching.maskiou import Geom, aabb, geom_table, mask_iou, mask_iou_pairs, pair_ious
 
 __all__ = [
     "INFEASIBLE",

@@ -23,16 +23,16 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.detok import token_pieces
-from learner.stage2.encode_cache import encode_segmented
 from learner.stage2.format import serialize_entry, serialize_objects
 from learner.stage2.gt import GTObject
-from learner.stage2.match import Geom, MatchResult
-from learner.stage2.ot import barycentric_padded
-from learner.stage2.spans import desc_overlapping_tokens, find_desc_value_spans, prefix_ce_positions
+from learner.stage2.matching.match import Geom, MatchResult
+from learner.stage2.parse.detok import token_pieces
+from learner.stage2.parse.encode_cache import encode_segmented
+from learner.stage2.targets.ot import barycentric_padded
+from learner.stage2.targets.spans import desc_overlapping_tokens, find_desc_value_spans, prefix_ce_positions
 
 if TYPE_CHECKING:
-    from learner.stage2.parse import ParseResult
+    from learner.stage2.parse.parser import ParseResult
 
 __all__ = [
     "TargetsConfig",

@@ -4,7 +4,7 @@
 text: it records every top-level key (``ObjectKey``), every ``object_N`` whose value is an object
 (``ScannedObject``: key, ``N``, value span, the char spans of its captured geometry lists) and where the last
 complete object ends, which sets the prefix cut (§6.5). Turning a scanned object into a validated
-``ParsedObject`` (§6.7) is the parser's job (``parse.py``).
+``ParsedObject`` (§6.7) is the parser's job (``parser.py``).
 
 Speed: the scan walks structural characters with one regex (strings are skipped whole), and an object value in
 the exact serializer format (§4) is recognised by one ``value_re`` match (right at its ``"object_N": `` key,
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from learner.stage2.parse_validate import GEOM_KEYS
+from learner.stage2.parse.validate import GEOM_KEYS
 
 __all__ = ["CANONICAL_VALUE_RE", "ObjectKey", "Scan", "ScannedObject", "scan"]
 
