@@ -22,7 +22,7 @@ cannot be synced as an adapter (the engines' LoRA covers LLM layers only): `chec
 
 Without torchvision (this repository's CPU test machines), transformers' Qwen-VL processors and vLLM's
 Qwen-VL model files do not import; `ensure_vl_imports` installs the torchvision-free shim of
-`scripts/vlm_shim/` in this process and on `PYTHONPATH` for the processes it starts (a colocated vLLM
+`rollout_server/vlm_shim/` in this process and on `PYTHONPATH` for the processes it starts (a colocated vLLM
 engine). Installs with torchvision never load it.
 """
 
@@ -58,8 +58,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-"""`config.model_type` of the vision-language families the learner trains."""
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Default adapter targets of a text-only model (module-name suffixes)."""
 VL_LORA_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"

@@ -2,8 +2,8 @@
 
 The tokenizer and chat template are the embedded tiny LM's (`build_tiny_models.build_tokenizer`): Qwen chat and
 vision special tokens plus the 1000 single-id coord tokens. The processor keeps image-token counts tiny
-(64x64 → 4 image tokens, 128x96 → 12, at most 64), and the model satisfies every constraint listed in
-notes/tiny_vlm_on_cpu.md (text head_dim 64, mrope sections summing to head_dim/2, deepstack index below the
+(64x64 → 4 image tokens, 128x96 → 12, at most 64), and the model satisfies every constraint vLLM's and transformers' Qwen3-VL
+code checks on CPU (text head_dim 64, mrope sections summing to head_dim/2, deepstack index below the
 vision depth, square position-embedding table, vision config matching the image processor).
 
 Loading the result without torchvision needs the import shim in `rollout_server/vlm_shim/` on `PYTHONPATH`

@@ -1,7 +1,7 @@
 """The `vllm` colocated backend: the rollout server's `VllmEngine`, built and driven inside the learner.
 
 The one learner → server import allowed (docs/ARCHITECTURE.md#the-two-services):
-`rollout_server.engines.vllm.VllmEngine` (with its update dataclasses and errors) is imported lazily, when a
+`rollout_server.engines.vllm.engine.VllmEngine` (with its update dataclasses and errors) is imported lazily, when a
 colocated vLLM engine is actually built, so a learner in server mode never loads vLLM or the server package.
 
 Threading: `AsyncLLM` binds to the event loop it first runs on, so every engine call goes through ONE
