@@ -3,7 +3,7 @@
 
 One table per YAML section: every field of `learner.config.RunConfig` (learner process),
 `rollout_server.config.ServerConfig` (rollout server process) and the GRPO sections
-(`learner.grpo.sections.GrpoConfig`, `learner.grpo.batch_plan.BatchPlan`), with its type and constraints,
+(`learner.grpo.config.sections.GrpoConfig`, `learner.grpo.config.batch_plan.BatchPlan`), with its type and constraints,
 its default and its docstring. Nested pydantic sections become their own tables; opaque mappings are rows.
 
     python scripts/gen_knob_tables.py                         # print the tables
@@ -197,8 +197,8 @@ def section_table(section: Section) -> str:
 def render_all() -> str:
     """Every table of the three processes' configs, as one markdown block (no trailing newline)."""
     from learner.config import RunConfig
-    from learner.grpo.batch_plan import BatchPlan
-    from learner.grpo.sections import GrpoConfig
+    from learner.grpo.config.batch_plan import BatchPlan
+    from learner.grpo.config.sections import GrpoConfig
     from rollout_server.config import ServerConfig
 
     groups = [
@@ -213,7 +213,7 @@ def render_all() -> str:
             iter_sections(ServerConfig, "server"),
         ),
         (
-            "GRPO runs: `learner.grpo.sections.GrpoConfig` and `learner.grpo.batch_plan.BatchPlan`",
+            "GRPO runs: `learner.grpo.config.sections.GrpoConfig` and `learner.grpo.config.batch_plan.BatchPlan`",
             "Read by `learner.grpo.config.validate_grpo_run` (docs/ALGORITHM.md#grpo-config); the GRPO"
             " resolver also checks a narrower view of `server:` (GRPO §2.2).",
             (*iter_sections(GrpoConfig, "grpo"), *iter_sections(BatchPlan, "batch_plan")),

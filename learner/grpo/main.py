@@ -27,13 +27,13 @@ from learner.config import RunConfig, check_runtime_guards
 from learner.data.errors import DataRecordError
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
+from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import GenerationSlots, PromptSet, load_prompt_rows
 from learner.grpo.generation import GroupGenerator, ResamplePool
 from learner.grpo.overlap import GrpoPrefetch
 from learner.grpo.progress import GrpoProgressCallback
 from learner.grpo.reference import build_reference
 from learner.grpo.rollouts import request_config
-from learner.grpo.sections import GrpoConfig
 from learner.grpo.trainer import GrpoTrainer
 from learner.policy import is_vl_checkpoint, load_policy
 from learner.rewards.detection import DETECTION_TASK, DetectionScorer

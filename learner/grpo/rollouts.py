@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import PromptRow
-from learner.grpo.sections import GrpoConfig
 from learner.rollout.seeds import request_seed
 from shared_schemas.infer import FinishReason, InferBatch, InferRequest, InferResult, RequestConfig
 

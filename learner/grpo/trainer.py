@@ -45,6 +45,7 @@ from learner.data.prompt_encoding import PromptEncoder
 from learner.device_memory import peak_memory_metrics
 from learner.grpo.advantages import compute_advantages, sequence_kl
 from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
+from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import PromptRow
 from learner.grpo.generation import GroupGenerator, StepRollout
 from learner.grpo.loss import grpo_loss, tis_weights
@@ -58,7 +59,6 @@ from learner.grpo.metrics import (
 )
 from learner.grpo.overlap import GrpoPrefetch
 from learner.grpo.reference import ReferencePolicy, threads_beside_rollout_engine
-from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, assemble_window, slot_tags
 from learner.policy import part_param_groups
 from learner.rollout.base import RolloutSource

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.grpo.batch_plan import BatchPlan, apply_batch_plan, parse_gpu_list
+from learner.grpo.config.batch_plan import BatchPlan, apply_batch_plan, parse_gpu_list
 from learner.yaml_loader import ConfigError
 
 

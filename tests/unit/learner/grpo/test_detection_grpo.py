@@ -18,11 +18,11 @@ from learner.data.prompt_encoding import PromptEncoder
 from learner.data.records import build_sample
 from learner.demo_data.scenes import generate_records
 from learner.grpo.config import ConfigError, validate_grpo_run
+from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import PromptRow, PromptSet, load_prompt_rows
 from learner.grpo.generation import GroupGenerator, ResamplePool
 from learner.grpo.main import build_grpo_trainer, check_reward_rows, resolve_grpo_config
 from learner.grpo.rollouts import request_config
-from learner.grpo.sections import GrpoConfig
 from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import PRESETS
 from learner.trainers.build import load_samples

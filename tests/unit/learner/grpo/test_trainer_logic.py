@@ -16,6 +16,7 @@ import torch
 
 from learner.grpo.advantages import compute_advantages
 from learner.grpo.batch import CompletionRow, collate_rows
+from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import GenerationSlots, PromptRow
 from learner.grpo.generation import GroupGenerator, ResamplePool
 from learner.grpo.rollouts import (
@@ -26,7 +27,6 @@ from learner.grpo.rollouts import (
     request_config,
     request_id,
 )
-from learner.grpo.sections import GrpoConfig
 from learner.grpo.window import SlotTag, WindowError, assemble_window, slot_tags
 from shared_schemas.infer import Choice, InferBatch, InferResult
 

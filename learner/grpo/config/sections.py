@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from learner.grpo.batch_plan import GpuList
+from learner.grpo.config.batch_plan import GpuList
 
 __all__ = ["GrpoConfig", "GrpoServerConfig", "GrpoServerVllmConfig"]
 

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 
-from learner.grpo.sections import GrpoConfig, GrpoServerConfig
+from learner.grpo.config.sections import GrpoConfig, GrpoServerConfig
 from learner.rewards.registry import PRESETS, REWARD_NAMES, SCHEMA_TREE
 from learner.rewards.summary_schema import load_schemas
 from learner.yaml_loader import ConfigError

@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from learner.grpo import rules
-from learner.grpo.batch_plan import BatchPlan, GpuList, apply_batch_plan, set_dotted
-from learner.grpo.sections import GrpoConfig, GrpoServerConfig, GrpoServerVllmConfig
+from learner.grpo.config import rules
+from learner.grpo.config.batch_plan import BatchPlan, GpuList, apply_batch_plan, set_dotted
+from learner.grpo.config.sections import GrpoConfig, GrpoServerConfig, GrpoServerVllmConfig
 from learner.yaml_loader import ConfigError
 
 __all__ = [
