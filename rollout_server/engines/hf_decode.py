@@ -46,7 +46,7 @@ class RowOutput:
 
 @dataclass(frozen=True)
 class VisionRow:
-    """The vision side of one image prompt (a `learner.stage2.prompt_encoding.EncodedPrompt`'s).
+    """The vision side of one image prompt (a `learner.data.prompt_encoding.EncodedPrompt`'s).
 
     Attributes:
         mm_inputs: the processor's vision tensors of the prompt (`pixel_values`, `image_grid_thw`, ...).

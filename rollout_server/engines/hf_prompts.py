@@ -3,7 +3,7 @@ rollout prompt for a transformers model.
 
 `MessageEncoder.encode(messages)` is used by the rollout server's `HfEngine` (`server.backend: hf`), by the
 learner's colocated HF engine (`learner.rollout.colocate_hf`) and by the learner's teacher forcing
-(`learner.stage2.prompt_encoding.PromptEncoder`: this encoder plus a per-window cache). So the
+(`learner.data.prompt_encoding.PromptEncoder`: this encoder plus a per-window cache). So the
 `prompt_token_ids` an HF engine returns are the ids the learner's alignment check (docs/ALGORITHM.md §11)
 re-encodes, token for token.
 
@@ -17,7 +17,7 @@ processor call, as vLLM passes `server.vllm.mm_processor_kwargs` (e.g. `max_pixe
 Qwen-VL models place tokens with multi-axis rotary positions (M-RoPE: time, height, width). The encoder
 computes a prompt's 3-row positions with the model's own rope-index function (`model_rope_index`), once per
 prompt; what follows a prompt continues every row from ``max(prompt positions) + 1`` (`hf_decode` while
-generating, `learner.stage2.packed_batch.segment_rope_positions` while training).
+generating, `learner.batching.packed_batch.segment_rope_positions` while training).
 
 Image references are decoded by `shared_schemas.images.load_image` (the server passes its wrapper
 `vllm.inputs.load_image`, which reports an unreadable image as a 400), so every side sees the same pixels.
