@@ -1,4 +1,4 @@
-"""HTTP client of ONE rollout server (STYLE.md §5) — one method per route, schema models in and out.
+"""HTTP client of ONE rollout server — one method per route, schema models in and out.
 
 `RolloutClient` owns one pooled `httpx.Client` with explicit timeouts (connect `min(10, timeout_s)`, read
 `infer_timeout_s`), so a wedged server can never hang training. It never retries: the retry policy of

@@ -1,4 +1,4 @@
-"""Typed errors of the rollout-server client (STYLE.md §5): one class per thing a caller handles differently.
+"""Typed errors of the rollout-server client: one class per thing a caller handles differently.
 
 | error | when | retried by `ServerRolloutSource.infer` |
 |---|---|---|
