@@ -2,11 +2,13 @@
 §5.1).
 
 No copy of the model exists, so the weights that generate are always the weights being trained: a sync
-only records the version it names (and still yields a `SyncReport`). Generation reuses the rollout server's
-decode loop (`rollout_server.engines.hf_decode.decode_requests`, a pure function over a model): left-padded
-batches of `rollout.decoding.rollout_generate_batch_size` rows, one `torch.Generator` per row seeded from the
-request's seed, so a row's tokens do not depend on which rows share its batch; the loop also applies the
-repeat-terminate guard (§5.4, the shared `should_terminate` rule), stop strings, `min_tokens` and `ignore_eos`.
+only records the version it names (and still yields a `SyncReport`). Generation goes through the rollout
+server's HF decoder (`rollout_server.engines.hf_decoder.HfDecoder`, also held by the server's `HfEngine`;
+its decode loop is `rollout_server.engines.hf_decode.decode_requests`): left-padded batches of
+`rollout.decoding.rollout_generate_batch_size` rows, one `torch.Generator` per row seeded from the request's
+seed, so a row's tokens do not depend on which rows share its batch; the loop also applies the
+repeat-terminate guard (§5.4, the shared `should_terminate` rule), stop strings, `min_tokens` and
+`ignore_eos`.
 
 During a call the model is put in eval mode under `torch.no_grad` (dropout off, gradient checkpointing
 inactive) and its previous mode is restored afterwards, also on error. The learner's packing is done by the
@@ -42,17 +44,15 @@ from learner.rollout.colocate import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
 from learner.yaml_loader import ConfigError
 from shared_schemas.images import request_messages
-from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds
+from shared_schemas.infer import InferBatch, InferRequest, InferResult
 
 if TYPE_CHECKING:
     from learner.config import RunConfig
-    from rollout_server.engines.hf_decode import VisionRow
+    from rollout_server.engines.hf_decoder import EncodedRequest
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HfColocateBackend"]
-
-"""Seed offset between the `n` completions of one request (as in the server's engines)."""
 
 
 class HfColocateBackend:
@@ -86,23 +86,26 @@ class HfColocateBackend:
             raise ValueError(f"rollout.decoding.rollout_generate_batch_size must be >= 1, got {batch_size}")
         if is_zero3(model):
             raise ConfigError(
-                "rollout.backend 'hf' in colocate mode does not support ZeRO-3 partitioned weights (ranks would"
-                " decode different numbers of steps and hang in the parameter gathers); use rollout.backend"
-                " 'vllm' or rollout.mode 'server'"
+                "rollout.backend 'hf' in colocate mode does not support ZeRO-3 partitioned weights (ranks"
+                " would decode different numbers of steps and hang in the parameter gathers); use"
+                " rollout.backend 'vllm' or rollout.mode 'server'"
             )
-        from rollout_server.engines.hf_prompts import MessageEncoder
+        from rollout_server.engines.hf_decoder import HfDecoder
 
         self._model = model
-        self._tokenizer = tokenizer
-        self._encoder = encoder if encoder is not None else MessageEncoder(tokenizer)
+        self._decoder = HfDecoder(
+            model,
+            tokenizer,
+            encoder=encoder,
+            batch_size=batch_size,
+            default_seed=default_seed,
+            no_eos=lambda: ConfigError(
+                "the training model defines no eos token id; set eos_token_id in its generation_config"
+            ),
+        )
         self._batch_size = batch_size
         self._max_model_len = max_model_len
-        self._default_seed = default_seed
         self._version = 0
-        self._eos_ids = _eos_ids(model, tokenizer)
-        self._end_of_turn_id = _end_of_turn_id(tokenizer, self._eos_ids)
-        pad = tokenizer.pad_token_id
-        self._pad_id = int(pad) if pad is not None else self._eos_ids[0]
         self.rows_decoded = 0
         """Rows generated so far (benchmarks and tests)."""
         self.decode_calls = 0
@@ -140,49 +143,19 @@ class HfColocateBackend:
                 `prompt_token_ids`), or a prompt that cannot fit `max_model_len`.
             shared_schemas.images.ImageRefError: an unreadable image reference.
         """
-        from rollout_server.engines.hf_decode import decode_requests
-
         cfg = batch.request_config
         encoded = [self._encode(r, batch.first_index + i) for i, r in enumerate(batch.infer_requests)]
-        prompts = [ids for ids, _ in encoded]
-        vision = [row for _, row in encoded]
-        self._check_lengths(prompts, cfg.max_tokens, batch.first_index)
-        seeds = resolve_seeds(batch, self._default_seed)
-        version = self._version
+        self._check_lengths([ids for ids, _ in encoded], cfg.max_tokens, batch.first_index)
         was_training = self._model.training
         self._model.eval()
         try:
             with torch.no_grad():
-                per_request = decode_requests(
-                    self._model,
-                    prompts,
-                    seeds,
-                    cfg,
-                    batch_size=self._batch_size,
-                    pad_id=self._pad_id,
-                    eos_ids=self._eos_ids,
-                    end_of_turn_id=self._end_of_turn_id,
-                    decode_text=self._decode,
-                    vision=vision if any(v is not None for v in vision) else None,
-                )
+                results = self._decoder.generate(batch, encoded, version=self._version)
         finally:
             self._model.train(was_training)
-        rows = len(prompts) * cfg.n
+        rows = len(encoded) * cfg.n
         self.decode_calls += -(-rows // self._batch_size)
         self.rows_decoded += rows
-        results = []
-        for i, request in enumerate(batch.infer_requests):
-            own = per_request[i]
-            choices = [self._choice(o) for o in own]
-            results.append(
-                InferResult(
-                    index=batch.first_index + i,
-                    request_id=request.request_id,
-                    prompt_token_ids=prompts[i],
-                    choices=choices,
-                    weight_version=version,
-                )
-            )
         return results
 
     def apply(self, update: WeightUpdate) -> int:
@@ -209,9 +182,9 @@ class HfColocateBackend:
         """Nothing to release: the model belongs to the trainer."""
 
     # -- helpers ------------------------------------------------------------------------------------------
-    def _encode(self, request: InferRequest, index: int) -> tuple[list[int], VisionRow | None]:
-        """Prompt ids of one request and, for an image prompt, its vision inputs (the server's HF engine encodes
-        through the same `MessageEncoder.encode`)."""
+    def _encode(self, request: InferRequest, index: int) -> EncodedRequest:
+        """Prompt ids of one request and, for an image prompt, its vision inputs (the server's HF engine
+        encodes through the same `HfDecoder.encode_messages`)."""
         refs = request.all_image_refs()
         if request.prompt_token_ids is not None:
             if refs:
@@ -221,15 +194,14 @@ class HfColocateBackend:
                     " prompt_token_ids"
                 )
             return list(request.prompt_token_ids), None
-        if refs and not self._encoder.takes_images:
+        if refs and not self._decoder.encoder.takes_images:
             raise ValueError(
                 f"request {index}: this request carries images but the colocated HF model has no image"
                 " processor; train a Qwen-VL checkpoint (model.path) or use rollout.backend 'vllm'"
             )
         messages = request_messages(request)
         assert messages is not None
-        prompt = self._encoder.encode(messages, index=index)
-        return list(prompt.ids), prompt.vision_row()
+        return self._decoder.encode_messages(messages, index)
 
     def _check_lengths(self, prompts: Sequence[Sequence[int]], max_tokens: int, first_index: int) -> None:
         if self._max_model_len is None:
@@ -237,51 +209,10 @@ class HfColocateBackend:
         for i, prompt in enumerate(prompts):
             if len(prompt) + max_tokens > self._max_model_len:
                 raise ValueError(
-                    f"request {first_index + i}: {len(prompt)} prompt + {max_tokens} new tokens > max_model_len"
-                    f" {self._max_model_len}; lower rollout.decoding.max_new_tokens or raise"
+                    f"request {first_index + i}: {len(prompt)} prompt + {max_tokens} new tokens >"
+                    f" max_model_len {self._max_model_len}; lower rollout.decoding.max_new_tokens or raise"
                     " rollout.vllm.max_model_len"
                 )
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _choice(self, row: Any) -> Choice:
-        text = self._decode(row.token_ids)
-        if row.stop_string is not None:
-            text = text[: text.find(row.stop_string)]
-        return Choice(
-            token_ids=row.token_ids, text=text, finish_reason=row.finish_reason, logprobs=row.logprobs
-        )
-
-
-def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    """Ids that end a rollout: the generation config's and tokenizer's EOS, plus `<|im_end|>`."""
-    ids: list[int] = []
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
-        for value in source if isinstance(source, list) else [source]:
-            if isinstance(value, int) and value not in ids:
-                ids.append(value)
-    im_end = _token_id(tokenizer, "<|im_end|>")
-    if im_end is not None and im_end not in ids:
-        ids.append(im_end)
-    if not ids:
-        raise ConfigError(
-            "the training model defines no eos token id; set eos_token_id in its generation_config"
-        )
-    return ids
-
-
-def _end_of_turn_id(tokenizer: Any, eos_ids: list[int]) -> int:
-    im_end = _token_id(tokenizer, "<|im_end|>")
-    return im_end if im_end is not None else eos_ids[0]
-
-
-def _token_id(tokenizer: Any, token: str) -> int | None:
-    value = tokenizer.convert_tokens_to_ids(token)
-    if not isinstance(value, int) or value == tokenizer.unk_token_id:
-        return None
-    return value
 
 
 def _model_max_len(model: nn.Module) -> int:

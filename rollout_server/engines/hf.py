@@ -16,6 +16,10 @@ every processor call, as vLLM passes them. The decode loop (`hf_decode`) takes e
 tensors and M-RoPE positions as a `VisionRow`. Image prompts need `messages`: `prompt_token_ids` with
 `images` is a 400 `images_need_messages` here (the processor expands text, not ids; the vLLM backend takes
 them).
+
+Model, encoder, end-of-rollout ids, decode loop and results are the `hf_decoder.HfDecoder` this engine holds,
+the same decoder as the learner's colocated HF backend's (`learner.rollout.colocate_hf`); the engine adds
+the worker thread, the request checks above and the weight syncs.
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ from rollout_server.engines.base import (
     check_prompt_lengths,
 )
 from rollout_server.engines.collective import open_receiver_group, receive_buckets, retire_group
-from rollout_server.engines.hf_decode import RowOutput, VisionRow, decode_requests
+from rollout_server.engines.hf_decoder import EncodedRequest, HfDecoder
 from rollout_server.engines.hf_prompts import MessageEncoder
 from rollout_server.engines.vllm.inputs import load_image, resolve_prompt
 from rollout_server.errors import BadRequestError, EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.buckets import dtype_code
 from shared_schemas.checkpoints import is_vl_checkpoint
-from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, resolve_seeds
+from shared_schemas.infer import InferBatch, InferRequest, InferResult
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +94,23 @@ class HfEngine:
         processor_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._model = model
-        self._tokenizer = tokenizer
-        self._encoder = MessageEncoder.for_model(
-            model, tokenizer, processor, processor_kwargs=processor_kwargs, load_image=load_image
+        self._decoder = HfDecoder(
+            model,
+            tokenizer,
+            encoder=MessageEncoder.for_model(
+                model, tokenizer, processor, processor_kwargs=processor_kwargs, load_image=load_image
+            ),
+            batch_size=batch_size,
+            default_seed=default_seed,
+            no_eos=lambda: EngineError(
+                "the model defines no eos token id; set eos_token_id in its generation_config"
+            ),
         )
         self._placeholder_id = (
             getattr(model.config, "image_token_id", None) if processor is not None else None
         )
         self._model_name = model_name
         self._max_model_len = max_model_len
-        self._batch_size = batch_size
-        self._default_seed = default_seed
         self._version = 0
         self._closed = False
         self._group: Any = (
@@ -109,8 +119,8 @@ class HfEngine:
         self._group_token: str | None = None
         self._received: dict[str, torch.Tensor] = {}
         self.last_update_stages: dict[str, float] = {}
-        """The last collective receive's staging figures (`staging_device_bytes`, `staging_host_bytes`) and the
-        last apply's `commit_copy_s`, added to the sync's `stages`."""
+        """The last collective receive's staging figures (`staging_device_bytes`, `staging_host_bytes`) and
+        the last apply's `commit_copy_s`, added to the sync's `stages`."""
         self._receive_stages: dict[str, float] = {}
         self._received_buffers: list[torch.Tensor] = []
         self._live_buffers: list[torch.Tensor] = []
@@ -118,9 +128,6 @@ class HfEngine:
         self._spare_buffers: list[torch.Tensor] = []
         """Bucket buffers no parameter reads any more: the next collective receive lands in them."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
-        self._eos_ids = _eos_ids(model, tokenizer)
-        self._end_of_turn_id = _end_of_turn_id(tokenizer, self._eos_ids)
-        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
         self._specs = {name: (dtype_code(t.dtype), tuple(t.shape)) for name, t in model.state_dict().items()}
 
     @classmethod
@@ -191,46 +198,21 @@ class HfEngine:
         version = self._version
         cfg = batch.request_config
         encoded = [self._encode(r, batch.first_index + i) for i, r in enumerate(batch.infer_requests)]
-        prompts = [ids for ids, _ in encoded]
-        vision = [row for _, row in encoded]
         check_prompt_lengths(
-            [len(p) for p in prompts], cfg.max_tokens, self._max_model_len, batch.first_index
+            [len(ids) for ids, _ in encoded], cfg.max_tokens, self._max_model_len, batch.first_index
         )
-        seeds = resolve_seeds(batch, self._default_seed)
-        per_request = decode_requests(
-            self._model,
-            prompts,
-            seeds,
-            cfg,
-            batch_size=self._batch_size,
-            pad_id=self._pad_id,
-            eos_ids=self._eos_ids,
-            end_of_turn_id=self._end_of_turn_id,
-            decode_text=self._decode,
-            vision=vision if any(v is not None for v in vision) else None,
-        )
-        results = []
-        for i, request in enumerate(batch.infer_requests):
-            choices = [self._choice(o) for o in per_request[i]]
-            results.append(
-                InferResult(
-                    index=batch.first_index + i,
-                    request_id=request.request_id,
-                    prompt_token_ids=prompts[i],
-                    choices=choices,
-                    weight_version=version,
-                )
-            )
-        return results
+        return self._decoder.generate(batch, encoded, version=version)
 
-    def _encode(self, request: InferRequest, index: int) -> tuple[list[int], VisionRow | None]:
+    def _encode(self, request: InferRequest, index: int) -> EncodedRequest:
         """Prompt ids of one request and, for an image prompt, its vision inputs (see the module doc).
 
         Raises:
             BadRequestError: what the vLLM engine refuses (`resolve_prompt`), an unreadable image, or images
                 beside `prompt_token_ids`.
         """
-        resolved = resolve_prompt(self._tokenizer, request, index, placeholder_id=self._placeholder_id)
+        resolved = resolve_prompt(
+            self._decoder.tokenizer, request, index, placeholder_id=self._placeholder_id
+        )
         if not resolved.refs:
             return resolved.prompt_token_ids, None
         if resolved.messages is None:
@@ -240,19 +222,7 @@ class HfEngine:
                 " serve with server.backend: vllm",
                 type="images_need_messages",
             )
-        prompt = self._encoder.encode(resolved.messages, index=index)
-        return list(prompt.ids), prompt.vision_row()
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _choice(self, row: RowOutput) -> Choice:
-        text = self._decode(row.token_ids)
-        if row.stop_string is not None:
-            text = text[: text.find(row.stop_string)]
-        return Choice(
-            token_ids=row.token_ids, text=text, finish_reason=row.finish_reason, logprobs=row.logprobs
-        )
+        return self._decoder.encode_messages(resolved.messages, index)
 
     @property
     def collective_ranks(self) -> int:
@@ -354,9 +324,10 @@ class HfEngine:
 
     def _swap_in(self, staged: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> bool:
         """Commits a collective sync staged on the model's device WITHOUT copying: every parameter is rebound
-        to its received tensor (a view of a received bucket buffer), on the engine thread between generations,
-        so no request sees a mix. The bucket buffers the parameters viewed until now become the spares the next
-        sync is received into (no allocation, no copy; steady state: two model copies, as with a copy commit).
+        to its received tensor (a view of a received bucket buffer), on the engine thread between
+        generations, so no request sees a mix. The bucket buffers the parameters viewed until now become the
+        spares the next sync is received into (no allocation, no copy; steady state: two model copies, as with
+        a copy commit).
 
         Only when the update covers every parameter and buffer of the model, each received on its device (else
         False: the caller copies).
@@ -406,25 +377,3 @@ class HfEngine:
             return
         self._closed = True
         await asyncio.to_thread(self._executor.shutdown, wait=True)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    ids: list[int] = []
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
-        for value in source if isinstance(source, list) else [source]:
-            if isinstance(value, int) and value not in ids:
-                ids.append(value)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
-        ids.append(im_end)
-    if not ids:
-        raise EngineError("the model defines no eos token id; set eos_token_id in its generation_config")
-    return ids
-
-
-def _end_of_turn_id(tokenizer: Any, eos_ids: list[int]) -> int:
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        return im_end
-    return eos_ids[0]

@@ -50,8 +50,8 @@ class VisionRow:
 
     Attributes:
         mm_inputs: the processor's vision tensors of the prompt (`pixel_values`, `image_grid_thw`, ...).
-        rope_positions: ``[3][len(prompt)]`` M-RoPE positions of the prompt (rows t, h, w), or None for a model
-            with 1-D positions.
+        rope_positions: ``[3][len(prompt)]`` M-RoPE positions of the prompt (rows t, h, w), or None for a
+            model with 1-D positions.
     """
 
     mm_inputs: Mapping[str, torch.Tensor]

@@ -9,9 +9,9 @@ re-encodes, token for token.
 
 Text prompts: the chat template in generation mode, tokenized without extra special tokens
 (`base.encode_chat_prompt`, the ids the vLLM engine derives too). Image prompts: the same template text goes
-through the model's HF processor, which expands each `<|image_pad|>` to the image's token count and returns the
-vision tensors (`pixel_values`, `image_grid_thw`, ...); the ids then equal the expanded `prompt_token_ids` the
-vLLM engine returns (vLLM expands the one placeholder per image itself). `processor_kwargs` go into every
+through the model's HF processor, which expands each `<|image_pad|>` to the image's token count and returns
+the vision tensors (`pixel_values`, `image_grid_thw`, ...); the ids then equal the expanded `prompt_token_ids`
+the vLLM engine returns (vLLM expands the one placeholder per image itself). `processor_kwargs` go into every
 processor call, as vLLM passes `server.vllm.mm_processor_kwargs` (e.g. `max_pixels`).
 
 Qwen-VL models place tokens with multi-axis rotary positions (M-RoPE: time, height, width). The encoder
