@@ -10,8 +10,10 @@ bucket k travels, so at most two buckets of exported tensors are alive at a time
 from __future__ import annotations
 
 import ipaddress
+import mmap
 import os
 import queue
+import stat
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -123,11 +125,20 @@ def prefetched(items: Iterator[_T], depth: int = 1) -> Iterator[_T]:
 
 
 class ShmStager:
-    """Writes bucket files into the servers' shared staging directory, and removes them.
+    """Writes bucket files into the servers' shared staging directory, and reuses them from sync to sync.
 
     The directory must be the one the servers are configured with (`server.shm_dir`); `/health` does not
     expose it, so the learner takes it from `rollout.sync.shm_dir`. Files appear atomically (written under
     a hidden temporary name, then renamed), so a server never maps a half-written bucket.
+
+    Reuse, why and when: a bucket written into a NEW tmpfs file pays for page allocation and zeroing
+    (2.8 GB/s measured on the 2-core CI host, against 6.2 GB/s for a copy into pages that already exist), so
+    after a bucket has been taken over the stager keeps its file under a hidden spare name and the next sync
+    rewrites bucket k's file in place. A server takes a file over with a hard link of its own and drops that
+    link when its sync ends (committed, rejected, aborted or expired: `rollout_server.weights.staging`), after
+    its engine has loaded the bytes. So a spare is rewritten only while its link count is 1 (no server holds
+    it any more); otherwise it is left to the server and a new file is written. Costs one model's worth of
+    tmpfs between syncs, which every sync needs anyway; `discard` (after a failed sync) and `close` remove it.
 
     Args:
         shm_dir: the staging directory (created when missing).
@@ -136,23 +147,25 @@ class ShmStager:
     def __init__(self, shm_dir: str | Path) -> None:
         self.shm_dir = Path(shm_dir).expanduser()
         self._tag = uuid.uuid4().hex[:12]
+        self._spares: dict[int, Path] = {}
+        self.reused_bytes = 0
+        """Bytes written into reused (already allocated) files since this stager was made."""
 
     @contextmanager
     def staged(self, version: int, index: int, parts: BucketParts) -> Iterator[str]:
-        """Writes one bucket (its parts, in order), yields its plain file name, and removes the name on exit.
+        """Writes one bucket (its parts, in order), yields its plain file name, and takes the name back on exit.
 
         The servers take the file over (a hard link of their own) before acknowledging it, so the name may
-        go as soon as every server has acknowledged; the file is never written again after the rename.
+        go as soon as every server has acknowledged; the file is kept as the spare of bucket `index`.
         """
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         name = f"rollmatch-{self._tag}-v{version}-b{index}.safetensors"
         final = self.shm_dir / name
         tmp = self.shm_dir / f".{name}.tmp"
+        spare = self._spares.pop(index, None)
         try:
-            with open(tmp, "wb", buffering=0) as f:
-                for part in parts:
-                    while part:  # a raw write may be partial
-                        part = part[f.write(part) :]
+            if spare is None or not self._rewrite(spare, tmp, parts):
+                _write_new(tmp, parts)
             os.replace(tmp, final)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
@@ -163,4 +176,53 @@ class ShmStager:
         try:
             yield name
         finally:
-            final.unlink(missing_ok=True)
+            keep = self.shm_dir / f".rollmatch-{self._tag}-spare-b{index}.safetensors"
+            try:
+                os.replace(final, keep)
+                self._spares[index] = keep
+            except OSError:
+                final.unlink(missing_ok=True)
+
+    def _rewrite(self, spare: Path, tmp: Path, parts: BucketParts) -> bool:
+        """Rewrites `spare` in place as `tmp` when no server holds it any more; False (spare removed) if one
+        still does or it is not a plain file of ours."""
+        try:
+            fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            spare.unlink(missing_ok=True)
+            return False
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+                spare.unlink(missing_ok=True)  # a server still maps it (its sync has not ended): leave it be
+                return False
+            total = sum(part.nbytes for part in parts)
+            if info.st_size != total:
+                os.ftruncate(fd, total)
+            # MAP_POPULATE maps every page up front: 5.3-5.8 GB/s instead of 2.4 GB/s with a fault per page.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            with mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE) as out:
+                offset = 0
+                for part in parts:
+                    out[offset : offset + part.nbytes] = part
+                    offset += part.nbytes
+        finally:
+            os.close(fd)
+        os.replace(spare, tmp)
+        self.reused_bytes += total
+        return True
+
+    def discard(self) -> None:
+        """Removes the spares (after a failed sync: the next one starts from new files)."""
+        for path in self._spares.values():
+            path.unlink(missing_ok=True)
+        self._spares = {}
+
+    close = discard
+
+
+def _write_new(path: Path, parts: BucketParts) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for part in parts:
+            while part:  # a raw write may be partial
+                part = part[f.write(part) :]

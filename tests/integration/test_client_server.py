@@ -18,6 +18,7 @@ Every test leaves the shared server serving the seed-0 weights it started with.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,12 @@ def test_full_sync_serves_the_seed1_model(
         finally:
             # Through the same source: a gloo restore reuses the group the first sync formed.
             restore_seed0(source, tiny_model_dir, transport)
+        if transport == "shm":  # the restore rewrote the first sync's files (released by the server) in place
+            assert source.last_sync_stages["shm_reused_bytes"] > 0
+            # ... and what the server serves never depends on them after its sync ended: scribble over the
+            # files the next sync would rewrite, the served model must not change.
+            for spare in source._transport.stager._spares.values():  # type: ignore[attr-defined]
+                spare.write_bytes(os.urandom(spare.stat().st_size))
         assert same_model(rollout(source), before, atol=0.0)
     if transport == "shm":
         assert list(vllm_server.shm_dir.iterdir()) == [], "bucket files are removed after the sync"

@@ -128,6 +128,11 @@ class PartsTransport(Transport):
                 stages["upload_s"] += mark - now
         finally:
             payloads.close()
+        stages.update(self.sent_stages())
+
+    def sent_stages(self) -> dict[str, float]:
+        """The transport's own figures of the sync just sent, added to its stages (none by default)."""
+        return {}
 
     def send_bucket(
         self, sessions: Sequence[SyncSession], manifest: SyncManifest, bucket: BucketSpec, parts: BucketParts

@@ -19,6 +19,8 @@ __all__ = ["ShmTransport"]
 class ShmTransport(PartsTransport):
     """Bucket files in `rollout.sync.shm_dir` (= the servers' `server.shm_dir`); every server on this host.
 
+    Bucket k's file is rewritten in place by the next sync once no server holds it (`ShmStager`).
+
     Raises:
         ValueError: no `shm_dir`, or a server that is not on a loopback address.
     """
@@ -37,9 +39,23 @@ class ShmTransport(PartsTransport):
                 " loopback address; use transport 'http'"
             )
         self.stager = ShmStager(options.shm_dir)
+        self._reused_before = 0
+
+    def joined(self, sessions: Sequence[SyncSession]) -> None:
+        self._reused_before = self.stager.reused_bytes
+
+    def sent_stages(self) -> dict[str, float]:
+        """`shm_reused_bytes`: the bytes this sync wrote into files an earlier sync left (no new tmpfs pages)."""
+        return {"shm_reused_bytes": float(self.stager.reused_bytes - self._reused_before)}
 
     def send_bucket(
         self, sessions: Sequence[SyncSession], manifest: SyncManifest, bucket: BucketSpec, parts: BucketParts
     ) -> None:
         with self.stager.staged(manifest.version, bucket.index, parts) as file_name:
             list(self.options.pool.map(lambda s: s.upload_shm(bucket.index, file_name), sessions))
+
+    def failed(self, urls: Sequence[str]) -> None:
+        self.stager.discard()  # a server may still hold a file: the next sync writes new ones
+
+    def close(self) -> None:
+        self.stager.close()
