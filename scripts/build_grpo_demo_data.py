@@ -5,16 +5,16 @@ Writes (idempotent, deterministic; nothing is downloaded):
 - ``<data>/train.jsonl``, ``<data>/eval.jsonl``: synthetic "summary" rows (``learner/demo_data/summary.py``);
 - ``<models>/tiny-qwen2``: the tiny Qwen2 LM (``scripts/build_tiny_models.py``; the server loads it);
 - ``<models>/tiny-qwen2-grpo-warm``: ``tiny-qwen2`` after a short SFT warm start on the train answers, half of
-  them with the wrong task tag (``learner/grpo/warm_start.py``, ``with_task_noise``; the learner starts from it
-  and its step-0 sync puts it on the server).
+  them with the wrong task tag (``learner/grpo/warm_start.py``, ``with_task_noise``; the learner starts from
+  it and its step-0 sync puts it on the server).
 
 With ``--vlm`` it builds the image edition instead (the Qwen-VL GRPO demo):
 
 - ``<data>/train.jsonl``, ``<data>/eval.jsonl`` + ``<data>/images/*.png``: synthetic image summary rows
   (``learner.demo_data.summary.generate_image_rows``; default ``<data>`` = ``.cache/data/grpo_vlm_demo``);
 - ``<models>/tiny-qwen3-vl``: the tiny Qwen3-VL (``scripts/build_tiny_vlm.py``; the server loads it);
-- ``<models>/tiny-qwen3-vl-grpo-warm``: ``tiny-qwen3-vl`` after a short SFT warm start on the image rows' answers
-  (half with the wrong task tag, as for text), vision tower and aligner trained too.
+- ``<models>/tiny-qwen3-vl-grpo-warm``: ``tiny-qwen3-vl`` after a short SFT warm start on the image rows'
+  answers (half with the wrong task tag, as for text), vision tower and aligner trained too.
 
 CLI: ``python scripts/build_grpo_demo_data.py [--vlm] [--data DIR] [--models .cache/models]``
 """

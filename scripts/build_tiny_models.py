@@ -1,29 +1,30 @@
 """Build the embedded tiny models offline: a Qwen2-architecture causal LM with a coord-token BPE tokenizer.
 
 Nothing here touches the network. Everything is seeded and idempotent: a directory that already holds a build
-with the same recipe (``build_info.json``) is left as it is, so tests and the demo can call the builders freely.
+with the same recipe (``build_info.json``) is left alone, so tests and the demo can call the builders freely.
 
 The tokenizer is the same for every seed (it is trained once on a fixed corpus), so weights of the seed-0 and
 seed-1 models are interchangeable parameter for parameter — that is what weight-sync tests rely on.
 
 Tokenizer facts (what the learner and server rely on):
-- byte-level BPE with Qwen2's pre-tokenizer regex, trained on the assistant JSON format, the default prompts and
-  the demo vocabulary, so ``{"``, ``":``, `` {"``, ``",`` ... are single tokens as in
+- byte-level BPE with Qwen2's pre-tokenizer regex, trained on the assistant JSON format, the default prompts
+  and the demo vocabulary, so ``{"``, ``":``, `` {"``, ``",`` ... are single tokens as in
   docs/ALGORITHM.md#worked-example;
 - Qwen chat special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and the Qwen-VL vision tokens;
-- 1000 added coordinate tokens ``<|coord_0|>`` .. ``<|coord_999|>``, each ONE id, registered as non-special added
-  tokens so that ``decode(..., skip_special_tokens=True)`` keeps them (engines return them in ``text``);
+- 1000 added coordinate tokens ``<|coord_0|>`` .. ``<|coord_999|>``, each ONE id, registered as non-special
+  added tokens so that ``decode(..., skip_special_tokens=True)`` keeps them (engines return them in ``text``);
 - a Qwen chat template: image parts render as ``<|vision_start|><|image_pad|><|vision_end|>``.
 
 CLI: ``python scripts/build_tiny_models.py --out .cache/models`` writes ``tiny-qwen2`` (seed 0),
 ``tiny-qwen2-seed1`` (seed 1) and ``tiny-qwen2-copy`` (the model the demo trains, see below).
 
-``tiny-qwen2-copy`` is ``tiny-qwen2`` after GENERIC copy pretraining (``scripts/copy_pretrain.py``: random token
-sequences repeated with filler in between — no prompts, no JSON, nothing of the demo task). A random 2-layer
-model forms a copy ("induction") circuit only after a long plateau (≥ 25k samples, far beyond a 10-minute CPU
-demo); with it, rollout-matching SFT learns the demo in ~150–200 steps. The pretraining takes ~1 min on a GPU
-and ~10 min on 2 CPU cores, so its result is shipped in ``assets/tiny-qwen2-copy/`` (2 MB) and only re-run
-when that folder is missing or its tokenizer no longer matches the builder's (``--rebuild-copy`` forces it).
+``tiny-qwen2-copy`` is ``tiny-qwen2`` after GENERIC copy pretraining (``scripts/copy_pretrain.py``: random
+token sequences repeated with filler in between — no prompts, no JSON, nothing of the demo task). A random
+2-layer model forms a copy ("induction") circuit only after a long plateau (≥ 25k samples, far beyond a
+10-minute CPU demo); with it, rollout-matching SFT learns the demo in ~150–200 steps. The pretraining takes
+~1 min on a GPU and ~10 min on 2 CPU cores, so its result is shipped in ``assets/tiny-qwen2-copy/`` (2 MB)
+and only re-run when that folder is missing or its tokenizer no longer matches the builder's
+(``--rebuild-copy`` forces it).
 Shipped weights: ``python scripts/copy_pretrain.py --model-dir .cache/models/tiny-qwen2 --out DIR --seed 5
 --device cuda`` (H200); its F1 is still 0 on the demo task until SFT.
 """
@@ -59,7 +60,10 @@ SPECIAL_TOKENS = [
 ]
 COORD_TOKENS = [f"<|coord_{k}|>" for k in range(1000)]
 # Qwen2's pre-tokenizer split pattern (tokenizer.json of the Qwen2 family).
-QWEN2_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -74,7 +78,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Size presets. head_dim 64: vLLM's CPU attention rejects 16; hidden 128 keeps the test model ~0.5 MB of weights.
+# Size presets. head_dim 64: vLLM's CPU attention rejects 16;
+# hidden 128 keeps the test model ~0.5 MB of weights.
 PRESETS: dict[str, dict] = {
     "tiny": dict(
         hidden_size=128,
@@ -145,15 +150,15 @@ def _corpus() -> list[str]:
     """Fixed training text: the wire format, the default prompts and the demo vocabulary."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     lines = [
-        "You are an open-vocabulary object detector. Reply with one single-line JSON object and nothing else, "
-        'shaped like {"object_1": {...}, "object_2": {...}}. Each entry has a short plain-English "desc" and '
-        'exactly one geometry: "bbox_2d" as [x1, y1, x2, y2] with x1 ≤ x2 and y1 ≤ y2, or "poly" as one closed '
-        "ring of [x, y] points that starts at the top-most (then left-most) vertex and goes clockwise. Write "
-        "every coordinate as <|coord_N|> with N from 0 to 999. Put one space after every ':' and ','. List "
-        "objects top to bottom, then left to right, numbering from 1. If nothing is visible, reply {}. Use desc "
-        '"unknown" for objects you cannot name.',
-        "List every object in the image, top to bottom then left to right, as one JSON object whose entries hold "
-        "a desc and one geometry written with coordinate tokens 0–999.",
+        "You are an open-vocabulary object detector. Reply with one single-line JSON object and nothing "
+        'else, shaped like {"object_1": {...}, "object_2": {...}}. Each entry has a short plain-English '
+        '"desc" and exactly one geometry: "bbox_2d" as [x1, y1, x2, y2] with x1 ≤ x2 and y1 ≤ y2, or "poly" '
+        "as one closed ring of [x, y] points that starts at the top-most (then left-most) vertex and goes "
+        "clockwise. Write every coordinate as <|coord_N|> with N from 0 to 999. Put one space after every "
+        "':' and ','. List objects top to bottom, then left to right, numbering from 1. If nothing is "
+        'visible, reply {}. Use desc "unknown" for objects you cannot name.',
+        "List every object in the image, top to bottom then left to right, as one JSON object whose entries "
+        "hold a desc and one geometry written with coordinate tokens 0–999.",
         " ".join(DEMO_WORDS),
     ]
     for n in range(1, 64):
@@ -278,7 +283,7 @@ COPY_ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2-copy"
 
 
 def build_copy_pretrained(out_dir: Path, base_dir: Path, *, rebuild: bool = False) -> Path:
-    """The demo's starting model: ``base_dir`` after generic copy pretraining (shipped asset, or trained here).
+    """The demo's starting model: ``base_dir`` after generic copy pretraining (shipped asset or trained here).
 
     Raises:
         RuntimeError: the pretraining did not converge (the demo would then learn far too slowly).

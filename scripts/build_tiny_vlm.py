@@ -1,18 +1,18 @@
-"""Build tiny random Qwen3-VL models (vision tower included) offline: the image-path test model and the demo's.
+"""Build tiny random Qwen3-VL models (with vision tower) offline: the image-path test model and the demo's.
 
-The tokenizer and chat template are the embedded tiny LM's (`build_tiny_models.build_tokenizer`): Qwen chat and
-vision special tokens plus the 1000 single-id coord tokens. The processor keeps image-token counts tiny
-(64x64 → 4 image tokens, 128x96 → 12, at most 64), and the model satisfies every constraint vLLM's and transformers' Qwen3-VL
-code checks on CPU (text head_dim 64, mrope sections summing to head_dim/2, deepstack index below the
-vision depth, square position-embedding table, vision config matching the image processor).
+The tokenizer and chat template are the embedded tiny LM's (`build_tiny_models.build_tokenizer`): Qwen chat
+and vision special tokens plus the 1000 single-id coord tokens. The processor keeps image-token counts tiny
+(64x64 → 4 image tokens, 128x96 → 12, at most 64), and the model satisfies every constraint vLLM's and
+transformers' Qwen3-VL code checks on CPU (text head_dim 64, mrope sections summing to head_dim/2, deepstack
+index below the vision depth, square position-embedding table, vision config matching the image processor).
 
 Loading the result without torchvision needs the import shim in `rollout_server/vlm_shim/` on `PYTHONPATH`
 (every process, vLLM's architecture-inspection subprocess included); the builder installs it in-process
 itself.
 
-Presets (``PRESETS``): ``tiny-qwen3-vl`` is the image-path test model above; ``tiny-qwen3-vl-demo`` is the image
-demo's model (5M parameters, 192x192 images → 36 image tokens), built twice: ``tiny-qwen3-vl-demo-init`` (random)
-and ``tiny-qwen3-vl-demo`` = its stage-1 SFT (``scripts/vlm_pretrain.py``), copied from the shipped
+Presets (``PRESETS``): ``tiny-qwen3-vl`` is the image-path test model above; ``tiny-qwen3-vl-demo`` is the
+image demo's model (5M parameters, 192x192 images → 36 image tokens), built twice: ``tiny-qwen3-vl-demo-init``
+(random) and ``tiny-qwen3-vl-demo`` = its stage-1 SFT (``scripts/vlm_pretrain.py``), copied from the shipped
 ``assets/tiny-qwen3-vl-demo-stage1/`` and re-trained only when that asset is missing or no longer matches the
 preset or the demo's prompts (``--rebuild-stage1`` forces it).
 
@@ -91,7 +91,8 @@ DEMO_MODEL_NAME = "tiny-qwen3-vl-demo"
 DEMO_INIT_NAME = DEMO_MODEL_NAME + "-init"
 """The random-init demo model; ``DEMO_MODEL_NAME`` is the stage-1 model built from the shipped asset."""
 PRESETS: dict[str, VlmPreset] = {
-    # The image-path test model: ~1M parameters, 64x64 -> 4 image tokens. Tests pin its shape and token counts.
+    # The image-path test model: ~1M parameters, 64x64 -> 4 image tokens.
+    # Tests pin its shape and token counts.
     MODEL_NAME: VlmPreset(TEXT_CONFIG, VISION_CONFIG, IMAGE_PROCESSOR),
     # The image demo model (5M parameters; 192x192 -> 12x12 patches -> 36 image tokens): 4 text layers of
     # width 256 and a 4-block vision tower of width 128 whose block 1 also feeds text layer 0 (deepstack).
@@ -232,13 +233,15 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0, preset: str = MODEL_NAME) -> Pa
 
 
 DEMO_ASSET = SCRIPTS.parent / "assets" / "tiny-qwen3-vl-demo-stage1"
-"""The shipped stage-1 weights of the demo model (``scripts/vlm_pretrain.py``; recipe in its pretrain_info.json)."""
+"""The shipped stage-1 weights of the demo model (``scripts/vlm_pretrain.py``; recipe in its
+pretrain_info.json)."""
 DEMO_DATA = SCRIPTS.parent / ".cache" / "data" / "demo_vlm"
 
 
 def _matches_preset(model_dir: Path, init_dir: Path) -> bool:
-    """Same tokenizer as ``init_dir``, the demo preset's text and vision architecture, and stage-1 trained on the
-    demo's prompts (``pretrain_info.json``; the learner rolls out with ``prompts:`` of configs/demo_vlm_cpu.yaml)."""
+    """Same tokenizer as ``init_dir``, the demo preset's text and vision architecture, and stage-1 trained on
+    the demo's prompts (``pretrain_info.json``; the learner rolls out with ``prompts:`` of
+    configs/demo_vlm_cpu.yaml)."""
     from learner.demo_data.images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT
 
     if not (model_dir / "model.safetensors").is_file() or not (model_dir / "config.json").is_file():

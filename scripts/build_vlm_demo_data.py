@@ -1,8 +1,8 @@
 """Write the synthetic image demo set (learner/demo_data/images.py): JSONL splits and their PNGs.
 
-CLI: ``python scripts/build_vlm_demo_data.py --out .cache/data/demo_vlm`` writes ``train.jsonl``, ``eval.jsonl``,
-``manifest.json`` and ``images/{train,eval}_NNNNN.png`` (paths in the records are relative to ``--out``).
-Idempotent: unchanged files are kept.
+CLI: ``python scripts/build_vlm_demo_data.py --out .cache/data/demo_vlm`` writes ``train.jsonl``,
+``eval.jsonl``, ``manifest.json`` and ``images/{train,eval}_NNNNN.png`` (paths in the records are relative to
+``--out``). Idempotent: unchanged files are kept.
 """
 
 from __future__ import annotations

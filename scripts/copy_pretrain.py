@@ -6,12 +6,12 @@ plateau (≥ 25k samples in the SFT probe runs, docs/EXPERIMENTS.md). Pretrainin
 data first — random token sequences, no prompts, no JSON, no scenes, nothing of the demo's answers — gives it
 the circuit, as a pretrained LM would have it; SFT then only has to learn the output format.
 
-Data (one row): ``noise + S + noise + S'`` where ``S`` is 8..seq_max distinct random "content" tokens (all 1000
-coord tokens and the category words) and ``S'`` repeats ``S`` with 0..gap_max random "filler" tokens (every
-other non-special token) before each element. Only the elements of ``S'`` carry labels, so the model learns
-"emit the successor, in the first copy, of the last content token I emitted, whatever filler came since".
-gap_max 12 matters: the answer JSON puts 2..11 structure tokens between two content tokens (gap_max 3 or 6
-pretrains fine but does not transfer).
+Data (one row): ``noise + S + noise + S'`` where ``S`` is 8..seq_max distinct random "content" tokens (all
+1000 coord tokens and the category words) and ``S'`` repeats ``S`` with 0..gap_max random "filler" tokens
+(every other non-special token) before each element. Only the elements of ``S'`` carry labels, so the model
+learns "emit the successor, in the first copy, of the last content token I emitted, whatever filler came
+since". gap_max 12 matters: the answer JSON puts 2..11 structure tokens between two content tokens (gap_max 3
+or 6 pretrains fine but does not transfer).
 
 CLI: ``python scripts/copy_pretrain.py --model-dir .cache/models/tiny-qwen2 --out DIR``.
 """
@@ -113,8 +113,8 @@ def copy_pretrain(
 ) -> dict:
     """Train ``model`` in place on copy data; return ``{"steps", "loss_ema", "seconds", "converged"}``.
 
-    ``converged`` is False when ``until_loss`` was set and never reached within ``max_steps`` (the copy circuit
-    did not form; SFT will then be as slow as from scratch).
+    ``converged`` is False when ``until_loss`` was set and never reached within ``max_steps`` (the copy
+    circuit did not form; SFT will then be as slow as from scratch).
     """
     content, filler = copy_vocab(tok)
     rng = random.Random(cfg.seed)

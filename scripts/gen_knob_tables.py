@@ -3,8 +3,9 @@
 
 One table per YAML section: every field of `learner.config.RunConfig` (learner process),
 `rollout_server.config.ServerConfig` (rollout server process) and the GRPO sections
-(`learner.grpo.config.sections.GrpoConfig`, `learner.grpo.config.batch_plan.BatchPlan`), with its type and constraints,
-its default and its docstring. Nested pydantic sections become their own tables; opaque mappings are rows.
+(`learner.grpo.config.sections.GrpoConfig`, `learner.grpo.config.batch_plan.BatchPlan`), with its type and
+constraints, its default and its docstring. Nested pydantic sections become their own tables; opaque mappings
+are rows.
 
     python scripts/gen_knob_tables.py                         # print the tables
     python scripts/gen_knob_tables.py --write docs/RUNBOOK.md # replace the generated block in place
@@ -39,7 +40,8 @@ BEGIN_MARKER = (
 )
 END_MARKER = "<!-- END GENERATED KNOB TABLES -->"
 MAX_DEFAULT_CHARS = 48
-"""Longer defaults (the prompt texts) are cut with an ellipsis: the table is an index, the code is the source."""
+"""Longer defaults (the prompt texts) are cut with an ellipsis: the table is an index, the code is the
+source."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,8 @@ def render_all() -> str:
             iter_sections(ServerConfig, "server"),
         ),
         (
-            "GRPO runs: `learner.grpo.config.sections.GrpoConfig` and `learner.grpo.config.batch_plan.BatchPlan`",
+            "GRPO runs: `learner.grpo.config.sections.GrpoConfig`"
+            " and `learner.grpo.config.batch_plan.BatchPlan`",
             "Read by `learner.grpo.config.validate_grpo_run` (docs/ALGORITHM.md#grpo-config); the GRPO"
             " resolver also checks a narrower view of `server:` (GRPO §2.2).",
             (*iter_sections(GrpoConfig, "grpo"), *iter_sections(BatchPlan, "batch_plan")),

@@ -1,27 +1,28 @@
 """Stage-1 SFT of the image demo model: plain teacher-forced training on the synthetic image set.
 
 Rollout-matching SFT starts from a stage-1 SFT checkpoint. For the image demo that checkpoint is
-``tiny-qwen3-vl-demo`` (``scripts/build_tiny_vlm.py``, preset ``tiny-qwen3-vl-demo``) after this script has trained it on the
-``train`` split of ``learner/demo_data/images.py`` — and stopped EARLY, while its held-out detection F1 is
-still well below 0.5, so that rollout-matching SFT has room to show learning. The result is shipped as
-``assets/tiny-qwen3-vl-demo-stage1/`` because training it takes minutes on a GPU and far longer on 2 CPU cores;
-``build_tiny_vlm.py`` copies the asset and re-runs this script only when the asset is missing.
+``tiny-qwen3-vl-demo`` (``scripts/build_tiny_vlm.py``, preset ``tiny-qwen3-vl-demo``) after this script has
+trained it on the ``train`` split of ``learner/demo_data/images.py`` — and stopped EARLY, while its held-out
+detection F1 is still well below 0.5, so that rollout-matching SFT has room to show learning. The result is
+shipped as ``assets/tiny-qwen3-vl-demo-stage1/`` because training it takes minutes on a GPU and far longer on
+2 CPU cores; ``build_tiny_vlm.py`` copies the asset and re-runs this script only when the asset is missing.
 
 One training row is exactly what the learner teacher-forces for an empty rollout: the rollout prompt
 (``learner.data.messages.rollout_messages`` of ``build_sample(record, include_assistant=True)``: the system
 prompt, then the user turn with the image part first and the user prompt, then ``<|im_start|>assistant\\n``),
-the GT answer (``serialize_objects``, §4) and ``<|im_end|>``. The prompts default to the image demo's short ones
-(``learner.demo_data.images.DEMO_SYSTEM_PROMPT`` / ``DEMO_USER_PROMPT``, also ``prompts:`` of
-configs/demo_vlm_cpu.yaml; ``--system-prompt`` / ``--user-prompt`` change them): the learner must roll out with
-the prompts the checkpoint was trained on. The loss is the mean token cross-entropy over the answer tokens and
-``<|im_end|>`` only. The learning rate is constant after a linear warm-up, so the snapshot at step k of a longer
-run is the model that ``--steps k`` trains.
+the GT answer (``serialize_objects``, §4) and ``<|im_end|>``. The prompts default to the image demo's short
+ones (``learner.demo_data.images.DEMO_SYSTEM_PROMPT`` / ``DEMO_USER_PROMPT``, also ``prompts:`` of
+configs/demo_vlm_cpu.yaml; ``--system-prompt`` / ``--user-prompt`` change them): the learner must roll out
+with the prompts the checkpoint was trained on. The loss is the mean token cross-entropy over the answer
+tokens and ``<|im_end|>`` only. The learning rate is constant after a linear warm-up, so the snapshot at step
+k of a longer run is the model that ``--steps k`` trains.
 
 Held-out detection F1 (``--eval-at``) is measured as the learner's evaluation does: greedy decoding (HF
 ``generate``), then ``learner.stage2.pipeline.score_rollout`` (parse, match with the default
 ``stage2.matching``, maskIoU gate 0.3) and ``eval_metrics``.
 
-Shipped asset (measured F1 and the F1-vs-steps curve: ``assets/tiny-qwen3-vl-demo-stage1/pretrain_info.json``)::
+Shipped asset (measured F1 and the F1-vs-steps curve:
+``assets/tiny-qwen3-vl-demo-stage1/pretrain_info.json``)::
 
     python scripts/build_vlm_demo_data.py --out .cache/data/demo_vlm
     python scripts/build_tiny_vlm.py --preset tiny-qwen3-vl-demo --out .cache/models
@@ -86,7 +87,7 @@ class PretrainConfig:
         clip: gradient-norm clip.
         seed: torch seed and data-order seed.
         max_new_tokens: greedy decoding budget of the held-out evaluation.
-        system_prompt: the rollout prompt's system text (``prompts.system`` of the learner that starts from it).
+        system_prompt: the rollout prompt's system text (``prompts.system`` of the learner starting from it).
         user_prompt: the user text after the image (``prompts.user``).
     """
 
@@ -177,7 +178,8 @@ def load_split(
 
 
 def collate(data: EncodedSet, rows: Sequence[int], pad_id: int, device: str) -> dict[str, torch.Tensor]:
-    """Right-padded batch: ``input_ids``, ``attention_mask``, ``labels`` (answer tokens only), image tensors."""
+    """Right-padded batch: ``input_ids``, ``attention_mask``, ``labels`` (answer tokens only),
+    image tensors."""
     seqs = [data.prompt_ids + data.answers[r] for r in rows]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -198,8 +200,8 @@ def collate(data: EncodedSet, rows: Sequence[int], pad_id: int, device: str) -> 
 
 
 def image_inputs(data: EncodedSet, rows: Sequence[int], width: int, device: str) -> dict[str, torch.Tensor]:
-    """``pixel_values`` and ``image_grid_thw`` of ``rows``, plus ``mm_token_type_ids`` (``width`` columns) when
-    the processor gives them."""
+    """``pixel_values`` and ``image_grid_thw`` of ``rows``, plus ``mm_token_type_ids`` (``width`` columns)
+    when the processor gives them."""
     out = {
         "pixel_values": torch.cat([data.pixel_values[r] for r in rows]).to(device),
         "image_grid_thw": torch.cat([data.grid_thw[r] for r in rows]).to(device),
