@@ -63,7 +63,8 @@ DTYPE_CODES: dict[str, str] = {name: code for code, name in DTYPE_NAMES.items()}
 
 
 def dtype_code(dtype: Any) -> str:
-    """The safetensors code of a torch or numpy dtype or of its name (`torch.bfloat16`, `"bfloat16"` → `BF16`).
+    """The safetensors code of a torch or numpy dtype or of its name
+    (`torch.bfloat16`, `"bfloat16"` → `BF16`).
 
     Raises:
         ValueError: a dtype the wire cannot carry (complex, quantized, ...), naming the ones it can.

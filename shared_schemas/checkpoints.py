@@ -1,5 +1,5 @@
-"""What kind of model a checkpoint directory holds, read from its `config.json`: one definition for the learner
-and the server (both must agree on whether prompts carry images)."""
+"""What kind of model a checkpoint directory holds, read from its `config.json`: one definition for the
+learner and the server (both must agree on whether prompts carry images)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
 
 def is_vision_language(config: Mapping[str, Any] | Any) -> bool:
-    """A loaded `config.json` (a mapping) or a transformers config object: a Qwen-VL `model_type`, or any model
-    with a `vision_config`."""
+    """A loaded `config.json` (a mapping) or a transformers config object: a Qwen-VL `model_type`, or any
+    model with a `vision_config`."""
     get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
     return get("model_type") in VL_MODEL_TYPES or get("vision_config") is not None
 

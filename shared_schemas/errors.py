@@ -16,7 +16,8 @@ class ErrorBody(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
 
     type: str
-    """Stable snake_case type, e.g. `prompt_too_long`, `lora_disabled`, `stale_version`, `validation_error`."""
+    """Stable snake_case type, e.g. `prompt_too_long`, `lora_disabled`, `stale_version`,
+    `validation_error`."""
     message: str
     """Names the item, the value, the limit and the fix."""
     detail: Any = None

@@ -38,5 +38,5 @@ class Health(BaseModel):
     """Why the status is not `ok` (load failure message)."""
     collective_ranks: int | None = Field(default=None, ge=1)
     """Receivers this server brings into a `gloo`/`nccl` weight-sync group (every worker of every engine); the
-    learner gives each server its block of ranks from it (`CollectiveSpec.rank_offset`). None while loading, or
-    when the engine cannot receive over a collective transport."""
+    learner gives each server its block of ranks from it (`CollectiveSpec.rank_offset`). None while loading,
+    or when the engine cannot receive over a collective transport."""

@@ -94,7 +94,8 @@ def image_ref_kind(ref: str) -> Literal["path", "file", "data"]:
     # A one-letter "scheme" is a Windows drive letter (C:\...), i.e. a path.
     if match and len(match.group(1)) > 1:
         raise ValueError(
-            f"unsupported image URL scheme {match.group(1)!r}; send a local path, a file:// URL or a data: URL"
+            f"unsupported image URL scheme {match.group(1)!r};"
+            " send a local path, a file:// URL or a data: URL"
         )
     return "path"
 

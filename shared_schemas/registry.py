@@ -1,4 +1,4 @@
-"""Name → class registries filled by a class decorator (the weight-sync transports on both ends use one each)."""
+"""Name → class registries filled by a class decorator (each end's weight-sync transports use one)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ _C = TypeVar("_C", bound=type)
 
 
 def registrar(table: dict[str, Any], what: str) -> Callable[[str], Callable[[_C], _C]]:
-    """A `register(name)` class decorator for `table`: sets the class's `name` and adds it; a name is registered
-    once (another class under a taken name raises `ValueError` naming `what`)."""
+    """A `register(name)` class decorator for `table`: sets the class's `name` and adds it; a name is
+    registered once (another class under a taken name raises `ValueError` naming `what`)."""
 
     def register(name: str) -> Callable[[_C], _C]:
         def add(cls: _C) -> _C:

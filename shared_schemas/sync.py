@@ -1,16 +1,16 @@
 """Wire models of the weight sync (docs/ARCHITECTURE.md#sync-weights).
 
-A sync is `begin(manifest)` → one upload per bucket → `commit` (or `abort`). Buckets are safetensors
-files of bounded size, sent either as the HTTP body (`PUT {BUCKET_PATH}`) or, on the same host, as the
-NAME of a file the learner wrote into the server's staging directory (`POST {BUCKET_SHM_PATH}` with a
-`ShmBucketRef`). Nothing is applied before `commit`, and a rejected or abandoned sync applies nothing.
+A sync is `begin(manifest)` → one upload per bucket → `commit` (or `abort`). Buckets are safetensors files of
+bounded size, sent either as the HTTP body (`PUT {BUCKET_PATH}`, `application/octet-stream`) or, on the same
+host, as the NAME of a file the learner wrote into the server's staging directory (`POST {BUCKET_SHM_PATH}`
+with a `ShmBucketRef`). Nothing is applied before `commit`, and a rejected or abandoned sync applies nothing.
 
 Routes (`{sync_id}` from `SyncBeginResponse`, `{index}` the bucket's index in the manifest):
 
 | phase | method and path | body → response |
 |---|---|---|
 | begin | `POST /sync_weights/begin` | `SyncBeginRequest` → `SyncBeginResponse` |
-| bucket (HTTP) | `PUT /sync_weights/{sync_id}/buckets/{index}` | safetensors bytes (`application/octet-stream`) → `BucketAck` |
+| bucket (HTTP) | `PUT /sync_weights/{sync_id}/buckets/{index}` | safetensors bytes → `BucketAck` |
 | bucket (shm) | `POST /sync_weights/{sync_id}/buckets/{index}/shm` | `ShmBucketRef` → `BucketAck` |
 | prepare (optional) | `POST /sync_weights/prepare` | `SyncPrepareRequest` → `SyncPrepareResponse` |
 | commit | `POST /sync_weights/commit` | `SyncCommitRequest` → `SyncCommitResponse` |
@@ -190,13 +190,14 @@ class SyncManifest(BaseModel):
 class CollectiveSpec(BaseModel):
     """Collective transport of a full sync: the bytes travel over a process group the learner hosts, not HTTP.
 
-    ONE group spans the learner (rank 0, the only sender) and every receiver of every server of the sync (every
-    worker of every engine): the learner asks each server how many receivers it has (`Health.collective_ranks`)
-    and gives each server a contiguous block of ranks, `rank_offset` ... `rank_offset + n - 1`, in the order of
-    its `rollout.servers`; `world_size` is 1 + every server's receivers. Each manifest bucket is then ONE
-    broadcast from rank 0 to the whole group of its tensors' raw bytes back to back, in manifest order (exactly
-    `BucketSpec.nbytes`, no header), so the learner's link carries one copy of the weights whatever the number of
-    servers. A server keeps its group for the next sync that names the same `group`.
+    ONE group spans the learner (rank 0, the only sender) and every receiver of every server of the sync
+    (every worker of every engine): the learner asks each server how many receivers it has
+    (`Health.collective_ranks`) and gives each server a contiguous block of ranks, `rank_offset` ...
+    `rank_offset + n - 1`, in the order of its `rollout.servers`; `world_size` is 1 + every server's
+    receivers. Each manifest bucket is then ONE broadcast from rank 0 to the whole group of its tensors' raw
+    bytes back to back, in manifest order (exactly `BucketSpec.nbytes`, no header), so the learner's link
+    carries one copy of the weights whatever the number of servers. A server keeps its group for the next sync
+    that names the same `group`.
 
     Without `world_size` (one server, or a learner that predates fleet groups) the group is this server alone:
     its receivers are ranks 1..n of a world of n + 1.
