@@ -44,6 +44,7 @@ __all__ = [
     "VlmParts",
     "build_vlm",
     "save_vlm_2b",
+    "vlm_model_dir",
     "forward_attention",
     "image_messages",
     "image_sizes",
@@ -207,6 +208,12 @@ def save_vlm_2b(folder: Path, device: str | torch.device = "cpu") -> Path:
     parts.model.save_pretrained(folder, safe_serialization=True)
     parts.processor.save_pretrained(folder)
     return folder
+
+
+def vlm_model_dir(smoke: bool, folder: Path, device: str | torch.device = "cpu") -> Path:
+    """A model directory a rollout server loads: the tiny Qwen3-VL's own (``smoke``; `folder` unused), else the
+    random-init Qwen3-VL-2B-shaped model written to `folder` (`save_vlm_2b`, built on `device`)."""
+    return _tiny_dir() if smoke else save_vlm_2b(folder, device)
 
 
 def forward_attention(model: torch.nn.Module) -> str:

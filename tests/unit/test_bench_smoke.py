@@ -83,3 +83,19 @@ def test_bench_sync_fleet_cpu_check_one_group_over_two_servers() -> None:
         assert line["effect_after_sync"]["max_gap_nats"] < 0.05
     (scaling,) = [line for line in lines if line["measure"] == "fleet_scaling"]
     assert scaling["sync_seconds_2"] > 0
+
+
+def test_bench_fleet_cpu_check_identity_throughput_and_a_killed_server() -> None:
+    """`bench_fleet.py` (the rollout half of the N+1 GPU bench) in its CPU variant: two HF servers, the trainer's
+    step batch of image prompts gives the same sampled tokens on one server and on both, the throughput line
+    has fixed-length rows and the 2-rounds-vs-1 workload, and a server SIGKILLed mid-call fails the call with
+    `InferFailed` naming it."""
+    lines = run_bench("bench_fleet.py", "--cpu-check", "--servers", "2", "--repeats", "1")
+    assert not [line for line in lines if line["measure"] == "error"], lines
+    (identity,) = [line for line in lines if line["measure"] == "fleet_identity"]
+    assert identity["identical"] and identity["rows"] == 16 and identity["distinct_rows"] > 1
+    (tput,) = [line for line in lines if line["measure"] == "fleet_throughput"]
+    assert tput["new_tokens_per_row"] == [8] and tput["tokens_identical_1_vs_n"]
+    assert (tput["decode_rounds_one_server"], tput["decode_rounds_per_server_fleet"]) == (2, 1)
+    (kill,) = [line for line in lines if line["measure"] == "fleet_kill"]
+    assert kill["matches_policy"] and kill["names_dead_server"] and not kill["hung"], kill
