@@ -11,7 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-# Tests share one model cache with the demo so a second run builds nothing; override with ROLLMATCH_MODEL_CACHE.
+# Tests share one model cache with the demo so a second run builds nothing;
+# override with ROLLMATCH_MODEL_CACHE.
 MODEL_CACHE = Path(os.environ.get("ROLLMATCH_MODEL_CACHE", REPO / ".cache" / "models"))
 
 

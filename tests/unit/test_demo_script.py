@@ -1,5 +1,6 @@
-"""`scripts/demo.sh` config resolution: `--config` takes an absolute path or a repository-relative one, and the
-run YAML it writes extends that file (checked with `--dry-run`, which writes the run YAML and starts nothing)."""
+"""`scripts/demo.sh` config resolution: `--config` takes an absolute path or a repository-relative one, and
+the run YAML it writes extends that file (checked with `--dry-run`, which writes the run YAML and starts
+nothing)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""docs/RUNBOOK.md's knob tables are the generator's output (scripts/gen_knob_tables.py), so they cannot drift."""
+"""docs/RUNBOOK.md's knob tables are the generator's output (scripts/gen_knob_tables.py), so they cannot
+drift."""
 
 from __future__ import annotations
 

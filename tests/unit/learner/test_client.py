@@ -256,7 +256,8 @@ def test_chunk_failing_once_succeeds_on_retry_with_a_fresh_connection() -> None:
 
 
 def test_persistently_failing_chunk_is_split_2_2_then_1_1() -> None:
-    """§20.5: a 4-request chunk that always fails is halved to 2+2, each of which fails and is halved to 1+1."""
+    """§20.5: a 4-request chunk that always fails is halved to 2+2, each of which fails and is halved
+    to 1+1."""
     cluster = Cluster(1)
     cluster[0].fail = lambda batch, request: (
         envelope(500, "engine_error", "too big") if len(batch.infer_requests) > 1 else None
@@ -570,8 +571,8 @@ def test_flat_bucket_is_the_tensor_bytes_back_to_back() -> None:
 
 
 def test_a_retry_reconnect_does_not_close_a_pool_another_thread_is_using() -> None:
-    """A background rollout's retry calls `reconnect` while the main thread's sync call is still running on the
-    old pool: that call completes, and the old pool is closed once it returns."""
+    """A background rollout's retry calls `reconnect` while the main thread's sync call is still running on
+    the old pool: that call completes, and the old pool is closed once it returns."""
     entered, release = threading.Event(), threading.Event()
     pools: list[httpx.MockTransport] = []
 

@@ -31,7 +31,7 @@ from rollout_server.errors import LoraDisabledError
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, RequestConfig
 
 
-# -- TP layout and devices ---------------------------------------------------------------------------------------
+# -- TP layout and devices -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("world", "tp", "rank", "members", "group_rank"),
     [(1, 1, 0, (0,), 0), (4, 2, 3, (2, 3), 1), (4, 4, 2, (0, 1, 2, 3), 2), (8, 2, 4, (4, 5), 0)],
@@ -58,7 +58,7 @@ def test_engine_devices_map_through_visible_devices():
     assert engine_device_env([None]) == {}
 
 
-# -- weight encoding -------------------------------------------------------------------------------------------
+# -- weight encoding -----------------------------------------------------------------------------------------
 def test_encode_full_update_casts_checks_and_buckets():
     embed = torch.randn(4, 3)
     items = [
@@ -89,7 +89,7 @@ def test_encode_full_update_names_unknown_tensor_and_bad_shape():
         encode_full_update([("w", torch.zeros(2))], {"w": ("F32", (3,))})
 
 
-# -- engine config ---------------------------------------------------------------------------------------------
+# -- engine config -------------------------------------------------------------------------------------------
 def test_server_config_for_maps_colocate_knobs():
     cfg = RunConfig.model_validate(
         {
@@ -135,7 +135,7 @@ def test_loop_thread_runs_every_call_on_one_loop():
         loop.close()
 
 
-# -- the backend against a recording fake engine ------------------------------------------------------------------
+# -- the backend against a recording fake engine -------------------------------------------------------------
 @dataclass
 class FakeLlm:
     log: list[str]
@@ -285,7 +285,8 @@ def test_adapter_sync_without_lora_is_refused_as_sync_rejected():
 
 
 class ThreadGroup:
-    """Two 'ranks' as threads: gather/broadcast through shared slots and a barrier (the TP collective shape)."""
+    """Two 'ranks' as threads: gather/broadcast through shared slots and a barrier
+    (the TP collective shape)."""
 
     def __init__(self, size: int) -> None:
         self.slots: list[Any] = [None] * size

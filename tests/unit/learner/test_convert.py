@@ -40,7 +40,8 @@ def _coco(tmp_path: Path) -> dict:
         "annotations": [
             {"id": 1, "image_id": 1, "category_id": 7, "bbox": [320, 240, 100, 50],
              "segmentation": [[320, 240, 420, 240, 420, 290], [0, 0, 1, 0, 1, 1]]},
-            {"id": 2, "image_id": 1, "category_id": 9, "bbox": [0, 0, 639, 479], "segmentation": {"counts": "rle"}},
+            {"id": 2, "image_id": 1, "category_id": 9, "bbox": [0, 0, 639, 479],
+             "segmentation": {"counts": "rle"}},
             {"id": 3, "image_id": 2, "category_id": 9, "bbox": [10, 10, 0, 5]},
             {"id": 4, "image_id": 2, "category_id": 7, "bbox": [90, 200, 20, 20]},
         ],

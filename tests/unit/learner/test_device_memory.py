@@ -1,4 +1,5 @@
-"""`peak_memory_metrics`: the CUDA allocator's peaks per logging interval (GPU part runs on a CUDA machine)."""
+"""`peak_memory_metrics`: the CUDA allocator's peaks per logging interval (the GPU part runs on a CUDA
+machine)."""
 
 from __future__ import annotations
 

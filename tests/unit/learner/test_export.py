@@ -183,7 +183,8 @@ def test_adapter_state(tiny_model_dir: Path) -> None:
 def test_streamed_merge_equals_the_in_place_merge_and_never_touches_the_model(
     tiny_model_dir: Path, dtype: torch.dtype
 ) -> None:
-    """Plain LoRA merges on the fly: the same bits as PEFT's merge, no snapshot, no merge of the live model."""
+    """Plain LoRA merges on the fly: the same bits as PEFT's merge, no snapshot,
+    no merge of the live model."""
     model = lora_model(tiny_model_dir, modules_to_save=["lm_head"]).to(dtype)
     before = weights_snapshot(model)
     with merged_adapters(model):

@@ -113,7 +113,8 @@ def test_prefix_ce_separators_between_consecutive_tp_entries_only() -> None:
     assert [(i, j) for i, j, _ in p.y_train.tp] == [(0, 0), (1, 1)]
     pieces = [piece(TOKENIZER, t) for t in p.parse.prefix_token_ids]
     ce = set(p.y_train.prefix_ce_pos)
-    # '},' between the two TPs and the ' "' opening object_2's key are CE; the ones towards FP object_3 are not.
+    # '},' between the two TPs and the ' "' opening object_2's key are CE;
+    # the ones towards FP object_3 are not.
     assert pieces[29] == "}," and 29 in ce and pieces[30] == ' "' and 30 in ce
     assert pieces[59] == "}," and 59 not in ce and pieces[60] == ' "' and 60 not in ce
     assert not ce & set(range(60, len(pieces)))

@@ -3,8 +3,8 @@ learner/stage2/matching/maskiou.py).
 
 The reference below is the definition the module replaced: every geometry is a shapely polygon of its ring
 clamped to [0, 999] (bbox → its corners), repaired with ``make_valid`` when invalid, and the IoU is
-``area(a ∩ b) / area(a ∪ b)`` by a general overlay. The fast paths (closed-form boxes, numpy trapezoids for simple
-rings, rectangle clipping for repaired polygons) must give the same IoU to float rounding.
+``area(a ∩ b) / area(a ∪ b)`` by a general overlay. The fast paths (closed-form boxes, numpy trapezoids for
+simple rings, rectangle clipping for repaired polygons) must give the same IoU to float rounding.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 (docs/ALGORITHM.md#prefix-targets).
 
 ``ot._sinkhorn`` drops the ``max(., 1e-300)`` of §9 (it never binds: kernel entries lie in [e^-50, 1], so the
-scaled sums stay far above 1e-300) and gives padding kernel 1 instead of 0 (it only ever meets u = 0 or v = 0).
-The reference below is the formula written out on the same padded batch, with kernel 0 on padding and the max.
+scaled sums stay far above 1e-300) and gives padding kernel 1 instead of 0 (it only ever meets u = 0 or
+v = 0). The reference below is the formula written out on the same padded batch, with kernel 0 on padding and
+the max.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def parse(tok, cv, pieces):
     return r
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # §21 worked example
 
 
@@ -117,7 +117,7 @@ def test_worked_example_21_2_parse(tok, cv):
     assert len(r.valid_objects) == 2  # counting valid objects would give 2 and a duplicate object_3
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # §20.6
 
 
@@ -283,8 +283,9 @@ def test_multibyte_character_split_across_two_byte_tokens(tok, cv):
 
 
 def test_cut_right_after_a_token_that_holds_a_partial_character(tok, cv):
-    # '"]}' + first byte of 猫 in one token (piece ""), the rest in the next (piece '"]}猫'): the cut after '}'
-    # must not keep the dangling byte (refinement of §6.6; the literal rule would leave '\ufffd' in the prefix).
+    # '"]}' + first byte of 猫 in one token (piece ""), the rest in the next (piece '"]}猫'):
+    # the cut after '}' must not keep the dangling byte (refinement of §6.6; the literal rule would leave
+    # '\ufffd' in the prefix).
     toks = head(1, "cat", first=True) + [
         ' ["',
         1,
@@ -332,7 +333,7 @@ def test_cut_round_trip_failure_falls_back():
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Scanner details (§6.3)
 
 
@@ -351,7 +352,10 @@ def test_no_object_closed_cuts_after_first_brace(tok, cv):
 
 
 def test_structural_characters_inside_strings_are_ignored(tok, cv):
-    text = '{"object_1": {"desc": "a \\"}{[,:\\" b", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}'
+    text = (
+        '{"object_1": {"desc": "a \\"}{[,:\\" b", "bbox_2d": '
+        '["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}'
+    )
     r = parse_rollout(tok.encode(text), tok, cv)
     assert_parse_invariants(r, tok, cv)
     (o,) = r.valid_objects
@@ -406,9 +410,12 @@ def test_canonical_fast_path_and_general_path_agree(tok, cv, monkeypatch):
 
 
 def test_object_value_inside_a_list_follows_the_scan_rules(tok, cv, monkeypatch):
-    # Spec-literal corner: the '{' inside '[' still starts object_1 (pending key), but its inner strings are not
-    # keys (bracket depth 1), so nothing is captured and the object is invalid; it still sets the cut.
-    text = '{"object_1": [{"desc": "a", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}]}'
+    # Spec-literal corner: the '{' inside '[' still starts object_1 (pending key), but its inner strings are
+    # not keys (bracket depth 1), so nothing is captured and the object is invalid; it still sets the cut.
+    text = (
+        '{"object_1": [{"desc": "a", "bbox_2d": '
+        '["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}]}'
+    )
     r = parse_rollout(tok.encode(text), tok, cv)
     assert_parse_invariants(r, tok, cv)
     (o,) = r.all_objects

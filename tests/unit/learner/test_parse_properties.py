@@ -25,7 +25,8 @@ WORDS = ["person", "cat", "dog", "rug", "sofa", "unknown", "red car", "猫", "ch
 bins = st.integers(0, 999)
 descs = st.one_of(
     st.sampled_from(WORDS),
-    # NFC-stable text: Qwen tokenizers NFC-normalize on encode, and a rollout only holds what the model emitted.
+    # NFC-stable text:
+    # Qwen tokenizers NFC-normalize on encode, and a rollout only holds what the model emitted.
     st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), min_size=1, max_size=8)
     .map(lambda s: unicodedata.normalize("NFC", s))
     .filter(lambda s: s.strip() and "<|" not in s),

@@ -79,7 +79,10 @@ def planner_parts(tiny_model_dir, tiny_tokenizer):
                 "training": {"seed": 17},
             }
         )
-        answer = '{"object_1": {"desc": "cat", "bbox_2d": ["<|coord_10|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"]}}'
+        answer = (
+            '{"object_1": {"desc": "cat", "bbox_2d": '
+            '["<|coord_10|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"]}}'
+        )
         source = RecordingSource(tiny_tokenizer, answer)
         planner = StepPlanner(
             source=source,

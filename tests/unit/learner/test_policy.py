@@ -1,4 +1,5 @@
-"""The one policy loader (`learner.policy`): text vs Qwen-VL by config, freeze knobs, adapter targets, errors."""
+"""The one policy loader (`learner.policy`): text vs Qwen-VL by config, freeze knobs, adapter targets,
+errors."""
 
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ def test_pixel_bounds_must_be_ordered() -> None:
 
 
 def test_part_param_groups_give_each_part_its_rate(vlm_dir: Path) -> None:
-    """GRPO's `vision_tower_lr` / `aligner_lr`: every trainable parameter in exactly one group, at its part's rate."""
+    """GRPO's `vision_tower_lr` / `aligner_lr`: every trainable parameter in exactly one group,
+    at its part's rate."""
     from learner.policy import part_param_groups
 
     cfg = ModelConfig(path=str(vlm_dir), adapter="lora", lora_r=4, freeze_vision=False, freeze_aligner=False)

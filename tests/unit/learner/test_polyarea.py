@@ -1,4 +1,5 @@
-"""Ring areas and ring-pair intersection areas in numpy (learner/stage2/matching/polyarea.py, the maskIoU fast path)."""
+"""Ring areas and ring-pair intersection areas in numpy (learner/stage2/matching/polyarea.py,
+the maskIoU fast path)."""
 
 from __future__ import annotations
 

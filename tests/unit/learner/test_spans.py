@@ -10,7 +10,8 @@ from learner.stage2.targets.spans import char_spans, desc_overlapping_tokens, fi
 
 
 def _reference(pieces: list[str]) -> list[int]:
-    """The definition: a char mask of the desc values, a token overlaps if its §6.1 range holds a masked char."""
+    """The definition: a char mask of the desc values;
+    a token overlaps if its §6.1 range holds a masked char."""
     text = "".join(pieces)
     mask = np.zeros(len(text) + 1, dtype=bool)
     for s, e in find_desc_value_spans(text):

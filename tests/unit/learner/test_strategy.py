@@ -1,4 +1,5 @@
-"""`learner.trainers.strategy`: optimizer-state bytes through the real wrappers (accelerate's, a ZeRO-like one)."""
+"""`learner.trainers.strategy`: optimizer-state bytes through the real wrappers
+(accelerate's, a ZeRO-like one)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def _stepped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
 
 
 def test_optimizer_state_is_counted_once_through_wrappers() -> None:
-    """accelerate's wrapper exposes its inner optimizer's `state`: the bytes are the two AdamW moments (and the
-    step counters) once, not once per wrapper level."""
+    """accelerate's wrapper exposes its inner optimizer's `state`: the bytes are the two AdamW moments (and
+    the step counters) once, not once per wrapper level."""
     from accelerate import Accelerator
 
     Accelerator(cpu=True)  # accelerate's optimizer wrapper needs its process state

@@ -289,8 +289,8 @@ def test_zero3_ranks_skip_the_gathers_when_rank0_fails_before_them(monkeypatch: 
 
 
 def test_every_rank_learns_that_rank0_syncs_adapters() -> None:
-    """Only rank 0 resolves `auto` (here: adapter, the server has LoRA); rank 1's requests must name the adapter
-    too, or they would be served by the base weights."""
+    """Only rank 0 resolves `auto` (here: adapter, the server has LoRA); rank 1's requests must name the
+    adapter too, or they would be served by the base weights."""
     barrier = threading.Barrier(2, timeout=30)
     flags: dict[int, bool] = {}
     source = FakeSource(lora_enabled=True)

@@ -323,7 +323,7 @@ def test_fused_desc_closing_quote_token_is_masked_whole() -> None:
     assert run_pipeline(ids, gt, tokenizer=tok, fn_desc_ce=True).y_train.tail_ignore_pos == ()
 
 
-# ---------------------------------------------------------------- §10 token seam (stage2.targets.canonical_seam)
+# ------------------------------------------------------------- §10 token seam (stage2.targets.canonical_seam)
 
 
 def _seam_case(
@@ -352,9 +352,9 @@ CAT_GT = {"desc": "cat", "bbox_2d": [10, 20, 30, 40]}
 
 
 def test_canonical_seam_gives_back_the_rollout_when_nothing_is_appended(tiny_tokenizer: object) -> None:
-    """The real Qwen tokenizer merges the closing brackets (`"]}}`, `]}}`) into fewer tokens than the cut after
-    the object re-encodes (`"]}`) plus the spec's separately encoded `}`; the canonical seam encodes them
-    together."""
+    """The real Qwen tokenizer merges the closing brackets (`"]}}`, `]}}`) into fewer tokens than the cut
+    after the object re-encodes (`"]}`) plus the spec's separately encoded `}`; the canonical seam encodes
+    them together."""
     ids, spec = _seam_case(tiny_tokenizer, ONE_CAT, [CAT_GT], canonical=False)
     _, canon = _seam_case(tiny_tokenizer, ONE_CAT, [CAT_GT], canonical=True)
     decode = tiny_tokenizer.decode  # type: ignore[attr-defined]

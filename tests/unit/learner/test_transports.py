@@ -1,8 +1,8 @@
 """The weight-sync transports behind one interface (`learner.rollout.transports`): the registry, the nccl
 transport's device packing (double buffer, in-place single tensors, the one host wait at the end) exercised on
-CPU tensors with a fake group, the policy's seed-plan line, and the ONE gloo group over every server (real gloo,
-each fake server's receivers on threads of this process): ranks, one broadcast per bucket, the prepare round
-before any commit, a dead server named and no server committing."""
+CPU tensors with a fake group, the policy's seed-plan line, and the ONE gloo group over every server (real
+gloo, each fake server's receivers on threads of this process): ranks, one broadcast per bucket, the prepare
+round before any commit, a dead server named and no server committing."""
 
 from __future__ import annotations
 
@@ -184,13 +184,13 @@ def test_sync_report_names_collective_transports() -> None:
     }
 
 
-# -- one weight-sync group over every server (gloo, receivers on threads of this process) ---------------------
+# -- one weight-sync group over every server (gloo, receivers on threads of this process) --------------------
 
 
 class CollectiveServer(FakeServer):
-    """A fake server whose `ranks` receivers are threads of this process in the learner's real gloo group: they
-    join at the begin's ranks, receive every broadcast (the server's `receive_buckets`), and the prepare waits
-    for them; `dead` refuses every connection from then on (a crashed server)."""
+    """A fake server whose `ranks` receivers are threads of this process in the learner's real gloo group:
+    they join at the begin's ranks, receive every broadcast (the server's `receive_buckets`), and the prepare
+    waits for them; `dead` refuses every connection from then on (a crashed server)."""
 
     def __init__(self, url: str, ranks: int) -> None:
         super().__init__(url)

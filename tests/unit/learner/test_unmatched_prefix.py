@@ -137,7 +137,7 @@ def test_an_empty_rollout_gives_the_plain_ground_truth_either_way(tiny_tokenizer
     assert kept[0] == serialize_objects(extract_gt([_raw(CAT), _raw(FISH)], sample_id=0).objects)
 
 
-# -- invariants on token ids (issue 23) ------------------------------------------------------------------------
+# -- invariants on token ids (issue 23) ----------------------------------------------------------------------
 def _sft_path(tokenizer, objects) -> list[int]:
     """What a model trained on the plain-GT targets generates for `objects`: their token path, then the end of
     turn."""

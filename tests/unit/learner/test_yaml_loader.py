@@ -1,5 +1,6 @@
-"""`extends:` in run YAMLs (learner/yaml_loader.py): relative parents resolve against the file that names them,
-absolute ones are used as they are; parents merge first, mappings deeply, lists replace; cycles are errors."""
+"""`extends:` in run YAMLs (learner/yaml_loader.py): relative parents resolve against the file that names
+them, absolute ones are used as they are; parents merge first, mappings deeply, lists replace; cycles are
+errors."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """A toy tokenizer whose pieces are given explicitly (docs/ALGORITHM.md#required-tests "toy tokenizer").
 
 Vocabulary: special tokens, the 1000 single-id coordinate tokens (added tokens, like the real tokenizer), the
-printable ASCII characters and, optionally, the 256 single bytes, then the pieces the test asks for (``str`` or
-``bytes``; bytes pieces let a test split a multi-byte character across tokens). ``decode`` concatenates bytes and
-decodes UTF-8 with replacement, like byte-level BPE. ``encode`` splits out added tokens, then matches the longest
-vocabulary entry greedily on the UTF-8 bytes; bytes it cannot match become the unknown token (which decodes to
-U+FFFD) when ``byte_fallback=False`` — handy to provoke a ``CutRoundTripError``.
+printable ASCII characters and, optionally, the 256 single bytes, then the pieces the test asks for (``str``
+or ``bytes``; bytes pieces let a test split a multi-byte character across tokens). ``decode`` concatenates
+bytes and decodes UTF-8 with replacement, like byte-level BPE. ``encode`` splits out added tokens, then
+matches the longest vocabulary entry greedily on the UTF-8 bytes; bytes it cannot match become the unknown
+token (which decodes to U+FFFD) when ``byte_fallback=False`` — handy to provoke a ``CutRoundTripError``.
 
 It exposes ``token_bytes(id)``, which the learner's detokenizer uses as its byte table.
 """
@@ -72,7 +72,7 @@ class ToyTokenizer:
     def __len__(self) -> int:
         return len(self._vocab)
 
-    # --- helpers for tests ------------------------------------------------------------------------------------
+    # --- helpers for tests ----------------------------------------------------------------------------------
 
     def id_of(self, piece: str | bytes) -> int:
         """Id of one exact vocabulary entry (added token string, or regular piece)."""
@@ -85,7 +85,7 @@ class ToyTokenizer:
         """Ids of a sequence of exact pieces; ints are taken as coordinate bins."""
         return [self._added[f"<|coord_{p}|>"] if isinstance(p, int) else self.id_of(p) for p in pieces]
 
-    # --- tokenizer API ---------------------------------------------------------------------------------------
+    # --- tokenizer API --------------------------------------------------------------------------------------
 
     def _bytes_of(self, token_id: int) -> bytes:
         return self._vocab[token_id] if 0 <= token_id < len(self._vocab) else b""

@@ -1,6 +1,6 @@
-"""The receiving side of the collective transport on CPU (`engines.collective`, `server.sync_staging`): the one
-receive function with a fake group, where it stages, the staging knob and gauge, and the HF engine's commit
-that rebinds its parameters to the received buffers instead of copying."""
+"""The receiving side of the collective transport on CPU (`engines.collective`, `server.sync_staging`): the
+one receive function with a fake group, where it stages, the staging knob and gauge, and the HF engine's
+commit that rebinds its parameters to the received buffers instead of copying."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ def test_defaults() -> None:
 def test_extends_deep_merges_and_lists_replace(tmp_path: Path) -> None:
     write(
         tmp_path / "base.yaml",
-        "server:\n  model: /m\n  port: 9001\n  vllm:\n    max_model_len: 4096\n    limit_mm_per_prompt: {image: 2}\n"
+        "server:\n  model: /m\n  port: 9001\n  vllm:\n    max_model_len: 4096\n"
+        "    limit_mm_per_prompt: {image: 2}\n"
         "    engine_kwargs: {a: [1, 2]}\n",
     )
     child = write(

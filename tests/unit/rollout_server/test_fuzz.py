@@ -1,6 +1,7 @@
 """Fuzzing the wire contract: schemathesis generates requests for every route of the app's own OpenAPI schema
-(a fixed example budget, derandomized, schema-valid and schema-violating data) against a real app with a fake engine. Every answer is below 500, and
-every error is the error envelope `{"error": {"type", "message", "detail"}}`.
+(a fixed example budget, derandomized, schema-valid and schema-violating data) against a real app with a fake
+engine. Every answer is below 500, and every error is the error envelope
+`{"error": {"type", "message", "detail"}}`.
 
 Hypothesis drives each operation's strategy directly (schemathesis' pytest plugin does not load under this
 pytest), one test per operation.

@@ -1,5 +1,6 @@
-"""The probe listener (`server.health_port`): liveness and readiness from a process of its own, answering while
-the event loop is blocked (a real uvicorn server in a thread, a fake engine whose generation blocks the loop)."""
+"""The probe listener (`server.health_port`): liveness and readiness from a process of its own, answering
+while the event loop is blocked (a real uvicorn server in a thread, a fake engine whose generation blocks the
+loop)."""
 
 from __future__ import annotations
 

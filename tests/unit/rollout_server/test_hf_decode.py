@@ -107,9 +107,9 @@ def test_padded_batch_tokens_and_logprobs_equal_teacher_forcing(tiny_model_dir, 
 
 
 def test_vision_rows_are_checked_and_text_rows_keep_the_text_path(tiny_model_dir, tiny_tokenizer) -> None:
-    """`vision` of all-None rows decodes exactly like no `vision`; malformed image rows fail before any forward
-    (their M-RoPE positions must be 3 rows of the prompt's length). The image path itself is tested on the tiny
-    Qwen3-VL in tests/integration/test_colocate_hf_image.py."""
+    """`vision` of all-None rows decodes exactly like no `vision`; malformed image rows fail before any
+    forward (their M-RoPE positions must be 3 rows of the prompt's length). The image path itself is tested on
+    the tiny Qwen3-VL in tests/integration/test_colocate_hf_image.py."""
     from transformers import AutoModelForCausalLM
 
     from rollout_server.engines.hf_decode import VisionRow, decode_rows

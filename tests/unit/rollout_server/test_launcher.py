@@ -77,7 +77,8 @@ def test_wait_timeout_exits_101_stopping_only_its_own_group(tmp_path: Path) -> N
     decoy = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         port = free_port()
-        # A zero wait timeout expires at the first poll: the server (python start-up alone takes longer) is stopped.
+        # A zero wait timeout expires at the first poll:
+        # the server (python start-up alone takes longer) is stopped.
         result = run_launcher(
             "--config", str(config(tmp_path, port)), "--log-dir", str(tmp_path), "--wait-timeout", "0"
         )

@@ -98,7 +98,8 @@ def test_guard_cuts_at_the_first_firing_prefix_even_inside_a_chunk() -> None:
         {6: -0.4, EOT: -3.3},
         {6: -0.5, EOT: -3.4},
     ]
-    # Chunks [5] [6, 6, 6] [6] [6 ...]: the guard fires before token 4 (g = 5 6 6 6), found when token 4 exists.
+    # Chunks [5] [6, 6, 6] [6] [6 ...]:
+    # the guard fires before token 4 (g = 5 6 6 6), found when token 4 exists.
     llm = ScriptedLlm(
         [
             _out([5], None, _flat(rows[:1])),

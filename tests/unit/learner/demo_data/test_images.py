@@ -126,7 +126,8 @@ def test_config_rejects_boxes_larger_than_the_image() -> None:
 
 
 def test_demo_config_prompts_are_the_ones_the_stage1_asset_was_trained_on() -> None:
-    """configs/demo_vlm_cpu.yaml rolls out with the prompts of scripts/vlm_pretrain.py (the shipped asset's)."""
+    """configs/demo_vlm_cpu.yaml rolls out with the prompts of scripts/vlm_pretrain.py (the shipped
+    asset's)."""
     repo = Path(__file__).resolve().parents[4]
     cfg = load_run_config(repo / "configs" / "demo_vlm_cpu.yaml")
     assert cfg.prompts.system == DEMO_SYSTEM_PROMPT

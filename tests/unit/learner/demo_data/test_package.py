@@ -1,5 +1,5 @@
-"""`learner.demo_data` is demo code: no product module (learner/, rollout_server/, shared_schemas/ outside this
-package) imports it, so the product works without it."""
+"""`learner.demo_data` is demo code: no product module (learner/, rollout_server/, shared_schemas/ outside
+this package) imports it, so the product works without it."""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def test_splits_and_seeds_differ(tmp_path: Path) -> None:
     train, held = write_demo_dataset(tmp_path, n_train=100, n_eval=100, seed=0)
     scenes_train = {json.loads(line)["metadata"]["scene"] for line in train.read_text().splitlines()}
     scenes_eval = {json.loads(line)["metadata"]["scene"] for line in held.read_text().splitlines()}
-    # Independent streams: (almost) no eval scene appears in training; 1-object scenes could collide by chance.
+    # Independent streams: (almost) no eval scene appears in training;
+    # 1-object scenes could collide by chance.
     assert len(scenes_train & scenes_eval) <= 2
     other = {r["metadata"]["scene"] for r in generate_records(100, seed=1, split="train")}
     assert len(scenes_train & other) <= 2

@@ -1,5 +1,5 @@
-"""GRPO prompt rows (learner/grpo/data.py), the synthetic summary set (learner/demo_data/summary.py) and the step
-metrics (learner/grpo/metrics.py). Pure: a character-level fake encoder stands in for the tokenizer."""
+"""GRPO prompt rows (learner/grpo/data.py), the synthetic summary set (learner/demo_data/summary.py) and the
+step metrics (learner/grpo/metrics.py). Pure: a character-level fake encoder stands in for the tokenizer."""
 
 from __future__ import annotations
 
@@ -262,7 +262,8 @@ def test_metric_window_averages_steps_and_reduces_sums() -> None:
     window.add_max("time/x", 4.0)
     keys, flat, max_keys, maxima = window.reduce_vector()
     assert (keys, flat, max_keys, maxima) == (["kl/mean"], [1.5, 4.0], ["time/x"], [4.0])
-    # as if another rank had added (sum 2.5, count 4) and max 6: the all-reduced vectors replace the local ones
+    # as if another rank had added (sum 2.5, count 4) and max 6:
+    # the all-reduced vectors replace the local ones
     out = window.finalize([4.0, 8.0], [6.0])
     assert out == {"reward/total_mean": 2.0, "kl/mean": 0.5, "time/x": 6.0}
     assert window.finalize() == {}

@@ -1,7 +1,7 @@
-"""GRPO on detection records (issue 23 item 4): the `detection` reward preset in the config, stage-2 records in
-the GRPO data path (text demo records and image records, one code path), and the reward path of the trainer —
-prompts loaded from learner.demo_data.scenes records with the REAL tiny tokenizer, completions as token ids from a
-fake rollout source, scored by the rank-0 `GroupGenerator` (no server, no model)."""
+"""GRPO on detection records (issue 23 item 4): the `detection` reward preset in the config, stage-2 records
+in the GRPO data path (text demo records and image records, one code path), and the reward path of the
+trainer — prompts loaded from learner.demo_data.scenes records with the REAL tiny tokenizer, completions as
+token ids from a fake rollout source, scored by the rank-0 `GroupGenerator` (no server, no model)."""
 
 from __future__ import annotations
 
@@ -158,8 +158,8 @@ def test_text_records_give_the_stage2_learner_prompts(
 
 # -- the reward path of the trainer ------------------------------------------------------------------------
 class AnswerSource:
-    """A rollout source answering prompt row ``r`` with ``answers(r)[j]`` as token ids (+ ``<|im_end|>``), decoded
-    like the server (special tokens skipped)."""
+    """A rollout source answering prompt row ``r`` with ``answers(r)[j]`` as token ids (+ ``<|im_end|>``),
+    decoded like the server (special tokens skipped)."""
 
     def __init__(self, rows: list[PromptRow], tokenizer, answers) -> None:
         self.by_ids = {tuple(r.prompt_ids): r for r in rows}

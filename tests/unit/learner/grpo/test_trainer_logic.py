@@ -309,7 +309,7 @@ def test_incomplete_or_mixed_windows_are_rejected() -> None:
         assemble_window([*tags[:-1], SlotTag(0, 1, 3, 9)], prompts_per_step=2, num_generations=G)
 
 
-# -- micro-batch tensors ---------------------------------------------------------------------------------------
+# -- micro-batch tensors -------------------------------------------------------------------------------------
 def test_collate_aligns_targets_with_completion_tokens() -> None:
     rows = [
         CompletionRow([1, 2, 3], [10, 11], [-0.5, -0.25], 1.0),
@@ -329,9 +329,10 @@ def test_collate_aligns_targets_with_completion_tokens() -> None:
         collate_rows([CompletionRow([1], [2, 3], [-1.0], 0.0)], pad_id=0)
 
 
-# -- image prompts ---------------------------------------------------------------------------------------------
+# -- image prompts -------------------------------------------------------------------------------------------
 def make_image_row(index: int) -> PromptRow:
-    """An image prompt: 2 text ids, 4 expanded placeholders (13), 2 text ids; M-RoPE positions with an image block."""
+    """An image prompt: 2 text ids, 4 expanded placeholders (13), 2 text ids;
+    M-RoPE positions with an image block."""
     rope = ((0, 1, 2, 2, 2, 2, 4, 5), (0, 1, 2, 2, 3, 3, 4, 5), (0, 1, 2, 3, 2, 3, 4, 5))
     return PromptRow(
         index=index,
@@ -356,7 +357,8 @@ def test_image_prompts_are_sent_as_messages_text_prompts_as_ids() -> None:
     assert text.prompt_token_ids == rows[0].prompt_ids and text.messages is None
     assert image.messages == rows[1].messages and image.prompt_token_ids is None
     assert image.all_image_refs() == ["/d/1.png"]
-    # the server returns the expanded ids it conditioned on: equal → grouped; different → the step fails naming both
+    # the server returns the expanded ids it conditioned on:
+    # equal → grouped; different → the step fails naming both
     results = FakeSource(lambda r, j: "x").infer(batch)
     results = [results[0], results[1].model_copy(update={"prompt_token_ids": rows[1].prompt_ids})]
     assert [g.row for g in group_results(batch, results, rows, global_step=0)] == rows

@@ -14,7 +14,10 @@ WORKED_REF: dict[str, Any] = {
     ],
     "备注": ["n1"],
 }
-WORKED_PRED_LINE = '{"统计": [{"类别": "A", "可见性": {"完整": 2}, "捆扎": {"整齐": 2}}, {"类别": "C", "位置": {"左侧": 1}}]}'
+WORKED_PRED_LINE = (
+    '{"统计": [{"类别": "A", "可见性": {"完整": 2}, "捆扎": {"整齐": 2}}, '
+    '{"类别": "C", "位置": {"左侧": 1}}]}'
+)
 BBU_HEADER = "<DOMAIN=BBU>, <TASK=SUMMARY>"
 RRU_HEADER = "<DOMAIN=RRU>, <TASK=SUMMARY>"
 

@@ -1,6 +1,6 @@
-"""Detection rewards (learner/rewards/detection.py, issue 23 item 4) on the REAL tiny tokenizer: completions are
-token ids as an engine samples them (answer + ``<|im_end|>``), parsed by the stage-2 parser and matched against
-the row's GT objects with the stage-2 matcher."""
+"""Detection rewards (learner/rewards/detection.py, issue 23 item 4) on the REAL tiny tokenizer: completions
+are token ids as an engine samples them (answer + ``<|im_end|>``), parsed by the stage-2 parser and matched
+against the row's GT objects with the stage-2 matcher."""
 
 from __future__ import annotations
 
