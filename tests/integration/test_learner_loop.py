@@ -1,7 +1,8 @@
-"""The learner loop end to end against REAL rollout servers and a REAL colocated vLLM engine (issue "Learner loop").
+"""The learner loop end to end against REAL rollout servers and a REAL colocated vLLM engine
+(issue "Learner loop").
 
-Every run is assembled by `learner.trainers.build.build_run` (the code path of `python -m learner`) on the tiny
-Qwen2 model in float32 with the synthetic detection set, and its `RolloutSource` instance is instrumented
+Every run is assembled by `learner.trainers.build.build_run` (the code path of `python -m learner`) on the
+tiny Qwen2 model in float32 with the synthetic detection set, and its `RolloutSource` instance is instrumented
 (infer / sync calls recorded) — nothing stands in for vLLM or the server.
 
 1. 1 server vs 2 servers vs colocate (vLLM in-process): identical rollouts and identical first-step losses.
@@ -66,7 +67,7 @@ COLOCATE_VLLM = {
 }
 
 
-# -- fixtures -------------------------------------------------------------------------------------------------
+# -- fixtures ------------------------------------------------------------------------------------------------
 def served_version(server: Any) -> int:
     """The weight version a server reports on `/health` (one new version per applied sync)."""
     return int(server.health()["weight_version"])
@@ -209,7 +210,7 @@ def one_server_step(
     return first_step(server_cfg(tiny_model_dir, demo_data, out, [vllm_server]))
 
 
-# -- 1. 1 server vs 2 servers vs colocate ---------------------------------------------------------------------
+# -- 1. 1 server vs 2 servers vs colocate --------------------------------------------------------------------
 def test_colocate_vllm_matches_one_server(colocate_step, one_server_step):
     # Argument order matters: the in-process engine runs (and is closed) before the server is needed.
     rollouts, loss, loss_total = one_server_step
@@ -233,7 +234,7 @@ def test_two_servers_match_one_server(tiny_model_dir, demo_data, vllm_server, on
     assert (loss2, loss_total2) == (loss, loss_total)
 
 
-# -- 2. one step → one sync; the server then answers like the trained model -----------------------------------
+# -- 2. one step → one sync; the server then answers like the trained model ----------------------------------
 def test_one_step_syncs_once_and_server_answers_like_trained_model(
     tiny_model_dir, demo_data, vllm_server, tiny_tokenizer, tmp_path, restores_seed0
 ):
@@ -282,7 +283,7 @@ def test_one_step_syncs_once_and_server_answers_like_trained_model(
     assert max(gaps) > 1e-2
 
 
-# -- 3. rollout buffer: one sync and one /infer/ round per window -----------------------------------------------
+# -- 3. rollout buffer: one sync and one /infer/ round per window --------------------------------------------
 def test_rollout_buffer_syncs_and_infers_once_per_window(
     tiny_model_dir, demo_data, vllm_server, tmp_path, restores_seed0
 ):
@@ -309,7 +310,7 @@ def test_rollout_buffer_syncs_and_infers_once_per_window(
     assert reuse == [0.0, 1.0, 1.0, 0.0]
 
 
-# -- 4. adapter sync against a LoRA-less server ----------------------------------------------------------------
+# -- 4. adapter sync against a LoRA-less server --------------------------------------------------------------
 def test_adapter_sync_falls_back_to_full_once(
     tiny_model_dir, demo_data, vllm_server, tmp_path, caplog, restores_seed0
 ):
@@ -344,12 +345,13 @@ def test_adapter_sync_falls_back_to_full_once(
     assert rec.trainer.weight_sync.request_adapter is None
 
 
-# -- 5. a server killed mid-run ----------------------------------------------------------------------------------
+# -- 5. a server killed mid-run ------------------------------------------------------------------------------
 def train_until_server_killed(
     model_dir: Path, data: Path, tmp: Path, *, kill_at_call: int, **rollout: Any
 ) -> tuple[Recorded, str, pytest.ExceptionInfo[InferFailed], float]:
     """Trains 3 steps against a fresh HF-backend server that is SIGKILLed right before `infer` call
-    `kill_at_call`; returns the run, the server's URL, the raised `InferFailed` and seconds from kill to raise."""
+    `kill_at_call`; returns the run, the server's URL, the raised `InferFailed` and seconds from kill to
+    raise."""
     server = start_server(model_dir, tmp / "hf_server", backend="hf")
     try:
         cfg = server_cfg(
@@ -390,7 +392,7 @@ def test_killed_server_fails_next_rollout_fast_naming_it(tiny_model_dir, demo_da
     assert len(rec.rollouts) == 1 and rec.trainer.state.global_step == 1
 
 
-# -- 6. checkpoint + resume --------------------------------------------------------------------------------------
+# -- 6. checkpoint + resume ----------------------------------------------------------------------------------
 def _sample_ids(rec: Recorded) -> list[list[int]]:
     return [[int(r.request_id.split(":")[0]) for r in results] for results in rec.rollouts]
 
@@ -422,7 +424,7 @@ def test_resume_from_checkpoint_skips_and_repeats_no_sample(tiny_model_dir, demo
     assert signature(resumed.rollouts) == signature(full.rollouts[2:])
 
 
-# -- 7. guards ---------------------------------------------------------------------------------------------------
+# -- 7. guards -----------------------------------------------------------------------------------------------
 def _cli_config(tmp: Path, name: str, cfg: RunConfig, **raw: Any) -> Path:
     tree = cfg.model_dump(mode="json", exclude_none=True)
     for section, values in raw.items():

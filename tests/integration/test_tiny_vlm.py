@@ -21,7 +21,9 @@ from transformers import AutoProcessor
 proc = AutoProcessor.from_pretrained(sys.argv[1])
 messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
                                           {"type": "text", "text": "hi"}]}]
-ids = proc.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+ids = proc.apply_chat_template(
+    messages, tokenize=True, add_generation_prompt=True, return_dict=True
+)["input_ids"]
 ids = ids[0] if isinstance(ids[0], list) else ids
 print(type(proc.video_processor).__name__, ids.count(proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")))
 """
@@ -77,7 +79,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 proc = AutoProcessor.from_pretrained(sys.argv[1])
 model = AutoModelForImageTextToText.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64), (200, 30, 30))},
+image = Image.new("RGB", (64, 64), (200, 30, 30))
+messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                           {"type": "text", "text": "find the lamp"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "a lamp at the top"}]}]
 inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
@@ -92,8 +95,8 @@ print("ok", tuple(full.shape), tuple(compact.shape))
 
 
 def test_vlm_forward_takes_compact_logits_columns(tiny_vlm_dir: Path) -> None:
-    """`stage2.loss.compact_logits` on Qwen-VL: a tensor `logits_to_keep` (with an image in the prompt) gives the
-    full forward's logits at exactly those columns."""
+    """`stage2.loss.compact_logits` on Qwen-VL: a tensor `logits_to_keep` (with an image in the prompt) gives
+    the full forward's logits at exactly those columns."""
     result = _python(COMPACT_LOGITS, str(tiny_vlm_dir), pythonpath=[SHIM_DIR, REPO])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("ok")

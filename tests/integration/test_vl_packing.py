@@ -71,8 +71,12 @@ def vl_parts(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         )
         sample = build_sample(record, base_idx=k, dataset="d", dataset_namespace=0)
         prompt = ctx.encode_prompt(sample)
-        # A rollout that got the first object (and wrote a different second one): prefix + matched targets + miss.
-        answer = '{"object_1": {"desc": "cat", "bbox_2d": [<|coord_12|>, <|coord_20|>, <|coord_290|>, <|coord_400|>]}}'
+        # A rollout that got the first object (and wrote a different second one):
+        # prefix + matched targets + miss.
+        answer = (
+            '{"object_1": {"desc": "cat", "bbox_2d": '
+            "[<|coord_12|>, <|coord_20|>, <|coord_290|>, <|coord_400|>]}}"
+        )
         result = InferResult(
             index=k,
             request_id=None,
@@ -200,8 +204,9 @@ def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: st
 
 
 def test_segment_attention_under_gradient_checkpointing(vl_parts) -> None:
-    """Checkpointing re-runs the forward inside the backward: wrapped around forward AND backward (as the trainer's
-    `training_step` is), the packed row's gradients equal the plain sdpa ones without checkpointing."""
+    """Checkpointing re-runs the forward inside the backward: wrapped around forward AND backward (as the
+    trainer's `training_step` is), the packed row's gradients equal the plain sdpa ones without
+    checkpointing."""
     from learner.trainers.packed_attention import packed_attention
     from learner.trainers.rollout_matching import forward_for_loss
 

