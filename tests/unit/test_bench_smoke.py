@@ -49,7 +49,8 @@ def test_bench_packing_smoke_fill() -> None:
 
 
 def test_bench_logits_vlm_smoke_image_segments() -> None:
-    """`--vlm`: image segments from the learner's encoder on the tiny Qwen3-VL; full and compact logits agree."""
+    """`--vlm`: image segments from the learner's encoder on the tiny Qwen3-VL;
+    full and compact logits agree."""
     lines = run_bench("bench_logits.py", "--vlm", "--smoke", "--repeats", "1")
     ratios = [line for line in lines if line.get("measure") == "full_over_compact"]
     assert {line["layout"] for line in ratios} == {"packed", "padded"}
@@ -86,10 +87,10 @@ def test_bench_sync_fleet_cpu_check_one_group_over_two_servers() -> None:
 
 
 def test_bench_fleet_cpu_check_identity_throughput_and_a_killed_server() -> None:
-    """`bench_fleet.py` (the rollout half of the N+1 GPU bench) in its CPU variant: two HF servers, the trainer's
-    step batch of image prompts gives the same sampled tokens on one server and on both, the throughput line
-    has fixed-length rows and the 2-rounds-vs-1 workload, and a server SIGKILLed mid-call fails the call with
-    `InferFailed` naming it."""
+    """`bench_fleet.py` (the rollout half of the N+1 GPU bench) in its CPU variant: two HF servers, the
+    trainer's step batch of image prompts gives the same sampled tokens on one server and on both, the
+    throughput line has fixed-length rows and the 2-rounds-vs-1 workload, and a server SIGKILLed mid-call
+    fails the call with `InferFailed` naming it."""
     lines = run_bench("bench_fleet.py", "--cpu-check", "--servers", "2", "--repeats", "1")
     assert not [line for line in lines if line["measure"] == "error"], lines
     (identity,) = [line for line in lines if line["measure"] == "fleet_identity"]
