@@ -54,6 +54,19 @@ def test_sampling_depends_only_on_own_seed() -> None:
     assert len(set(choose(logits.repeat(8, 1), list(range(8)), temperature=1.0))) > 1
 
 
+def test_sampling_follows_the_probabilities_and_never_picks_a_zero() -> None:
+    """Over 4000 seeds the picked tokens' frequencies match softmax(logits) (within 4 sigma), and a token
+    of probability 0 (a -inf logit) is never picked."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.log().unsqueeze(0)
+    n = 4000
+    picks = choose(logits.repeat(n, 1), list(range(n)), temperature=1.0)
+    counts = torch.bincount(torch.tensor(picks), minlength=5).double() / n
+    sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert counts[4] == 0
+    assert bool(((counts - probs.double()).abs() <= 4 * sigma + 1e-12).all()), counts.tolist()
+
+
 def test_repetition_penalty_and_eos_block() -> None:
     logits = torch.tensor([[5.0, 4.0, 1.0]])
     config = RequestConfig(max_tokens=4, repetition_penalty=2.0)
