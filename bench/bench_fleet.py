@@ -133,6 +133,21 @@ def _tail(path: Path, chars: int = 1500) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+_T0 = time.monotonic()
+
+
+def _call(label: str, source: Any, batch: Any) -> list[Any]:
+    """`source.infer(batch)` with a progress line on stderr (seconds since start, the call's seconds), so a
+    stalled or slow call shows where it is."""
+    print(f"[bench_fleet +{time.monotonic() - _T0:.1f} s] {label}: {len(batch.infer_requests)} rows ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    started = time.monotonic()
+    results = source.infer(batch)
+    print(f"[bench_fleet +{time.monotonic() - _T0:.1f} s] {label}: done in {time.monotonic() - started:.2f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return results
+
+
 def _row_tokens(results: list[Any]) -> list[list[int]]:
     return [list(r.choices[0].token_ids) for r in results]
 
@@ -141,9 +156,9 @@ def measure_identity(emit: Any, one: Any, fleet: Any, batch: Any, healths: list[
     """1 of the module docstring; returns the longest prompt's token count."""
     from shared_schemas.chunking import plan_chunks
 
-    alone = one.infer(batch)
-    again = _row_tokens(one.infer(batch))
-    spread = fleet.infer(batch)
+    alone = _call("identity, 1 server", one, batch)
+    again = _row_tokens(_call("identity, 1 server again", one, batch))
+    spread = _call(f"identity, {len(fleet.endpoints)} servers", fleet, batch)
     a, b = _row_tokens(alone), _row_tokens(spread)
     differ = sum(x != y for x, y in zip(a, b, strict=True))
     prompts_differ = sum(x.prompt_token_ids != y.prompt_token_ids for x, y in zip(alone, spread, strict=True))
@@ -164,11 +179,11 @@ def measure_identity(emit: Any, one: Any, fleet: Any, batch: Any, healths: list[
 
 
 def _best_call(source: Any, batch: Any, repeats: int) -> tuple[float, list[float], list[Any]]:
-    source.infer(batch)  # warm-up
+    _call(f"throughput warm-up, {len(source.endpoints)} server(s)", source, batch)
     times, best = [], (math.inf, [])
     for _ in range(repeats):
         started = time.perf_counter()
-        results = source.infer(batch)
+        results = _call(f"throughput, {len(source.endpoints)} server(s)", source, batch)
         seconds = time.perf_counter() - started
         times.append(seconds)
         if seconds < best[0]:

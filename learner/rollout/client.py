@@ -396,12 +396,13 @@ class RolloutClient:
         try:
             yield session
         except BaseException:
-            self._abort_quietly(session.sync_id)
+            self.abort_quietly(session.sync_id)
             raise
         session.committed = self.sync_commit(session.sync_id)
 
-    def _abort_quietly(self, sync_id: str) -> None:
-        # The server also discards idle syncs after its timeout, so a failed abort loses nothing.
+    def abort_quietly(self, sync_id: str) -> None:
+        """`sync_abort`, logging instead of raising when the server does not answer (it also discards idle
+        syncs after its timeout, so a failed abort loses nothing)."""
         try:
             self.sync_abort(sync_id)
         except (ServerError, ServerUnreachable) as exc:

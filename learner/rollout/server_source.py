@@ -19,10 +19,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import httpx
 
@@ -50,10 +49,13 @@ from shared_schemas.buckets import plan_buckets
 from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
-from shared_schemas.sync import SyncManifest
+from shared_schemas.sync import CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
     from learner.config import RolloutConfig
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 logger = logging.getLogger(__name__)
 
@@ -340,15 +342,56 @@ class ServerRolloutSource:
         return left + self._infer_with_retries(client, sub.slice(mid, n), counts)
 
     # -- weight sync -------------------------------------------------------------------------------
+    def _on_every(
+        self, items: Sequence[_T], fn: Callable[[_T], _R]
+    ) -> list[tuple[_R | None, BaseException | None]]:
+        """`fn` on every item at once (the per-server threads); each outcome as (result, None) or (None, error),
+        in order, once all have returned."""
+
+        def settled(item: _T) -> tuple[_R | None, BaseException | None]:
+            try:
+                return fn(item), None
+            except BaseException as exc:  # handed back: the caller decides which error wins
+                return None, exc
+
+        return list(self._pool.map(settled, items))
+
+    def _begin_everywhere(
+        self, manifest: SyncManifest, specs: Sequence[CollectiveSpec | None]
+    ) -> list[SyncSession]:
+        """Begins the sync on every server at once (one round trip, not one per server). If any begin fails, the
+        others are aborted and its error is raised."""
+        outcomes = self._on_every(
+            list(zip(self._clients, specs, strict=True)),
+            lambda pair: SyncSession(pair[0], pair[0].sync_begin(manifest, collective=pair[1]), manifest),
+        )
+        sessions = [session for session, _ in outcomes if session is not None]
+        errors = [exc for _, exc in outcomes if exc is not None]
+        if errors:
+            self._on_every(sessions, lambda s: s.client.abort_quietly(s.sync_id))
+            raise errors[0]
+        return sessions
+
+    def _commit_everywhere(self, sessions: Sequence[SyncSession]) -> None:
+        """Commits on every server at once; raises the first failure once every commit has returned (the others
+        committed: the servers then disagree until the next sync, which carries a higher version)."""
+
+        def commit(session: SyncSession) -> None:
+            session.committed = session.client.sync_commit(session.sync_id)
+
+        errors = [exc for _, exc in self._on_every(sessions, commit) if exc is not None]
+        if errors:
+            raise errors[0]
+
     def sync_weights(self, update: WeightUpdate) -> SyncReport:
         """Sends `update` to every server (begin on all → each bucket to all → commit on all).
 
         Any failure aborts the sync on every server that has not committed yet; sync phases are never
         retried. No server commits before every server holds every bucket (HTTP/shm: every upload acknowledged;
         gloo/nccl: every server answered `prepare` once its receive finished, so a server that dies mid-broadcast
-        leaves every server on its old weights). Servers then commit one after another, so when a commit itself
-        fails after an earlier one succeeded the servers disagree until the next sync (which uses a higher
-        version and fixes it).
+        leaves every server on its old weights). Begins and commits go to every server at once (one round trip
+        each, whatever the number of servers); when a commit itself fails while another succeeded the servers
+        disagree until the next sync (which uses a higher version and fixes it).
 
         Raises:
             SyncRejected: a server refused the update (409: adapter sync without LoRA, stale version).
@@ -371,15 +414,16 @@ class ServerRolloutSource:
         urls = [c.base_url for c in self._clients]
         try:
             specs = transport.rendezvous(self._clients)
-            with ExitStack() as stack:
-                sessions = [
-                    stack.enter_context(c.weight_sync(manifest, collective=spec))
-                    for c, spec in zip(self._clients, specs, strict=True)
-                ]
+            sessions = self._begin_everywhere(manifest, specs)
+            try:
                 transport.joined(sessions)
                 stages["begin_s"] = time.perf_counter() - started
                 transport.send(sessions, manifest, update.iter_tensors(), stages)
-                mark = time.perf_counter()
+            except BaseException:
+                self._on_every(sessions, lambda s: s.client.abort_quietly(s.sync_id))
+                raise
+            mark = time.perf_counter()
+            self._commit_everywhere(sessions)
         except SyncError:
             transport.failed(urls)
             raise
