@@ -153,7 +153,7 @@ class ShmStager:
 
     @contextmanager
     def staged(self, version: int, index: int, parts: BucketParts) -> Iterator[str]:
-        """Writes one bucket (its parts, in order), yields its plain file name, and takes the name back on exit.
+        """Writes one bucket (its parts, in order), yields its plain file name, takes the name back on exit.
 
         The servers take the file over (a hard link of their own) before acknowledging it, so the name may
         go as soon as every server has acknowledged; the file is kept as the spare of bucket `index`.

@@ -4,9 +4,10 @@ server (`learner.rollout.collective.CollectiveSender`; the receivers are `rollou
 The group is planned when the sender has none over these servers: each server's `/health` says how many
 receivers it brings (`collective_ranks`), and each begin carries the group's world size and the server's first
 rank. After the last bucket every server is asked to `prepare` (it answers once its receive has finished), and
-only then does any server commit: a server that died mid-broadcast fails the sync on every server, none applies
-it. A single server skips that round: its commit waits for its own receive and discards a failed one. A failure names the server that no longer answers (its `/health` is probed) and drops the group; the next
-sync plans a new one with every configured server.
+only then does any server commit: a server that died mid-broadcast fails the sync on every server, none
+applies it. A single server skips that round: its commit waits for its own receive and discards a failed one.
+A failure names the server that no longer answers (its `/health` is probed) and drops the group; the next sync
+plans a new one with every configured server.
 
 `gloo` (CPU hosts) packs each bucket on the host from its safetensors parts (`flat_bucket`), one bucket ahead
 on a helper thread, and broadcasts it with a host wait per bucket.
@@ -47,7 +48,7 @@ __all__ = ["DeviceBucketPacker", "GlooTransport", "NcclTransport"]
 
 
 PREPARE_MARGIN_S = 10.0
-"""Seconds a server's `prepare` may take beyond the group's timeout (its own wait is bounded by that timeout)."""
+"""Seconds a server's `prepare` may take beyond the group's timeout (which bounds its own wait)."""
 
 
 class _Collective(Transport):
@@ -84,10 +85,10 @@ class _Collective(Transport):
                 if health.collective_ranks is None:
                     detail = f": {health.detail}" if health.detail else ""
                     raise SyncError(
-                        f"rollout server {client.base_url} reports no {self.name} weight-sync receivers in /health"
-                        f" (status {health.status}{detail}): its engine cannot receive over {self.name}, or the"
-                        " server predates one weight-sync group for every server; use rollout.sync.transport http"
-                        " or shm, or restart that server from this checkout"
+                        f"rollout server {client.base_url} reports no {self.name} weight-sync receivers in"
+                        f" /health (status {health.status}{detail}): its engine cannot receive over"
+                        f" {self.name}, or the server predates one weight-sync group for every server; use"
+                        " rollout.sync.transport http or shm, or restart that server from this checkout"
                     )
         return counts
 
@@ -116,9 +117,9 @@ class _Collective(Transport):
             stages["collective_world_size"] = float(self.sender.fleet.world_size)
 
     def prepare(self, sessions: Sequence[SyncSession], stages: dict[str, float]) -> None:
-        """Asks every server concurrently to confirm it holds every bucket (`/sync_weights/prepare`: its receive
-        has finished); returns when all have, so the commits that follow only apply. Bounded by the group's
-        timeout plus `PREPARE_MARGIN_S`; the first failure ends the wait.
+        """Asks every server concurrently to confirm it holds every bucket (`/sync_weights/prepare`: its
+        receive has finished); returns when all have, so the commits that follow only apply. Bounded by the
+        group's timeout plus `PREPARE_MARGIN_S`; the first failure ends the wait.
 
         Raises:
             CollectiveError: a server's receive failed, or a server did not answer in time.
@@ -145,7 +146,8 @@ class _Collective(Transport):
                 ) from error
             late = ", ".join(futures[f] for f in running)
             raise CollectiveError(
-                f"rollout server {late} did not confirm every bucket of the {self.name} sync within {limit:.0f} s"
+                f"rollout server {late} did not confirm every bucket of the {self.name} sync within"
+                f" {limit:.0f} s"
             )
         stages["prepare_s"] = time.perf_counter() - started
 
@@ -166,15 +168,15 @@ class _Collective(Transport):
         down = [c.base_url for c, ok in zip(clients, _each(answers, clients), strict=True) if not ok]
         if down:
             return SyncError(
-                f"rollout server {', '.join(down)} no longer answers (died or hangs) during a {self.name} weight"
-                f" sync: {exc}. No server applied this sync (every server's staged copy is aborted; the old"
-                " weights keep serving). Restart that server (scripts/start_rollout_server.sh, check its log) or"
-                " remove it from rollout.servers, then restart the learner (from its last checkpoint); the"
-                " next sync forms a new group with every configured server"
+                f"rollout server {', '.join(down)} no longer answers (died or hangs) during a {self.name}"
+                f" weight sync: {exc}. No server applied this sync (every server's staged copy is aborted;"
+                " the old weights keep serving). Restart that server (scripts/start_rollout_server.sh, check"
+                " its log) or remove it from rollout.servers, then restart the learner (from its last"
+                " checkpoint); the next sync forms a new group with every configured server"
             )
         return SyncError(
-            f"{exc}; every server still answers /health: a receiver failed or timed out — see the servers' logs"
-            " (rollout.sync.collective_timeout_s bounds each wait)"
+            f"{exc}; every server still answers /health: a receiver failed or timed out — see the servers'"
+            " logs (rollout.sync.collective_timeout_s bounds each wait)"
         )
 
     def failed(self, urls: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""`http`: each bucket is the body of `PUT /sync_weights/{id}/buckets/{k}`, streamed from the tensors' memory."""
+"""`http`: each bucket is the body of `PUT /sync_weights/{id}/buckets/{k}`, streamed from tensor memory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`shm`: each bucket is written once into the servers' shared staging directory; the servers adopt the file."""
+"""`shm`: each bucket is written once into the servers' shared staging directory; the servers adopt it."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class ShmTransport(PartsTransport):
         self._reused_before = self.stager.reused_bytes
 
     def sent_stages(self) -> dict[str, float]:
-        """`shm_reused_bytes`: the bytes this sync wrote into files an earlier sync left (no new tmpfs pages)."""
+        """`shm_reused_bytes`: bytes this sync wrote into files an earlier sync left (no new tmpfs pages)."""
         return {"shm_reused_bytes": float(self.stager.reused_bytes - self._reused_before)}
 
     def send_bucket(
