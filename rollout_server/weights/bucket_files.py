@@ -49,7 +49,8 @@ def _open_shm(shm_dir: Path, file_name: str) -> tuple[int, os.stat_result]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError as exc:
         raise NotFoundError(
-            f"shm bucket file {file_name!r} not found in the staging dir; write it there before posting its name",
+            f"shm bucket file {file_name!r} not found in the staging dir;"
+            " write it there before posting its name",
             type="shm_file_not_found",
         ) from exc
     except OSError as exc:
@@ -117,8 +118,9 @@ def check_file(path: Path, expected: BucketSpec) -> None:
 
 
 async def write_stream(path: Path, chunks: AsyncIterator[bytes]) -> None:
-    """Streams an HTTP body into a (new or reused) file: `writev` per ~8 MiB on a worker thread, overlapped with receiving
-    the next ~8 MiB (one write in flight, in order), so the loop stays free and the socket keeps flowing."""
+    """Streams an HTTP body into a (new or reused) file: `writev` per ~8 MiB on a worker thread, overlapped
+    with receiving the next ~8 MiB (one write in flight, in order), so the loop stays free and the socket
+    keeps flowing."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # a pool file is overwritten in place
     writing: asyncio.Future[None] | None = None
     try:

@@ -1,9 +1,9 @@
 """The server side of the weight-sync transports (`rollout.sync.transport`), mirroring the learner's
 `learner.rollout.transports`: one receiver per transport name, registered in `RECEIVERS`.
 
-A receiver is how one sync's bytes reach the server's staging; `SyncStaging` (`weights.staging`) owns the state
-machine around it (begin, one staged sync at a time, commit/abort, timeouts, metrics) and asks the sync's
-receiver for the bytes:
+A receiver is how one sync's bytes reach the server's staging; `SyncStaging` (`weights.staging`) owns the
+state machine around it (begin, one staged sync at a time, commit/abort, timeouts, metrics) and asks the
+sync's receiver for the bytes:
 
 - `http` (`HttpReceiver`): each bucket is the body of `PUT .../buckets/{k}`, streamed into a staging file;
 - `shm` (`ShmReceiver`): each bucket is a file the learner wrote into `server.shm_dir`, adopted by hard link;
@@ -84,9 +84,9 @@ class CollectiveReceiver(Receiver):
 
     The group spans the learner and every server of the sync; this server's receivers are the ranks the begin
     names (`CollectiveSpec.rank_offset` onwards, in a group of `world_size`). Receives run one after another:
-    a receive whose sync was abandoned (the learner failed, another server died) cannot be interrupted inside a
-    broadcast and runs out on its own, bounded by the group's timeout; the next sync's receive starts after it,
-    so two receives never share the engine's group state.
+    a receive whose sync was abandoned (the learner failed, another server died) cannot be interrupted inside
+    a broadcast and runs out on its own, bounded by the group's timeout; the next sync's receive starts after
+    it, so two receives never share the engine's group state.
 
     Args:
         staging: `server.sync_staging`, handed to the engine's receivers with each sync.
@@ -117,9 +117,9 @@ class CollectiveReceiver(Receiver):
         if spec.rank_offset + ranks > world_size:
             raise SyncValidationError(
                 f"this server has {ranks} weight-sync receivers, but the learner gave it ranks"
-                f" {spec.rank_offset}..{world_size - 1} of a {world_size}-rank group (it counted fewer: was the"
-                " server restarted with another data/tensor parallel size?); the learner asks again at its next"
-                " sync",
+                f" {spec.rank_offset}..{world_size - 1} of a {world_size}-rank group (it counted fewer: was"
+                " the server restarted with another data/tensor parallel size?); the learner asks again at"
+                " its next sync",
                 type="collective_ranks",
             )
         return Rendezvous(

@@ -2,21 +2,22 @@
 
 One sync is staged at a time; a new `begin` supersedes (discards) a staged one, so a learner that died
 mid-sync never blocks the next. Every phase runs under one lock, so a commit never races a bucket. Any
-rejected bucket or commit discards the staged sync: nothing reaches the engine until every bucket has
-arrived and matched the manifest, and the engine's `apply_update` is itself all or nothing. `prepare` answers once
+rejected bucket or commit discards the staged sync: nothing reaches the engine until every bucket has arrived
+and matched the manifest, and the engine's `apply_update` is itself all or nothing. `prepare` answers once
 every bucket is in (a collective sync: once its receive has finished), so that a learner with several servers
 commits none of them before all hold the update.
 
 Every staged bucket is a FILE, never bytes in the server's heap: an HTTP body streams into a file of the
 server's private pool directory (on `/dev/shm`; after a committed sync its files are kept and overwritten by
 the next sync's bodies, so their tmpfs pages are not allocated and zeroed again — steady-state cost: one
-model's worth of tmpfs per server, which a sync needs anyway), an shm bucket is adopted into a per-sync private
-directory inside `server.shm_dir` (`.rollmatch-staged-*`, removed with the sync). Either way
-the engine's worker processes map it by name at commit and load from the mapping (`engines.vllm.worker`), so
-bucket bytes never travel through the engine's RPC. An HTTP body is written as it arrives (no whole-body buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened
-without following links, checked to be a regular file, and taken over with a hard link of the server's own
-(the learner's name may go after the ack; with several servers each keeps its own link to the one file).
-Each bucket's header is checked against the manifest before its ack; the files of a discarded, superseded,
+model's worth of tmpfs per server, which a sync needs anyway), an shm bucket is adopted into a per-sync
+private directory inside `server.shm_dir` (`.rollmatch-staged-*`, removed with the sync). Either way the
+engine's worker processes map it by name at commit and load from the mapping (`engines.vllm.worker`), so
+bucket bytes never travel through the engine's RPC. An HTTP body is written as it arrives (no whole-body
+buffer); an shm bucket — the NAME of a file the learner wrote into `server.shm_dir` — is opened without
+following links, checked to be a regular file, and taken over with a hard link of the server's own (the
+learner's name may go after the ack; with several servers each keeps its own link to the one file). Each
+bucket's header is checked against the manifest before its ack; the files of a discarded, superseded,
 timed-out or finished sync are removed.
 
 How each transport's bytes come in (a body, an adopted file, the engine's receive over the learner's group) is
@@ -93,7 +94,8 @@ class _Pending:
     began: float = 0.0
     """Clock reading at begin (for the sync's duration)."""
     transport: str = "http"
-    """How the buckets arrived: `http`, or `shm` once a bucket came as a file (collective: the group's backend)."""
+    """How the buckets arrived: `http`, or `shm` once a bucket came as a file (collective: the group's
+    backend)."""
     collective: Rendezvous | None = None
     """Collective transport: the group the buckets are broadcast over (no HTTP/shm buckets then)."""
     receiving: asyncio.Task[None] | None = None
@@ -170,8 +172,9 @@ class SyncStaging:
         """Ends a sync: removes its files (after a commit its pool files become the spares) and reports its
         `outcome` (`committed`, `rejected`, `aborted`, `expired`, `superseded`, `failed`, `closed`).
         A collective receive still running is left to run out (a thread blocked in a broadcast cannot be
-        interrupted; its engine drops the group when the learner's side stays quiet past the group's timeout, and
-        the next sync's receive starts after it: `CollectiveReceiver.start`); it is cancelled only at shutdown."""
+        interrupted; its engine drops the group when the learner's side stays quiet past the group's timeout,
+        and the next sync's receive starts after it: `CollectiveReceiver.start`); it is cancelled only at
+        shutdown."""
         recycle = outcome == "committed"
         if self._on_finish is not None and outcome != "closed":
             extra = {"stages": stages} if stages is not None else {}
@@ -362,8 +365,8 @@ class SyncStaging:
     def _check_index(self, pending: _Pending, index: int) -> None:
         if pending.collective is not None:
             raise ConflictError(
-                f"sync {pending.sync_id} sends its buckets over the {pending.collective.backend} group, not as"
-                " HTTP or shm buckets; broadcast them, then commit",
+                f"sync {pending.sync_id} sends its buckets over the {pending.collective.backend} group, not"
+                " as HTTP or shm buckets; broadcast them, then commit",
                 type="collective_sync",
             )
         count = len(pending.manifest.buckets)
@@ -408,8 +411,8 @@ class SyncStaging:
         receive to finish. A learner with several servers prepares every one before it commits any.
 
         Raises:
-            SyncValidationError: the receive failed or timed out (`collective_failed`; the sync is discarded), or
-                HTTP/shm buckets are missing (`missing_bucket`; the sync stays staged).
+            SyncValidationError: the receive failed or timed out (`collective_failed`; the sync is
+                discarded), or HTTP/shm buckets are missing (`missing_bucket`; the sync stays staged).
             UnknownSyncError: no such sync (or it was aborted or superseded while waiting).
         """
         started = time.perf_counter()
@@ -435,8 +438,8 @@ class SyncStaging:
             missing = self._missing(pending)
             if missing:
                 raise SyncValidationError(
-                    f"sync {sync_id} is missing buckets {missing[:10]} of {len(pending.manifest.buckets)}; send"
-                    " them before the commit",
+                    f"sync {sync_id} is missing buckets {missing[:10]} of {len(pending.manifest.buckets)};"
+                    " send them before the commit",
                     type="missing_bucket",
                     detail={"missing": missing[:100]},
                 )
@@ -504,7 +507,7 @@ class SyncStaging:
                     " the previous weights are still served"
                 ) from exc
             finally:
-                # Applied: the workers have loaded and dropped their mappings, so the pool files may be reused.
+                # Applied: the workers have loaded and dropped their mappings, so pool files may be reused.
                 self._finish(
                     pending, outcome="committed" if applied else "failed", stages=stages if applied else None
                 )
