@@ -1,24 +1,24 @@
 """`bench/bench_sync.py --gpu --servers N`: weight sync from one learner GPU to N rollout servers through ONE
 collective group (the "N+1" topology: learner on GPU 0, one HF-backend server per GPU 1..N), against 1 server.
 
-NOT RUN ON GPUs YET: the 4-GPU machine this is meant for (`--servers 3`, the 3+1 layout of
-`configs/server_3v1_template.yaml`) was not available when it was written; only its CPU variant
-(`--gpu --cpu-check --servers 2 --models tiny`: gloo, HF servers on this host's CPU) has run. Its figures go to
-`bench/RESULTS.md` once measured; none are quoted anywhere before that.
+Ran on 4 x H200 (`--servers 3 --models 1b 7b`, 2026-11-26; figures in `bench/RESULTS.md`, "the 3 + 1
+topology"); `--gpu --cpu-check --servers 2 --models tiny` runs the same flow on CPU (gloo, HF servers on this
+host's CPU).
 
-One run, per model (`--models`, the presets of `_sync_gpu.py`; random init on the learner's device, bf16, saved
-once for the servers):
+One run, per model (`--models`, the presets of `_sync_gpu.py`; random init on the learner's device, bf16,
+saved once for the servers):
 
-1. ceilings: a raw `torch.distributed` broadcast of the manifest's buckets (same sizes, same order) from rank 0
-   (GPU 0) to 1 receiver (GPU 1) and to N receivers (GPUs 1..N), one process per GPU, best of 3 after a warm-up:
-   the wire time one collective broadcast over 2 and over N + 1 ranks takes for these bytes;
+1. ceilings: a raw `torch.distributed` broadcast of the manifest's buckets (same sizes, same order) from
+   rank 0 (GPU 0) to 1 receiver (GPU 1) and to N receivers (GPUs 1..N), one process per GPU, best of 3 after a
+   warm-up: the wire time one collective broadcast over 2 and over N + 1 ranks takes for these bytes;
 2. N HF-backend rollout servers, server k on GPU k (`CUDA_VISIBLE_DEVICES` of its process), loaded with W0;
    the learner holds W1 (W0 plus noise);
 3. per fleet size (1 server, then all N): one warm-up sync, then `--repeats` timed syncs over the collective
    transport (`nccl`; `gloo` on CPU) through the production path (`WeightSyncPolicy.maybe_sync` →
    `ServerRolloutSource.sync_weights`: one group of 1 + N ranks, one broadcast per bucket, the prepare round,
    the commits); best seconds, GB/s, the stage split, per sync its version and every server's served version
-   after it (all equal: each server committed that sync once), and the effect check (the fleet's greedy tokens and log-probs against the learner's, after the syncs);
+   after it (all equal: each server committed that sync once), and the effect check (the fleet's greedy
+   tokens and log-probs against the learner's, after the syncs);
 4. `fleet_scaling`: N-server seconds over 1-server seconds next to the raw broadcasts' own ratio. The design
    expects both near 1 (the learner's link carries one copy whatever N; NCCL pipelines each bucket along its
    ring/tree, so the time is bytes / the slowest link + a pipeline fill that grows with N): that is what this
@@ -46,8 +46,8 @@ def measure_fleet(
     args: Any, emit: Any, model: Any, preset: str, bases: list[str], backend: str, step: int,
     prompts: list[list[int]], nbytes: int, raw: dict[int, float],
 ) -> tuple[int, float]:  # fmt: skip
-    """Warm-up + timed syncs to every server of `bases` through one group; emits `fleet_sync`. Returns the next
-    step and the best seconds."""
+    """Warm-up + timed syncs to every server of `bases` through one group; emits `fleet_sync`. Returns the
+    next step and the best seconds."""
     import httpx
     from _sync_gpu import greedy_gap
 
@@ -150,8 +150,11 @@ def fleet_model(args: Any, tmp: Path, emit: Any, preset: str, model_dir: Path, g
     for world in sorted({2, n + 1}):
         seconds, ok = raw_broadcast_seconds(backend, sizes, world=world)
         raw[world] = seconds
-        emit({"measure": f"ceiling_raw_{backend}_broadcast", "model": preset, "world_size": world, "bytes": nbytes,
-              "seconds": round(seconds, 4), "gb_per_s": round(nbytes / seconds / 1e9, 2), "received_ok": ok})  # fmt: skip
+        emit({
+            "measure": f"ceiling_raw_{backend}_broadcast", "model": preset, "world_size": world,
+            "bytes": nbytes, "seconds": round(seconds, 4), "gb_per_s": round(nbytes / seconds / 1e9, 2),
+            "received_ok": ok,
+        })  # fmt: skip
     _free()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 1400, (24,), generator=gen).tolist() for _ in range(args.prompts)]
@@ -170,8 +173,9 @@ def fleet_model(args: Any, tmp: Path, emit: Any, preset: str, model_dir: Path, g
               "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
         step, best = 0, {}
         for count in sorted({1, n}):
-            step, best[count] = measure_fleet(args, emit, model, preset, bases[:count], backend, step, prompts,
-                                              nbytes, raw)  # fmt: skip
+            step, best[count] = measure_fleet(
+                args, emit, model, preset, bases[:count], backend, step, prompts, nbytes, raw
+            )
     emit({"measure": "fleet_scaling", "model": preset, "servers": n,
           "sync_seconds_1": round(best[1], 4), f"sync_seconds_{n}": round(best[n], 4),
           f"sync_{n}_over_1": round(best[n] / best[1], 3),

@@ -1,11 +1,12 @@
 """The rollout half of the "N + 1" bench: one `/infer/` call of image rollouts over 1 vs N HF-backend servers.
 
-NOT RUN ON GPUs YET: written for a 4-GPU machine (`--servers 3`: the learner on GPU 0, one HF-backend rollout
-server on each of GPUs 1..3, the 3+1 layout of `configs/server_3v1_template.yaml`); only its CPU variant
-(`--cpu-check`: the servers on this host's CPU, the tiny Qwen3-VL) has run. No figure of it is quoted anywhere
-before it ran on GPUs; they go to `bench/RESULTS.md` then.
+Written for a 4-GPU machine (`--servers 3`: the learner on GPU 0, one HF-backend rollout server on each of
+GPUs 1..3, the 3+1 layout of `configs/server_3v1_template.yaml`); ran on 4 x H200 on 2026-11-26 (figures in
+`bench/RESULTS.md`, "the 3 + 1 topology"). `--cpu-check` runs it with the servers on this host's CPU (tiny
+Qwen3-VL).
 
-    GPU (4 GPUs, ~4 min):  python bench/bench_fleet.py --servers 3 --model vlm-2b --out fleet.jsonl
+    GPU (4 GPUs, ~1.5 min): python bench/bench_fleet.py --servers 3 --model vlm-2b --identity-tokens 32 \
+                                --tokens 64 --repeats 3 --out fleet.jsonl
     CPU check (~1 min):    python bench/bench_fleet.py --cpu-check --servers 2 --model tiny-vlm
 
 Topology: this process is the learner (it builds the model on `cuda:0`, or the CPU, and then only sends
@@ -143,7 +144,8 @@ def _call(label: str, source: Any, batch: Any) -> list[Any]:
           file=sys.stderr, flush=True)  # fmt: skip
     started = time.monotonic()
     results = source.infer(batch)
-    print(f"[bench_fleet +{time.monotonic() - _T0:.1f} s] {label}: done in {time.monotonic() - started:.2f} s",
+    seconds = time.monotonic() - started
+    print(f"[bench_fleet +{time.monotonic() - _T0:.1f} s] {label}: done in {seconds:.2f} s",
           file=sys.stderr, flush=True)  # fmt: skip
     return results
 
