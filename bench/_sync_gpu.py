@@ -1,20 +1,20 @@
-"""`bench/bench_sync.py --gpu`: weight sync learner GPU → rollout-server GPU, against the link's own ceilings.
+"""`bench/bench_sync.py --gpu`: weight sync learner GPU → rollout-server GPU, against the link's ceilings.
 
-One run, per model (`--models`, presets below; random init built in code on the learner's GPU, bf16, saved once
-for the server under a temporary directory — never downloaded):
+One run, per model (`--models`, presets below; random init built in code on the learner's GPU, bf16, saved
+once for the server under a temporary directory — never downloaded):
 
 1. ceilings on the same bytes as the sync's manifest: a raw copy of the learner's tensors GPU 0 → GPU 1 into
    preallocated destinations, and a raw 2-process NCCL broadcast of the manifest's buckets (same sizes, same
    order; one process per GPU), best of 3 after a warm-up;
-2. an HF-backend rollout server on GPU 1 (`CUDA_VISIBLE_DEVICES` of its process), loaded with the saved weights
-   W0, while the learner holds W1 (W0 plus noise);
+2. an HF-backend rollout server on GPU 1 (`CUDA_VISIBLE_DEVICES` of its process), loaded with the saved
+   weights W0, while the learner holds W1 (W0 plus noise);
 3. the effect check: the server's greedy tokens (with their log-probs) for a few random prompts, the learner's
    teacher-forced log-probs of the same tokens → the largest gap (nats), before the first sync and after it;
    the server's `weight_version` must move by exactly one per sync;
-4. per transport (`--transports`, default nccl http shm): one warm-up sync, then `--repeats` timed syncs through
-   the production path (`WeightSyncPolicy.maybe_sync` → `ServerRolloutSource`); best seconds, GB/s (manifest
-   bytes / whole `maybe_sync` wall time), the stage split, the learner's peak GPU memory growth during the sync
-   (against two buckets) and the server's staging bytes.
+4. per transport (`--transports`, default nccl http shm): one warm-up sync, then `--repeats` timed syncs
+   through the production path (`WeightSyncPolicy.maybe_sync` → `ServerRolloutSource`); best seconds, GB/s
+   (manifest bytes / whole `maybe_sync` wall time), the stage split, the learner's peak GPU memory growth
+   during the sync (against two buckets) and the server's staging bytes.
 
 Every figure is one JSON line on stdout (and appended to `--out`). `--cpu-check` runs the same flow on this
 host's CPU (gloo in place of NCCL, a tiny model) so the script is checked before a GPU machine is spent on it.
@@ -219,8 +219,8 @@ def server_config(model_dir: Path, tmp: Path, name: str, staging: str) -> tuple[
 
 
 def greedy_gap(source: Any, model: Any, prompts: list[list[int]], max_tokens: int = 16) -> dict[str, Any]:
-    """Largest |server log-prob − learner teacher-forced log-prob| over the server's greedy tokens, and how many
-    of those tokens are the learner's argmax."""
+    """Largest |server log-prob − learner teacher-forced log-prob| over the server's greedy tokens, and how
+    many of those tokens are the learner's argmax."""
     import torch
 
     from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
@@ -323,8 +323,8 @@ def measure_transport(
 def kill_check(args: Any, emit: Emitter, model: Any, preset: str, transport: str, base: str, step: int,
                prompts: list[list[int]], kill_at: int) -> int:  # fmt: skip
     """A second learner process starts a sync of OTHER weights over `transport` and dies (os._exit) before its
-    bucket `kill_at`'s broadcast (the third, or the last of a smaller model): the server must keep serving the old weights at the old version, and take the
-    next sync once the dead group has timed out."""
+    bucket `kill_at`'s broadcast (the third, or the last of a smaller model): the server must keep serving the
+    old weights at the old version, and take the next sync once the dead group has timed out."""
     import subprocess
 
     from learner.rollout.base import SyncError
@@ -359,8 +359,9 @@ def kill_check(args: Any, emit: Emitter, model: Any, preset: str, transport: str
                 step += 1
         final = source.health().weight_version
         emit({"measure": "kill_mid_broadcast", "model": preset, "transport": transport, "child_rc": rc,
-              "child_s": round(died_s, 1), "version_before": version, "version_after_kill": version_after_kill,
-              "old_weights_still_served": stuck, "next_sync_ok_after_attempts": attempts if error is None else None,
+              "child_s": round(died_s, 1), "version_before": version,
+              "version_after_kill": version_after_kill, "old_weights_still_served": stuck,
+              "next_sync_ok_after_attempts": attempts if error is None else None,
               "last_error": error, "version_final": final})  # fmt: skip
     return step
 
@@ -430,8 +431,9 @@ def bench_gpu(args: Any, tmp: Path) -> None:
             sizes = [b.nbytes for b in plan_buckets(specs, args.bucket_mb * 2**20)]
             nbytes = sum(sizes)
             params = sum(p.numel() for p in model.parameters())
-            emit({"measure": "model", "model": preset, "params": params, "bytes": nbytes, "buckets": len(sizes),
-                  "bucket_mb": args.bucket_mb, "build_s": round(build_s, 1)})  # fmt: skip
+            emit({"measure": "model", "model": preset, "params": params, "bytes": nbytes,
+                  "buckets": len(sizes), "bucket_mb": args.bucket_mb,
+                  "build_s": round(build_s, 1)})  # fmt: skip
             ceilings: dict[str, float] = {}
             if not cpu and torch.cuda.device_count() >= 2 and not args.no_raw_copy:
                 tensors = [t for _, t in full_state_items(model)]
@@ -439,7 +441,8 @@ def bench_gpu(args: Any, tmp: Path) -> None:
                 del tensors
                 ceilings["raw_copy"] = seconds
                 emit({"measure": "ceiling_raw_copy_gpu0_to_gpu1", "model": preset, "bytes": nbytes,
-                      "seconds": round(seconds, 4), "gb_per_s": round(nbytes / seconds / 1e9, 2)})  # fmt: skip
+                      "seconds": round(seconds, 4),
+                      "gb_per_s": round(nbytes / seconds / 1e9, 2)})  # fmt: skip
             seconds, ok = raw_broadcast_seconds(backend, sizes)
             ceilings["raw_broadcast"] = seconds
             emit({"measure": f"ceiling_raw_{backend}_broadcast", "model": preset, "bytes": nbytes,

