@@ -22,9 +22,8 @@ NCCL broadcast of the same bytes, with the effect check (`bench/_sync_gpu.py` sa
 
 ``python bench/bench_sync.py --gpu --servers 3 [--models 1b 7b]``: the 3+1 topology — the learner on GPU 0 and
 one HF-backend server per GPU 1..3, all in ONE nccl group — timing syncs to 1 server and to all 3 against raw
-NCCL broadcasts to 2 and to 4 ranks (`bench/_sync_fleet.py` says what each line holds; NOT RUN on GPUs yet: no
-4-GPU machine was available when it was written). ``--gpu --cpu-check --servers 2 --models tiny`` checks it on
-CPU.
+NCCL broadcasts to 2 and to 4 ranks (`bench/_sync_fleet.py` says what each line holds; ran on 4 x H200,
+`bench/RESULTS.md`). ``--gpu --cpu-check --servers 2 --models tiny`` checks it on CPU.
 """
 
 from __future__ import annotations
