@@ -61,7 +61,7 @@ class ModelConfig(_Section):
     """`model:` — the checkpoint to train and its adapters."""
 
     path: str
-    """Local model directory (never a hub name: nothing is downloaded). Relative paths resolve against the repo."""
+    """Local model directory (never a hub name: no download). Relative paths resolve against the repo."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Training dtype of the weights."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -151,7 +151,7 @@ class DecodingConfig(_Section):
     num_beams: int = Field(default=1, ge=1)
     """Beam mode only."""
     rollout_generate_batch_size: int = Field(default=1, ge=1)
-    """Padded batch size of in-process (hf) generation per rank; server mode sends a step's requests in one call."""
+    """Padded batch size of in-process (hf) generation per rank; server mode sends one call per step."""
     repeat_terminate: RepeatTerminateConfig = Field(default_factory=RepeatTerminateConfig)
     """Degenerate-rollout guard (§5.4)."""
 
@@ -174,7 +174,7 @@ class ServerEntry(_Section):
 
 
 class ColocateVllmConfig(_Section):
-    """`rollout.vllm:` — the in-process engine of colocate mode (§16); ignored (with a warning) in server mode."""
+    """`rollout.vllm:` — colocate mode's in-process engine (§16); ignored (with a warning) in server mode."""
 
     gpu_memory_utilization: float = Field(default=0.45, gt=0.0, le=1.0)
     """Leaves room for training on the same GPU."""
@@ -185,9 +185,9 @@ class ColocateVllmConfig(_Section):
     enable_prefix_caching: bool = True
     """Reset after every weight sync."""
     load_format: Literal["dummy", "auto"] | None = None
-    """`dummy`: real weights arrive with the step-0 sync; `auto`: the engine reads the checkpoint. Default: dummy
-    for text models, auto for Qwen-VL (vLLM's Qwen-VL vision tower holds state that is not in the checkpoint,
-    e.g. Qwen3-VL's `visual.input_norm`, which dummy init randomizes and no sync can restore)."""
+    """`dummy`: real weights arrive with the step-0 sync; `auto`: the engine reads the checkpoint. Default:
+    dummy for text models, auto for Qwen-VL (vLLM's Qwen-VL vision tower holds state that is not in the
+    checkpoint, e.g. Qwen3-VL's `visual.input_norm`, which dummy init randomizes and no sync can restore)."""
     infer_batch_size: int | None = Field(default=None, ge=1)
     """Chunk requests per generate call (caps multimodal prefill memory)."""
     enforce_eager: bool = False
@@ -201,15 +201,16 @@ class ColocateVllmConfig(_Section):
 
 
 class AsyncRolloutConfig(_Section):
-    """`rollout.async:` — overlapped rollouts (server mode): the servers generate the next window while the learner
-    trains on this one, from weights at most `max_staleness` optimizer steps old."""
+    """`rollout.async:` — overlapped rollouts (server mode): the servers generate the next window while the
+    learner trains on this one, from weights at most `max_staleness` optimizer steps old."""
 
     enabled: bool = False
-    """After the sync of step v commits, request the next window's rollouts in the background (same chunking and
+    """After step v's sync commits, request the next window's rollouts in the background (same chunking and
     per-request seeds as a synchronous run) and train on the current window meanwhile. Server mode only."""
     max_staleness: int = Field(default=1, ge=1, le=16)
-    """Most optimizer steps a trained rollout may lag the weights it updates; an older one is regenerated, never
-    trained on. With the rollout buffer, the next E-step's window is requested this many steps ahead at most."""
+    """Most optimizer steps a trained rollout may lag the weights it updates; an older one is regenerated,
+    never trained on. With the rollout buffer, the next E-step's window is requested at most this many steps
+    ahead."""
     wait_timeout_s: float | None = Field(default=None, gt=0.0)
     """Longest wait for a background rollout once the step needs it (default: 4 x rollout.infer_timeout_s)."""
 
@@ -252,8 +253,8 @@ class RolloutConfig(_Section):
     def _check(self) -> RolloutConfig:
         if self.async_.enabled and self.mode != "server":
             raise ValueError(
-                f"rollout.async.enabled: true needs rollout.mode 'server', got {self.mode!r} (a colocated engine "
-                "runs in the learner's own process and cannot generate while it trains); set "
+                f"rollout.async.enabled: true needs rollout.mode 'server', got {self.mode!r} (a colocated "
+                "engine runs in the learner's own process and cannot generate while it trains); set "
                 "rollout.async.enabled: false or use rollout.mode: server"
             )
         if self.mode == "server" and not self.servers:
@@ -461,8 +462,8 @@ def check_runtime_guards(
     ):
         raise ConfigError(
             "rollout.sync.mode is 'adapter' but the rollout server runs without LoRA and "
-            "rollout.sync.fallback_to_full is false; start the server with server.vllm.enable_lora: true or use "
-            "rollout.sync.mode: full"
+            "rollout.sync.fallback_to_full is false; start the server with server.vllm.enable_lora: true or "
+            "use rollout.sync.mode: full"
         )
     max_len = server_max_model_len if cfg.rollout.mode == "server" else cfg.rollout.vllm.max_model_len
     if max_len is not None and longest_prompt_tokens is not None:

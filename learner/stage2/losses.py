@@ -63,7 +63,7 @@ class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     normalization: Literal["token_weighted", "micro_mean"] = "token_weighted"
-    """token_weighted: every supervised token of the step weighs the same; micro_mean: per-micro mean / gas."""
+    """token_weighted: each supervised token of a step weighs the same; micro_mean: per-micro mean / gas."""
     fn_desc_ce: bool = False
     """Give CE to the desc-value tokens of appended (FN) objects."""
     prefix_structure_ce: bool = False

@@ -99,8 +99,8 @@ class GrpoConfig(_Section):
     epsilon: float = Field(default=0.2, gt=0.0, lt=1.0)
     """PPO clip range."""
     tis_mode: Literal["auto", "off", "token", "sequence"] = "auto"
-    """Truncated importance sampling from the server's rollout log-probs: the policy-gradient term of each token
-    is weighted by min(π_learner / π_rollout, tis_cap), per token or per completion; auto = token when
+    """Truncated importance sampling from the server's rollout log-probs: the policy-gradient term of each
+    token is weighted by min(π_learner / π_rollout, tis_cap), per token or per completion; auto = token when
     rollout.async.enabled (one step off-policy), else off."""
     tis_cap: float = Field(default=2.0, ge=1.0)
     """Truncation of the importance weights (tis_mode token / sequence)."""
@@ -109,15 +109,15 @@ class GrpoConfig(_Section):
     max_resample_times: int = Field(default=1, ge=0)
     truncation_strategy: Literal["delete"] = "delete"
     aligner_lr: float = Field(default=1e-6, gt=0.0)
-    """Learning rate of the vision-language aligner (the base rate is training.learning_rate, default 5e-6)."""
+    """Learning rate of the vision-language aligner (base rate: training.learning_rate, default 5e-6)."""
     vision_tower_lr: float = Field(default=1e-8, gt=0.0)
     """Learning rate of the vision tower when it is trained."""
     freeze_vision_tower: bool = True
     """Freeze the vision tower of a VL model (GRPO's spelling of `model.freeze_vision`; the two must agree
     when both are set). The server presets keep it frozen."""
     reward_preset: Literal["server", "attr_key", "detection"] = "server"
-    """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching gate,
-    mean maskIoU of the matches, format; docs/GRPO.md)."""
+    """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching
+    gate, mean maskIoU of the matches, format; docs/GRPO.md)."""
     reward_weights: dict[str, float] = Field(default_factory=dict)
     """Per-reward overrides on top of the preset (weight 0 = logged only)."""
     reward_schema_path: str | None = None
