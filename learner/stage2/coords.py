@@ -1,9 +1,9 @@
 """Coordinate tokens and the norm1000 grid (docs/ALGORITHM.md#coordinates, §1.3).
 
 Coordinates live on an integer grid of ``COORD_BINS`` = 1000 bins (0..999, "norm1000"). Each bin ``k`` is one
-added tokenizer token ``<|coord_k|>``. This module holds the pure conversions (pixel ↔ bin, bbox anti-collapse,
-polygon canonicalization), the parsing of coordinate values found in data records, and ``CoordVocab``, the
-id ↔ bin map checked against a tokenizer at start-up.
+added tokenizer token ``<|coord_k|>``. This module holds the pure conversions (pixel ↔ bin, bbox
+anti-collapse, polygon canonicalization), the parsing of coordinate values found in data records, and
+``CoordVocab``, the id ↔ bin map checked against a tokenizer at start-up.
 """
 
 from __future__ import annotations
@@ -107,7 +107,10 @@ class CoordVocab:
         Raises:
             CoordVocabError: naming the first offending coordinate token and the fix.
         """
-        fix = "use a tokenizer that has the 1000 coordinate tokens added (scripts/build_tiny_models.py shows how)"
+        fix = (
+            "use a tokenizer that has the 1000 coordinate tokens added (scripts/build_tiny_models.py "
+            "shows how)"
+        )
         unk = getattr(tokenizer, "unk_token_id", None)
         raw = tokenizer.convert_tokens_to_ids(list(_COORD_STRINGS))
         ids: list[int] = []
@@ -150,7 +153,7 @@ class CoordVocab:
         return self.id_to_bin[token_id]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Pixel ↔ bin (offline converter and evaluation; spec §2.2, §2.3)
 
 
@@ -272,7 +275,7 @@ def canonicalize_poly(
     return "poly", [c for p in ordered for c in p]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Coordinate values in data records (spec §1.3)
 
 
@@ -306,7 +309,8 @@ def _parse_number(v: int | float) -> int:
         k = v
     if not 0 <= k <= _MAX_BIN:
         raise CoordValueError(
-            f"coordinate {v!r} is outside 0..{_MAX_BIN}; pixel coordinates must be converted offline (spec §2.2)"
+            f"coordinate {v!r} is outside 0..{_MAX_BIN}; pixel coordinates must be converted offline (spec "
+            "§2.2)"
         )
     return int(k)
 
@@ -314,8 +318,8 @@ def _parse_number(v: int | float) -> int:
 def parse_coord_values(values: Iterable[Any]) -> list[int]:
     """Parse one object's coordinate values into bins (spec §1.3).
 
-    Every value is a coordinate-token string, or a number (int, or finite float rounded half-to-even) in 0..999;
-    booleans are rejected and one object must not mix strings and numbers.
+    Every value is a coordinate-token string, or a number (int, or finite float rounded half-to-even) in
+    0..999; booleans are rejected and one object must not mix strings and numbers.
 
     Raises:
         CoordValueError: naming the first bad value.

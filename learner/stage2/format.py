@@ -1,7 +1,8 @@
 """Assistant output format: the single-line JSON answer (docs/ALGORITHM.md#output-format).
 
-``{"object_1": {"desc": "cat", "bbox_2d": ["<|coord_156|>", ...]}, "object_2": {"desc": ..., "poly": [[x, y], ...]}}``
-with ``json.dumps(..., ensure_ascii=False, separators=(", ", ": "))``. The same entry serializer builds the
+``{"object_1": {"desc": "cat", "bbox_2d": ["<|coord_156|>", ...]},
+"object_2": {"desc": ..., "poly": [[x, y], ...]}}`` with
+``json.dumps(..., ensure_ascii=False, separators=(", ", ": "))``. The same entry serializer builds the
 teacher-forcing tail of §10 (FN objects numbered from ``max_object_index_in_prefix + 1``).
 """
 
@@ -40,7 +41,7 @@ def _coord_strings(bins: Sequence[int]) -> list[str]:
 
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "))
-"""What ``json.dumps(value, ensure_ascii=False, separators=(", ", ": "))`` builds on every call (stateless)."""
+"""What ``json.dumps(value, ensure_ascii=False, separators=(", ", ": "))`` builds per call (stateless)."""
 
 
 def _dumps(value: object) -> str:
@@ -51,8 +52,8 @@ def geometry_value(geom_type: str, bins: Sequence[int]) -> list[str] | list[list
     """The JSON value of a geometry: bbox as 4 flat coord strings, poly as ``[x, y]`` pairs of coord strings.
 
     Raises:
-        ValueError: unknown ``geom_type``, or a bbox without exactly 4 bins, or a poly with an odd count or fewer
-            than 6 bins.
+        ValueError: unknown ``geom_type``, or a bbox without exactly 4 bins, or a poly with an odd count or
+            fewer than 6 bins.
     """
     if geom_type == "bbox_2d":
         if len(bins) != 4:
@@ -78,8 +79,8 @@ def serialize_entry(n: int, desc: str, geom_type: str, bins: Sequence[int]) -> s
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"object number {n!r} must be an int >= 1")
     value = geometry_value(geom_type, bins)
-    # The text _dumps({"desc": desc, geom_type: value}) gives, written directly: the geometry key and coordinate
-    # strings need no escaping, so only the desc goes through json.
+    # The text _dumps({"desc": desc, geom_type: value}) gives, written directly: the geometry key and
+    # coordinate strings need no escaping, so only the desc goes through json.
     return f'"object_{n}": {{"desc": {_dumps(desc)}, "{geom_type}": {_geometry_json(value)}}}'
 
 

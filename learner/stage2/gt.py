@@ -90,8 +90,8 @@ def parse_gt_object(obj: Any) -> tuple[str, GeomType, tuple[int, ...]]:
     """Validate one raw object (§1.2, §1.3) and return ``(desc, geom_type, bins)``.
 
     Raises:
-        MalformedObjectError: with the reason (empty desc, zero or two geometries, wrong arity, bad value, mixed
-            forms, ``poly_points`` mismatch, ...).
+        MalformedObjectError: with the reason (empty desc, zero or two geometries, wrong arity, bad value,
+            mixed forms, ``poly_points`` mismatch, ...).
     """
     if type(obj) is not dict and not isinstance(obj, Mapping):  # a dict skips the slower ABC check
         raise MalformedObjectError(f"object is a {type(obj).__name__}, not a mapping")
@@ -138,15 +138,15 @@ def _flatten_poly(raw: list[Any]) -> list[Any]:
     return [v for p in raw for v in p]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Malformed-object logging with a per-process cap (§7)
 
 
 class MalformedLogLimiter:
     """Logs the first ``log_max`` malformed objects individually, then counts the rest for a summary line.
 
-    The trainer calls ``flush_summary()`` once per logging step; it logs one line when objects were suppressed.
-    Thread-safe (a dataloader worker thread may extract GT).
+    The trainer calls ``flush_summary()`` once per logging step; it logs one line when objects were
+    suppressed. Thread-safe (a dataloader worker thread may extract GT).
     """
 
     def __init__(self, log_max: int = 20) -> None:
@@ -177,7 +177,8 @@ class MalformedLogLimiter:
             n, self.suppressed = self.suppressed, 0
         if n:
             logger.warning(
-                "%d more malformed GT objects excluded since the last logging step (individual logs capped at %d)",
+                "%d more malformed GT objects excluded since the last logging step (individual logs capped "
+                "at %d)",
                 n,
                 self.log_max,
             )
@@ -198,8 +199,8 @@ def extract_gt(
     Args:
         objects: the sample's ``gt_objects`` (already in §1.4 order).
         sample_id: for log lines and errors.
-        policy: ``stage2.gt.malformed_policy``: ``skip`` excludes, counts and logs malformed objects; ``raise``
-            raises on the first.
+        policy: ``stage2.gt.malformed_policy``: ``skip`` excludes, counts and logs malformed objects;
+            ``raise`` raises on the first.
         limiter: log cap (``stage2.gt.malformed_log_max``); defaults to a per-process limiter of 20.
 
     Returns:
@@ -226,7 +227,7 @@ def extract_gt(
     return GtExtraction(objects=good, malformed=bad)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Ordering (§1.4)
 
 
@@ -254,8 +255,8 @@ def order_objects(
     """Order one record's raw objects (``data.object_ordering``, §1.4); the input is not modified.
 
     ``sorted``: stable sort by the ``(y, x)`` anchor; malformed objects (no anchor) go last in their original
-    relative order, so they never displace well-formed ones. ``random``: a permutation drawn from an RNG seeded
-    with ``(seed, base_idx)`` (reproducible across runs and processes).
+    relative order, so they never displace well-formed ones. ``random``: a permutation drawn from an RNG
+    seeded with ``(seed, base_idx)`` (reproducible across runs and processes).
     """
     if ordering == "sorted":
         keyed = [(object_anchor(o), j, o) for j, o in enumerate(objects)]

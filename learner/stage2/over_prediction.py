@@ -44,9 +44,9 @@ class OverPredictionAlarm:
         self.fired = True
         return (
             f"rollout-matching is making the model over-predict: rollout/pred_per_sample {pred:.2f} against"
-            f" rollout/gt_per_sample {gt:.2f} (above {self.ratio:g}x for {self.steps} logged steps in a row). With"
-            " stage2.targets.unmatched_prefix: keep (the spec) false positives stay in the teacher-forced prefix and"
-            " the model is taught to stop only after them; set stage2.targets: {unmatched_prefix: reorder} (or drop), or train"
-            " more plain-GT steps first (stage2.sft_warmup_steps) — docs/RUNBOOK.md, 'The model over-predicts"
-            " during rollout-matching'"
+            f" rollout/gt_per_sample {gt:.2f} (above {self.ratio:g}x for {self.steps} logged steps in a row)."
+            " With stage2.targets.unmatched_prefix: keep (the spec) false positives stay in the"
+            " teacher-forced prefix and the model is taught to stop only after them; set stage2.targets:"
+            " {unmatched_prefix: reorder} (or drop), or train more plain-GT steps first"
+            " (stage2.sft_warmup_steps) — docs/RUNBOOK.md, 'The model over-predicts during rollout-matching'"
         )

@@ -41,7 +41,7 @@ _LENGTHS = ("prefix_len", "train_len")
 
 @dataclass(frozen=True)
 class SampleContext:
-    """What every sample of a run shares: tokenizer, prompt encoder, coord ids, prompts and the stage-2 knobs."""
+    """What every sample of a run shares: tokenizer, prompt encoder, coord ids, prompts, stage-2 knobs."""
 
     tokenizer: Any
     encoder: PromptEncoder
@@ -60,7 +60,7 @@ class SampleContext:
     newline_id: int
 
     def rollout_messages(self, sample: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The §3.3 rollout messages of a sample (what the backend receives and teacher forcing re-encodes)."""
+        """A sample's §3.3 rollout messages (what the backend receives and teacher forcing re-encodes)."""
         return rollout_messages(sample["messages"], self.system_prompt)
 
     def encode_prompt(self, sample: Mapping[str, Any]) -> EncodedPrompt:

@@ -209,8 +209,8 @@ def _untag(raws: Sequence[Any]) -> tuple[list[Any], int | None, int | None]:
     tags = {(r.window_id, r.repetition) for r in raws}
     if len(tags) != 1:
         raise BufferConsistencyError(
-            f"the raw batches of one optimizer step span several (window_id, repetition) tags {sorted(tags)}; "
-            "the repeater's gas must equal the trainer's gradient_accumulation_steps"
+            "the raw batches of one optimizer step span several (window_id, repetition) tags "
+            f"{sorted(tags)}; the repeater's gas must equal the trainer's gradient_accumulation_steps"
         )
     (window_id, repetition) = tags.pop()
     return [r.batch for r in raws], window_id, repetition

@@ -70,7 +70,7 @@ def _bad_type(geom_type: object) -> ValueError:
 
 
 def aabb(geom: Geom) -> tuple[float, float, float, float]:
-    """Axis-aligned box ``(min x, min y, max x, max y)`` of a geometry (§8.2 step 2); ``(0, 0, 0, 0)`` if empty."""
+    """Axis-aligned box ``(min x, min y, max x, max y)`` of a geometry (§8.2 step 2); zeros if empty."""
     geom_type, bins = geom
     if geom_type == _BOX:
         if len(bins) != 4:
@@ -140,7 +140,8 @@ def geom_table(geoms: Sequence[Geom]) -> GeomTable:
     start = np.cumsum(count_a) - count_a
     filled = count_a > 0
     if filled.any():
-        # Polygon segments are contiguous, so reducing at the starts of the non-empty ones covers each exactly.
+        # Polygon segments are contiguous, so reducing at the starts of the non-empty ones covers
+        # each exactly.
         at = start[filled]
         boxes[filled, :2] = np.minimum.reduceat(xy, at, axis=0)
         boxes[filled, 2:] = np.maximum.reduceat(xy, at, axis=0)
@@ -225,7 +226,8 @@ class _Prepared(NamedTuple):
     Attributes:
         rects: ``[n, 4]`` clamped AABBs (a bbox's ring).
         fast: ``[n]`` a bbox or a simple polygon: its intersections come from :mod:`polyarea`.
-        area: ``[n]`` area of the clamped (and, if needed, repaired) geometry; only meaningful where ``needed``.
+        area: ``[n]`` area of the clamped (and, if needed, repaired) geometry; meaningful only
+            where ``needed``.
         ring: ``[n]`` ring of each geometry in ``edges``.
         edges: edge table of all geometries (a bbox as its clamped corners).
         shapes: ``[n]`` shapely shape where one was built (polygons GEOS had to judge), else None.
@@ -240,7 +242,7 @@ class _Prepared(NamedTuple):
 
 
 def _prepare(table: GeomTable, rects: np.ndarray, box_area: np.ndarray, needed: np.ndarray) -> _Prepared:
-    """Rings, simplicity and areas of all geometries; GEOS only sees the polygons ``needed`` that are not stars."""
+    """Rings, simplicity, areas of all geometries; GEOS only sees ``needed`` polygons that are not stars."""
     polys, boxes = np.flatnonzero(~table.is_box), np.flatnonzero(table.is_box)
     cnt = table.count[polys]
     # Rings: the polygons first (``table.xy`` holds exactly them, in order, clamped here), then the bboxes.

@@ -145,7 +145,7 @@ def gt_geoms(gts: Sequence[Any]) -> list[Geom]:
 
 
 def _compact(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` for small non-negative ints, by a presence table (no sort)."""
+    """``np.unique(values, return_inverse=True)`` for small ints >= 0 via a presence table (no sort)."""
     present = np.zeros(int(values.max()) + 1, dtype=bool)
     present[values] = True
     return np.flatnonzero(present), (np.cumsum(present) - 1)[values]

@@ -5,15 +5,15 @@ Rings are polygons given by their vertices (closing edge implied), concatenated 
 per-ring vertex count. All coordinates must be >= 0 (maskIoU clamps them to [0, 999]).
 
 Trapezoid decomposition: an edge ``e`` spans ``[lo_e, hi_e]`` in x and bounds the trapezoid between itself and
-``y = 0``, signed ``s_e = ±1`` by its x direction. For a closed ring, ``w(x, y) = Σ_e s_e [x in e, 0 <= y < y_e(x)]``
-is its winding number (up to a global sign), so for two rings
+``y = 0``, signed ``s_e = ±1`` by its x direction. For a closed ring,
+``w(x, y) = Σ_e s_e [x in e, 0 <= y < y_e(x)]`` is its winding number (up to a global sign), so for two rings
 
     ∫∫ w_A w_B = Σ_{e in A} Σ_{f in B} s_e s_f ∫_{[lo_e, hi_e] ∩ [lo_f, hi_f]} min(y_e(x), y_f(x)) dx,
 
-a closed form per edge pair. For SIMPLE rings ``w = ±1`` inside and 0 outside, so ``|∫∫ w_A w_B| = area(A ∩ B)``:
-the same value as a GEOS overlay up to float rounding, at a fraction of the cost. A self-intersecting ring has
-winding numbers other than ±1 and maskIoU wants its even-odd repair: only rings that :func:`star_simple` proves
-simple, or that GEOS calls valid, take this path.
+a closed form per edge pair. For SIMPLE rings ``w = ±1`` inside and 0 outside, so
+``|∫∫ w_A w_B| = area(A ∩ B)``: the same value as a GEOS overlay up to float rounding, at a fraction of the
+cost. A self-intersecting ring has winding numbers other than ±1 and maskIoU wants its even-odd repair: only
+rings that :func:`star_simple` proves simple, or that GEOS calls valid, take this path.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def rings(xy: np.ndarray, count: np.ndarray) -> Rings:
 
 
 def _cartesian(n_a: np.ndarray, n_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All ``(i, j)`` with ``i < n_a[k]``, ``j < n_b[k]`` per group ``k``: ``(group, i, j)`` flat, groups in order."""
+    """``(group, i, j)`` flat over every group ``k`` and ``i < n_a[k]``, ``j < n_b[k]``, groups in order."""
     tot = n_a * n_b
     group = np.repeat(np.arange(len(tot)), tot)
     local = np.arange(int(tot.sum())) - np.repeat(np.cumsum(tot) - tot, tot)
@@ -62,21 +62,21 @@ def _cartesian(n_a: np.ndarray, n_b: np.ndarray) -> tuple[np.ndarray, np.ndarray
 def star_simple(r: Rings) -> np.ndarray:
     """Per ring: True when its vertices go strictly around their mean exactly once, which makes it simple.
 
-    Such a ring is star-shaped from the mean ``c``: edge ``i`` lies in the wedge between the rays through its two
-    vertices, the wedges turn the same way, never overlap and close after one turn, so edges meet only at shared
-    vertices and GEOS calls the polygon valid. Rings written in the canonical order of §2.4 (by angle around the
-    vertex mean) almost always pass. The test is exact: it needs integral coordinates and uses
-    ``n * v - Σ v`` (= ``n (v - c)``), whose cross products stay below 2**53 for coordinates up to 1e4 and fewer
-    than 1000 vertices (other rings return False). False means "ask GEOS", not "invalid". Repeated consecutive
-    vertices (common after clamping to the canvas) are ignored, as GEOS ignores them.
+    Such a ring is star-shaped from the mean ``c``: edge ``i`` lies in the wedge between the rays through its
+    two vertices, the wedges turn the same way, never overlap and close after one turn, so edges meet only at
+    shared vertices and GEOS calls the polygon valid. Rings written in the canonical order of §2.4 (by angle
+    around the vertex mean) almost always pass. The test is exact: it needs integral coordinates and uses
+    ``n * v - Σ v`` (= ``n (v - c)``), whose cross products stay below 2**53 for coordinates up to 1e4 and
+    fewer than 1000 vertices (other rings return False). False means "ask GEOS", not "invalid". Repeated
+    consecutive vertices (common after clamping to the canvas) are ignored, as GEOS ignores them.
     """
     count, ring_of, nxt = r.count, r.ring_of, r.nxt
     n_rings = len(count)
     xy = r.xy
     dup = (xy == xy[nxt]).all(axis=1)
     if dup.any():
-        # A vertex equal to the next adds a zero-length edge and GEOS ignores repeated points: the ring without
-        # them decides (dropping every such vertex once leaves no two equal neighbours).
+        # A vertex equal to the next adds a zero-length edge and GEOS ignores repeated points: the ring
+        # without them decides (dropping every such vertex once leaves no two equal neighbours).
         keep = ~dup
         return star_simple(rings(xy[keep], np.bincount(ring_of[keep], minlength=n_rings)))
     ok = (count >= 3) & (count < 1000)
@@ -93,8 +93,8 @@ def star_simple(r: Rings) -> np.ndarray:
     ccw = np.bincount(ring_of, weights=cross > 0, minlength=n_rings) == count
     cw = np.bincount(ring_of, weights=cross < 0, minlength=n_rings) == count
     ok &= ccw | cw
-    # Every step turns by an angle in (0, pi) the same way, so the ring goes around c once iff exactly one step
-    # crosses the ray from c along +x: counterclockwise from y < 0 to y >= 0, or clockwise the other way
+    # Every step turns by an angle in (0, pi) the same way, so the ring goes around c once iff exactly one
+    # step crosses the ray from c along +x: counterclockwise from y < 0 to y >= 0, or clockwise the other way
     # (a vertex on the ray counts on arrival). Exact comparisons, no angles.
     below, below_next = py < 0, py[nxt] < 0
     crossing = np.where(ccw[ring_of], below & ~below_next, ~below & below_next)
@@ -145,7 +145,7 @@ def ring_edges(r: Rings) -> Edges:
 
 
 def ring_areas(edges: Edges) -> np.ndarray:
-    """Area of each SIMPLE ring (exact for integer coordinates: every term is a multiple of 1/2 below 2**52)."""
+    """Area of each SIMPLE ring (exact for integer coordinates: terms are multiples of 1/2 below 2**52)."""
     ring = np.repeat(np.arange(len(edges.num)), edges.num)
     signed = edges.sign * edges.width * (2.0 * edges.ylo + edges.rise) / 2.0
     return np.abs(np.bincount(ring, weights=signed, minlength=len(edges.num)))
@@ -154,12 +154,12 @@ def ring_areas(edges: Edges) -> np.ndarray:
 def pair_intersection_areas(
     ea: Edges, ring_a: np.ndarray, eb: Edges, ring_b: np.ndarray, y_ref: np.ndarray
 ) -> np.ndarray:
-    """``area(A_k ∩ B_k)`` for the SIMPLE ring pairs ``A_k = ring_a[k]`` of ``ea``, ``B_k = ring_b[k]`` of ``eb``.
+    """``area(A_k ∩ B_k)`` for SIMPLE ring pairs ``A_k = ring_a[k]`` of ``ea``, ``B_k = ring_b[k]`` of ``eb``.
 
     Vectorized over all edge pairs of all ring pairs (see the module docstring). ``y_ref[k]`` is a height near
-    the pair (e.g. the middle of its AABB overlap): the sum is invariant under a vertical shift (every vertical
-    line crosses as many rightward as leftward edges), and measuring the trapezoids from there instead of from
-    ``y = 0`` keeps the terms small, so their cancellation loses little precision.
+    the pair (e.g. the middle of its AABB overlap): the sum is invariant under a vertical shift (every
+    vertical line crosses as many rightward as leftward edges), and measuring the trapezoids from there
+    instead of from ``y = 0`` keeps the terms small, so their cancellation loses little precision.
     """
     n_pairs = len(ring_a)
     pair, i, j = _cartesian(ea.num[ring_a], eb.num[ring_b])

@@ -1,13 +1,13 @@
 """Char cut → token cut, the only allowed token edit (docs/ALGORITHM.md#token-cut).
 
-``token_cut(ids, c, tokenizer)`` returns ids that decode to ``text[:c]``: ids before the token straddling the cut
-are untouched; that token is replaced by the encoding of its text before the cut, which must decode back to
-that text (``CutRoundTripError`` otherwise; the learner then uses the §6.4 fallback).
+``token_cut(ids, c, tokenizer)`` returns ids that decode to ``text[:c]``: ids before the token straddling the
+cut are untouched; that token is replaced by the encoding of its text before the cut, which must decode back
+to that text (``CutRoundTripError`` otherwise; the learner then uses the §6.4 fallback).
 
-Refinement of the spec's rule, a no-op unless a multi-byte character is split across tokens: the cut steps back
-over tokens that start while a character is still incomplete (``TokenPieces.unclean``), and re-encodes
-``text[start_i:c]`` of that widened run; otherwise the kept ids could end with a dangling partial character and
-``decode(prefix) == text[:c]`` (§6.9) would fail.
+Refinement of the spec's rule, a no-op unless a multi-byte character is split across tokens: the cut steps
+back over tokens that start while a character is still incomplete (``TokenPieces.unclean``), and re-encodes
+``text[start_i:c]`` of that widened run; otherwise the kept ids could end with a dangling partial character
+and ``decode(prefix) == text[:c]`` (§6.9) would fail.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def slice_pieces(tp: TokenPieces, i: int) -> TokenPieces:
 def cut_with_pieces(
     ids: Sequence[int], c: int, tokenizer: Any, tp: TokenPieces
 ) -> tuple[list[int], TokenPieces]:
-    """``token_cut`` that also returns the pieces of the result (reused by the parser, no re-detokenization)."""
+    """``token_cut`` that also returns the result's pieces (reused by the parser, no re-detokenization)."""
     if c >= len(tp.text):
         return list(ids), tp
     if c < 0:
@@ -55,7 +55,8 @@ def cut_with_pieces(
         )
     out = list(ids[:i]) + new
     if _detokenizer(tokenizer).byte_fn is None:
-        # Without a byte table, decode(a + b) == decode(a) + decode(b) is not guaranteed: check the whole prefix.
+        # Without a byte table, decode(a + b) == decode(a) + decode(b) is not guaranteed: check the
+        # whole prefix.
         tp_out = token_pieces(out, tokenizer)
         if tp_out.text != tp.text[:c]:
             raise CutRoundTripError(f"cut at char {c}: the kept ids do not decode to the text before the cut")

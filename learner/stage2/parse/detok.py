@@ -1,14 +1,15 @@
 """Streaming detokenization: each token's text contribution ("piece", docs/ALGORITHM.md#pieces).
 
 ``piece_i`` is what token ``i`` adds to the decoded text, special tokens kept, no cleanup, such that
-``''.join(pieces) == decode(ids)``. A token that ends inside a multi-byte UTF-8 character contributes ``""``; the
-text it holds back comes out with the token that completes the character (as vLLM's incremental detokenizer
-does). Only at the very end of a sequence is an incomplete character flushed (as U+FFFD, like ``decode``).
+``''.join(pieces) == decode(ids)``. A token that ends inside a multi-byte UTF-8 character contributes ``""``;
+the text it holds back comes out with the token that completes the character (as vLLM's incremental
+detokenizer does). Only at the very end of a sequence is an incomplete character flushed (as U+FFFD, like
+``decode``).
 
-Speed: the pieces come from a per-token byte table (built lazily, cached per tokenizer) and an incremental UTF-8
-decoder, never from one ``decode`` call per token. Byte tables exist for byte-level BPE tokenizers (every
-Qwen tokenizer) and for any tokenizer that exposes ``token_bytes(id) -> bytes``; other tokenizers fall back to
-decoding growing prefixes (correct, quadratic, warned once).
+Speed: the pieces come from a per-token byte table (built lazily, cached per tokenizer) and an incremental
+UTF-8 decoder, never from one ``decode`` call per token. Byte tables exist for byte-level BPE tokenizers
+(every Qwen tokenizer) and for any tokenizer that exposes ``token_bytes(id) -> bytes``; other tokenizers fall
+back to decoding growing prefixes (correct, quadratic, warned once).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class TokenPieces:
         ends: ``ends[i] = starts[i] + len(pieces[i])``.
         text: the decoded text.
         unclean: indices of tokens that start while an earlier token's bytes are still pending (the previous
-            token ended inside a multi-byte character). Cutting the ids right before such a token would leave a
-            dangling partial character, so ``token_cut`` steps back over them. Empty for most sequences.
+            token ended inside a multi-byte character). Cutting the ids right before such a token would leave
+            a dangling partial character, so ``token_cut`` steps back over them. Empty for most sequences.
     """
 
     pieces: list[str]
@@ -66,7 +67,7 @@ class TokenPieces:
         return len(self.pieces)
 
     def span(self, i: int) -> tuple[int, int]:
-        """Character span of token ``i`` for overlap tests (§6.1): an empty piece occupies ``[start, start + 1)``."""
+        """Char span of token ``i`` for overlap tests (§6.1): an empty piece spans ``[start, start + 1)``."""
         s, e = self.starts[i], self.ends[i]
         return (s, e) if e > s else (s, s + 1)
 
@@ -81,7 +82,7 @@ def _make_pieces(pieces: list[str], unclean: frozenset[int] = frozenset()) -> To
     return TokenPieces(pieces=pieces, starts=starts, ends=ends, text="".join(pieces), unclean=unclean)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Byte sources
 
 
@@ -144,13 +145,15 @@ class _Detokenizer:
         self._spells: dict[int, tuple[tuple[int, ...], bool]] = {}
         if self.byte_fn is not None and not self._self_check():
             logger.warning(
-                "tokenizer %s: byte table disagrees with decode(); using the slow prefix-decoding detokenizer",
+                "tokenizer %s: byte table disagrees with decode(); using the slow prefix-decoding "
+                "detokenizer",
                 type(tokenizer).__name__,
             )
             self.byte_fn = None
         if self.byte_fn is None:
             logger.warning(
-                "tokenizer %s has no byte-level table; token pieces use prefix decoding (quadratic in length)",
+                "tokenizer %s has no byte-level table; token pieces use prefix decoding (quadratic in "
+                "length)",
                 type(tokenizer).__name__,
             )
 
@@ -183,7 +186,8 @@ class _Detokenizer:
         """True when there is a byte table and every ``ids[k]`` decodes, on its own, to ``strings(k)``.
 
         With a byte table such a token's piece is that string wherever no multi-byte character is pending
-        before it. Memoized per ``ids`` tuple (the cache holds the tuple, so its ``id`` is not reused meanwhile).
+        before it. Memoized per ``ids`` tuple (the cache holds the tuple, so its ``id`` is not
+        reused meanwhile).
         """
         hit = self._spells.get(id(ids))
         if hit is not None and hit[0] is ids:

@@ -47,7 +47,8 @@ def _crosses_coord_edge(content: str) -> bool:
     """True when an added token with this text could match across the start of a coordinate token.
 
     That needs a proper suffix of ``content`` to be a prefix of some ``<|coord_k|>`` (or ``content`` to hold
-    one). A match starting inside a coordinate token is harmless: the coordinate token starts earlier and wins.
+    one). A match starting inside a coordinate token is harmless: the coordinate token starts earlier
+    and wins.
     """
     if "<|coord_" in content:
         return True
@@ -59,7 +60,7 @@ def _crosses_coord_edge(content: str) -> bool:
 
 
 def _coord_added_ids(tokenizer: Any) -> dict[str, int] | None:
-    """``{"<|coord_k|>": id}`` when encoding may be split at coordinate tokens (see module docstring), else None."""
+    """``{"<|coord_k|>": id}`` when encoding may be split at coord tokens (module docstring), else None."""
     if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(
         tokenizer, "split_special_tokens", False
     ):
@@ -82,13 +83,13 @@ def _coord_added_ids(tokenizer: Any) -> dict[str, int] | None:
 
 
 def _backend_encode(tokenizer: Any) -> Callable[[str], list[int]] | None:
-    """The ``tokenizers`` backend's encode where it is exactly ``encode_text`` (HF fast tokenizers), else None.
+    """The ``tokenizers`` backend's encode where it equals ``encode_text`` (HF fast tokenizers), else None.
 
     ``tokenizer.encode(text, add_special_tokens=False)`` of a transformers fast tokenizer is the backend's
-    ``encode_batch([text])`` after switching off truncation and padding and setting ``encode_special_tokens`` to
-    ``split_special_tokens``; calling the backend directly skips ~10 µs of wrapper per call. Only for the stock
-    wrapper methods, and only while the backend has no truncation, padding or special-token splitting set
-    (else the call goes through the wrapper, which resets them).
+    ``encode_batch([text])`` after switching off truncation and padding and setting ``encode_special_tokens``
+    to ``split_special_tokens``; calling the backend directly skips ~10 µs of wrapper per call. Only for the
+    stock wrapper methods, and only while the backend has no truncation, padding or special-token splitting
+    set (else the call goes through the wrapper, which resets them).
     """
     cls = type(tokenizer)
     stock = (
@@ -109,7 +110,7 @@ def _backend_encode(tokenizer: Any) -> Callable[[str], list[int]] | None:
 
 
 class _Encoder:
-    """Per-tokenizer caches (thread-safe enough: dict reads and writes are atomic, a lost write is recomputed)."""
+    """Per-tokenizer caches (thread-safe enough: dict reads/writes are atomic, a lost write is recomputed)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -182,7 +183,7 @@ def encode_roundtrip(tokenizer: Any, text: str) -> tuple[list[int], str]:
 
 
 def encode_segmented(tokenizer: Any, text: str) -> list[int]:
-    """``encode_text(tokenizer, text)``, built from memoized pieces between coordinate tokens when that is exact."""
+    """``encode_text(tokenizer, text)``, built from memoized pieces between coordinate tokens when exact."""
     enc = _encoder(tokenizer)
     if enc.coord_ids is None:
         return encode_text(tokenizer, text)

@@ -1,22 +1,22 @@
 """Token-aligned strict parser of rollouts (docs/ALGORITHM.md#parsing).
 
-``parse_rollout(response_token_ids, tokenizer, coord_vocab)`` turns the exact ids a rollout engine sampled into
-the objects it predicted, with the token positions of their coordinates, and the token prefix that ends after
-the last complete object. No JSON repair, no re-serialization; the only token edit is the re-encoding of the
-one token that straddles a cut (§6.6).
+``parse_rollout(response_token_ids, tokenizer, coord_vocab)`` turns the exact ids a rollout engine sampled
+into the objects it predicted, with the token positions of their coordinates, and the token prefix that ends
+after the last complete object. No JSON repair, no re-serialization; the only token edit is the re-encoding of
+the one token that straddles a cut (§6.6).
 
 Steps: pieces (§6.1, ``detok.token_pieces``) → hard stop at a stop marker (§6.2) → streaming scan (§6.3) →
 fallback when there is no ``{`` (§6.4) → prefix cut (§6.5) → per-object validation (§6.7) → max object index
-(§6.8). Invariants (§6.9): ``decode(prefix_token_ids) == prefix_text == text[:cut_char]`` (the §6.4 fallback is
-synthetic: its prefix is ``encode("{")``), every coord index of a valid object points at that coord id inside
-the prefix, ``prefix_text.rstrip()`` ends with ``{`` or ``}``, valid objects are in appearance order.
+(§6.8). Invariants (§6.9): ``decode(prefix_token_ids) == prefix_text == text[:cut_char]`` (the §6.4 fallback
+is synthetic: its prefix is ``encode("{")``), every coord index of a valid object points at that coord id
+inside the prefix, ``prefix_text.rstrip()`` ends with ``{`` or ``}``, valid objects are in appearance order.
 
 The §6.3 streaming scan lives in ``scan.py`` (with its fast path for values in the exact serializer format,
 §4), the token cut in ``cut.py`` (with a documented refinement for multi-byte characters split across tokens),
 the §6.7 checks in ``validate.py``; this module holds the result types, the per-object step that turns a
 scanned object into a ``ParsedObject`` and the entry point. For a value the scan matched in serializer format,
-the bins are the captured coord tokens' bins when those tokens spell the value's coordinate strings one for one
-(see ``_finish_object``).
+the bins are the captured coord tokens' bins when those tokens spell the value's coordinate strings one for
+one (see ``_finish_object``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class ParsedObject:
         bins: coordinate bins as parsed from the text (flat; empty when invalid).
         coord_token_indices: indices into ``response_token_ids`` of the captured coordinate tokens.
         key_start_char: char position of the key's opening quote.
-        value_span: ``(value_start, value_end)`` chars of the value ``{...}``; ``value_end`` is ``None`` when the
-            object never closed.
+        value_span: ``(value_start, value_end)`` chars of the value ``{...}``; ``value_end`` is ``None`` when
+            the object never closed.
         valid: passed every check of §6.7.
         reason: why it is invalid (``None`` when valid).
     """
@@ -110,11 +110,13 @@ class ParseResult:
         valid_objects: valid objects in appearance order.
         all_objects: every started object (valid or not) in appearance order.
         object_keys: every top-level key with its char span.
-        max_object_index_in_prefix: max ``N`` over ``object_N`` keys ending at or before the cut (§6.8), else 0.
+        max_object_index_in_prefix: max ``N`` over ``object_N`` keys ending at or before the cut (§6.8),
+            else 0.
         dropped_invalid: number of invalid objects (an unclosed last object counts once).
         truncated: the scan ended inside the top-level object (or there was no ``{``).
         fallback: the §6.4 fallback was used (no ``{``, or a failed cut round trip).
-        cut_fallback: the fallback was caused by ``CutRoundTripError`` (metric ``rollout/parse_cut_fallback``).
+        cut_fallback: the fallback was caused by ``CutRoundTripError`` (metric
+            ``rollout/parse_cut_fallback``).
         hard_stopped: a stop marker was found and removed.
         top_closed: the top-level object was closed.
         first_open_brace: char position of the first ``{`` (``None`` when there is none).
@@ -145,7 +147,7 @@ class ParseResult:
         return len(self.all_objects)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # §6.7 per object
 
 
@@ -158,7 +160,9 @@ def _finish_object(
     cut_char: int,
     spelled: bool,
 ) -> ParsedObject:
-    """The :class:`ParsedObject` of a scanned object (§6.7); ``spelled``: every coord id decodes to its own string."""
+    """The :class:`ParsedObject` of a scanned object (§6.7).
+
+    ``spelled``: every coord id decodes to its own string."""
     is_coord = id_to_bin.__contains__
     coord_idx: list[int] = []
     for a, b in o.captures:
@@ -176,9 +180,10 @@ def _finish_object(
     cm = o.canonical
     if cm is not None and cm.group(1).strip():
         desc, geom, coords = cm.group(1), cm.group(2), cm.group(3)
-        # When coord ids decode to their own strings (``spelled``), a captured coord token's piece is exactly one
-        # coordinate string of the value (the value is ASCII: no pending multi-byte character can sit before it),
-        # so as many tokens as strings means the same bins in the same order; no need to read the text.
+        # When coord ids decode to their own strings (``spelled``), a captured coord token's piece is exactly
+        # one coordinate string of the value (the value is ASCII: no pending multi-byte character can sit
+        # before it), so as many tokens as strings means the same bins in the same order; the text need not
+        # be read.
         if spelled and coords.count("<|coord_") == len(captured):
             values = captured.copy()
         else:
@@ -191,7 +196,7 @@ def _finish_object(
     return ParsedObject(*head, desc, geom, tuple(values), *tail, True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -294,7 +299,8 @@ def parse_rollout(
     Returns:
         ``ParseResult``; on ``CutRoundTripError`` the §6.4 fallback with ``cut_fallback=True``.
     """
-    # Lists of Python ints (what engines and ``.tolist()`` return) are only copied; anything else is converted.
+    # Lists of Python ints (what engines and ``.tolist()`` return) are only copied; anything else
+    # is converted.
     ids = (
         response_token_ids.copy()
         if isinstance(response_token_ids, list)

@@ -1,7 +1,7 @@
 """Streaming scan of the strict parser (docs/ALGORITHM.md#streaming-scan).
 
-``scan(text, first, value_re=CANONICAL_VALUE_RE)`` runs the §6.3 state machine from the first ``{`` of a rollout's
-text: it records every top-level key (``ObjectKey``), every ``object_N`` whose value is an object
+``scan(text, first, value_re=CANONICAL_VALUE_RE)`` runs the §6.3 state machine from the first ``{`` of a
+rollout's text: it records every top-level key (``ObjectKey``), every ``object_N`` whose value is an object
 (``ScannedObject``: key, ``N``, value span, the char spans of its captured geometry lists) and where the last
 complete object ends, which sets the prefix cut (§6.5). Turning a scanned object into a validated
 ``ParsedObject`` (§6.7) is the parser's job (``parser.py``).
@@ -170,8 +170,8 @@ def scan(text: str, first: int, *, value_re: re.Pattern[str]) -> Scan:
                 # Only at bracket depth 0: inside a list the scan would not see the inner keys as keys.
                 cm = value_re.match(text, p) if bracket == 0 else None
                 if cm is not None:
-                    # The whole value in serializer format: the character-level scan would only set last_key to
-                    # the geometry key, capture [geometry '[', its ']'), and close the object at cm.end().
+                    # The whole value in serializer format: the character-level scan would only set last_key
+                    # to the geometry key, capture [geometry '[', its ']'), and close the object at cm.end().
                     cur.canonical = cm
                     cur.captures.append((cm.start(3), cm.end(3) - 1))
                     cur.value_end = last_end = cm.end()

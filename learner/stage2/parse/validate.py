@@ -1,8 +1,8 @@
 """Per-object validation of the strict parser (docs/ALGORITHM.md#object-validation, rules 1–6).
 
-``validate_value`` checks arbitrary object text (JSON, keys, desc, geometry shape, coordinate strings, captured
-token count and bins); ``check_geometry`` is the part shared with the parser's fast path for values written
-exactly in the serializer format.
+``validate_value`` checks arbitrary object text (JSON, keys, desc, geometry shape, coordinate strings,
+captured token count and bins); ``check_geometry`` is the part shared with the parser's fast path for values
+written exactly in the serializer format.
 """
 
 from __future__ import annotations

@@ -69,10 +69,10 @@ def _mask_of(spans: Iterable[tuple[int, int]], n: int) -> np.ndarray:
 def desc_overlapping_tokens(pieces: Sequence[str]) -> list[int]:
     """Indices of tokens whose char range overlaps a desc value of ``"".join(pieces)`` (§12.2).
 
-    Token ``i`` overlaps a non-empty span ``[a, b)`` iff ``start_i < b`` and ``end_i > a`` (``end_i`` being the
-    §6.1 overlap end, ``start_i + 1`` for an empty piece). Both ends are non-decreasing in ``i``, so each span's
-    tokens are one index range found by bisection; spans are sorted and disjoint, so the ranges come in order
-    (consecutive ranges may share a token that straddles two spans: it is listed once).
+    Token ``i`` overlaps a non-empty span ``[a, b)`` iff ``start_i < b`` and ``end_i > a`` (``end_i`` being
+    the §6.1 overlap end, ``start_i + 1`` for an empty piece). Both ends are non-decreasing in ``i``, so each
+    span's tokens are one index range found by bisection; spans are sorted and disjoint, so the ranges come in
+    order (consecutive ranges may share a token that straddles two spans: it is listed once).
     """
     spans = [(a, b) for a, b in find_desc_value_spans("".join(pieces)) if b > a]
     if not spans:

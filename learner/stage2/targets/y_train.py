@@ -63,17 +63,17 @@ class TargetsConfig(BaseModel):
     canonical_seam: bool = True
     """On by default (a choice beyond the spec: with it, a rollout equal to its GT is teacher-forced on the
     very tokens plain SFT trains, and the end of turn follows the token the model itself emits). Off (the
-    spec, §10 "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have
-    split a merged token (`]}}` → re-encoded `]}`) and the appended `}` becomes a separate token: a token
-    path a model trained on canonical tokenizations (stage-1 SFT) never produced, whose end-of-turn it then
-    mispredicts (measured on the tiny Qwen3-VL: `loss/ce_eos` 4.4 at the first rollout-matching step against ~0
-    on plain GT). On: when the cut re-encoded the prefix's last tokens, those tokens are encoded TOGETHER with
-    the appended text (`Y_train = kept rollout ids + encode(re-encoded text + append_text)`): every rollout
-    token the cut left alone stays, and the seam is the canonical tokenization (with nothing to append it
-    gives back the rollout's own tokens). The re-encoded tokens count as tail. Measured on the image demo
-    (`make demo` with this on): `loss/ce_eos` 4.4 → 0.0 at the rollout-matching steps, held-out F1 not better
-    (0.61 → 0.48 over the last 40 steps against 0.61 → 0.53 with it off): the drop there comes from
-    over-prediction (`rollout/parse_truncated_rate` 0.56 at step 199), not from the seam."""
+    spec, §10 "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have split a
+    merged token (`]}}` → re-encoded `]}`) and the appended `}` becomes a separate token: a token path a model
+    trained on canonical tokenizations (stage-1 SFT) never produced, whose end-of-turn it then mispredicts
+    (measured on the tiny Qwen3-VL: `loss/ce_eos` 4.4 at the first rollout-matching step against ~0 on plain
+    GT). On: when the cut re-encoded the prefix's last tokens, those tokens are encoded TOGETHER with the
+    appended text (`Y_train = kept rollout ids + encode(re-encoded text + append_text)`): every rollout token
+    the cut left alone stays, and the seam is the canonical tokenization (with nothing to append it gives back
+    the rollout's own tokens). The re-encoded tokens count as tail. Measured on the image demo (`make demo`
+    with this on): `loss/ce_eos` 4.4 → 0.0 at the rollout-matching steps, held-out F1 not better (0.61 → 0.48
+    over the last 40 steps against 0.61 → 0.53 with it off): the drop there comes from over-prediction
+    (`rollout/parse_truncated_rate` 0.56 at step 199), not from the seam."""
     unmatched_prefix: Literal["keep", "drop", "reorder"] = "keep"
     """What the teacher-forced answer keeps of the rollout.
 
@@ -115,7 +115,7 @@ def _pts(geom: Geom) -> list[tuple[float, float]]:
 
 
 _BIN_OF = {k: k for k in range(1000)}
-"""``_clamped_bin`` of every value equal to an int in 0..999, by lookup (float 5.0 hashes and compares as 5)."""
+"""``_clamped_bin`` of every value equal to an int 0..999, by lookup (float 5.0 hashes and compares as 5)."""
 
 
 def _clamped_bin(v: float) -> int:
@@ -124,12 +124,12 @@ def _clamped_bin(v: float) -> int:
 
 
 def _int_rows(values: np.ndarray, ok: np.ndarray) -> list[list[int]]:
-    """Rows of ``values`` as lists of Python ints; rows where ``ok`` is False, and non-finite entries, read 0."""
+    """Rows of ``values`` as Python int lists; rows where ``ok`` is False, and non-finite entries, read 0."""
     return np.where(ok[:, None] & np.isfinite(values), values, 0.0).astype(np.int64).tolist()
 
 
 def _box_targets(proj: np.ndarray, ns: list[int], ok: np.ndarray) -> list[list[int]]:
-    """Per pair, ``[min x, min y, max x, max y]`` of the projected points, rounded and clamped (§9, bbox pred)."""
+    """Per pair, ``[min x, min y, max x, max y]`` of the projected points, rounded, clamped (§9 bbox pred)."""
     with np.errstate(invalid="ignore"):
         real = np.arange(proj.shape[1])[None, :, None] < np.array(ns)[:, None, None]
         lo = np.rint(np.where(real, proj, np.inf).min(axis=1)).clip(0, 999)
