@@ -62,8 +62,8 @@ def compute_advantages(
     * ``grpo``: ``(R_i − mean_group(R)) / (s + ε)``, ``s`` the group std, the batch std of the raw rewards, or
       ``s + ε := 1`` for ``none``.
     * ``reinforce_plus_plus``: ``R' = R − β·KL`` when ``kl_in_reward`` (else ``R' = R``),
-      ``Ã = R' − mean_group(R')``, ``A = Ã / (s + ε)`` with ``s`` the batch std of ``Ã``, the group std of ``Ã``,
-      or no scaling for ``none``.
+      ``Ã = R' − mean_group(R')``, ``A = Ã / (s + ε)`` with ``s`` the batch std of ``Ã``, the group std of
+      ``Ã``, or no scaling for ``none``.
 
     Args:
         rewards: ``[N]`` total rewards, group-major, ``N % num_generations == 0``.

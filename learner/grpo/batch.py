@@ -1,15 +1,16 @@
 """Micro-batch tensors and per-token log-probs of GRPO completions (docs/ALGORITHM.md#grpo-loss).
 
-Layout of a micro-batch of ``B`` completions (prompt ``P_i`` + completion ``C_i`` tokens, ``L_i = P_i + C_i``):
+Layout of a micro-batch of ``B`` completions (prompt ``P_i`` + completion ``C_i`` tokens,
+``L_i = P_i + C_i``):
 
 - ``input_ids``/``attention_mask`` ``[B, T]``, ``T = max L_i``, RIGHT-padded, so every real token keeps its
   natural position (no position ids needed; causal attention never sees the padding on the right);
 - Qwen-VL policies (rows with M-RoPE positions): ``position_ids`` ``[4, B, T]`` — row 0 the text positions,
   rows 1–3 the prompt's M-RoPE positions continued over the completion from ``max + 1``
-  (:func:`learner.batching.packed_batch.segment_rope_positions`, the layout of the stage-2 padded rows), and the
-  vision tensors (``pixel_values``, ``image_grid_thw``) of the rows concatenated in row order (the model
-  consumes images placeholder by placeholder, left to right, row by row); every completion of a prompt
-  repeats its prompt's tensors;
+  (:func:`learner.batching.packed_batch.segment_rope_positions`, the layout of the stage-2 padded rows), and
+  the vision tensors (``pixel_values``, ``image_grid_thw``) of the rows concatenated in row order (the model
+  consumes images placeholder by placeholder, left to right, row by row); every completion of a prompt repeats
+  its prompt's tensors;
 - the model returns logits for the last ``logits_to_keep = T − min P_i + 1`` positions only; dropping the last
   one leaves ``K = T − min P_i`` predictions for the targets ``input_ids[:, min P_i:]``;
 - ``completion_mask`` ``[B, K]`` marks the target columns holding completion ``i``'s tokens;

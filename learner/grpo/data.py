@@ -2,12 +2,12 @@
 the slot dataset.
 
 A JSONL row is either a DETECTION record — the stage-2 record of docs/DATA.md (``images``, ``width``,
-``height``, ``objects``; ``task_mode`` absent or ``detection``), the JSONL rollout-matching SFT trains on, text-only
-demo records with their ``metadata.scene`` included — or a prompt row. A detection record goes through the
-stage-2 sample builder (:func:`learner.data.records.validate_record` and ``build_sample``: images resolved, the
-``prompts.system`` / ``prompts.user`` texts, the scene appended to the user text, objects in §1.4 order), and its
-reward row is ``{"task_mode": "detection", "objects": [...], "sample_id": ...}`` for the ``detection.*`` rewards
-(``learner.rewards.detection``). A prompt row is a JSON object with:
+``height``, ``objects``; ``task_mode`` absent or ``detection``), the JSONL rollout-matching SFT trains on,
+text-only demo records with their ``metadata.scene`` included — or a prompt row. A detection record goes
+through the stage-2 sample builder (:func:`learner.data.records.validate_record` and ``build_sample``: images
+resolved, the ``prompts.system`` / ``prompts.user`` texts, the scene appended to the user text, objects in
+§1.4 order), and its reward row is ``{"task_mode": "detection", "objects": [...], "sample_id": ...}`` for the
+``detection.*`` rewards (``learner.rewards.detection``). A prompt row is a JSON object with:
 
 - ``messages``: chat messages (system/user; trailing assistant turns, e.g. an SFT answer, are dropped), or
   ``prompt``: the user text (with ``system`` as an optional system text);
@@ -133,7 +133,7 @@ class PromptSet:
 
 
 def chat_messages(record: Mapping[str, Any], *, where: str) -> list[dict[str, Any]]:
-    """The generation messages of a row: ``messages`` minus trailing assistant turns, or built from ``prompt``.
+    """A row's generation messages: ``messages`` minus trailing assistant turns, or built from ``prompt``.
 
     Raises:
         DataRecordError: neither ``messages`` nor ``prompt``, or an unusable message list.
@@ -291,7 +291,8 @@ def _row_from_record(
         raise DataRecordError(
             str(path),
             line_no,
-            "missing 'task_mode' (summary or dense; §4.1), and no 'objects' of a detection record (docs/DATA.md)",
+            "missing 'task_mode' (summary or dense; §4.1), and no 'objects' of a detection record "
+            "(docs/DATA.md)",
         )
     images = record.get("images") or []
     try:
@@ -375,8 +376,8 @@ def load_prompt_rows(
                     raise DataRecordError(
                         str(path),
                         line_no,
-                        f"{n_images} image(s) > data.max_images_per_sample {max_images} (0 = text-only rows); "
-                        "raise it for a Qwen-VL model",
+                        f"{n_images} image(s) > data.max_images_per_sample {max_images} (0 = text-only "
+                        "rows); raise it for a Qwen-VL model",
                     )
                 encoded = _encode_row(encode, messages, path, line_no)
                 ids = [int(t) for t in getattr(encoded, "ids", encoded)]

@@ -132,8 +132,8 @@ def _num_steps(cfg: RunConfig, num_rows: int, prompts_per_step: int) -> int:
 
 
 def _load_encode(encoder: PromptEncoder):
-    """``encoder.encode`` for the load pass: nothing is kept in its cache (the rows keep ids and positions; the
-    vision tensors are encoded again, once per step, when a step uses the row)."""
+    """``encoder.encode`` for the load pass: nothing is kept in its cache (the rows keep ids and positions;
+    the vision tensors are encoded again, once per step, when a step uses the row)."""
 
     def encode(messages: list[dict[str, Any]]) -> EncodedPrompt:
         encoded = encoder.encode(messages)
@@ -175,7 +175,8 @@ def check_reward_rows(weights: dict[str, float], prompts: PromptSet) -> None:
     if any(n in DETECTION_REWARDS for n in optimized) and detection_rows == 0:
         raise ConfigError(
             "grpo.reward_preset: detection rewards are configured but data.train holds no detection records "
-            "(rows with `objects`, docs/DATA.md); point data.train at detection records or use a summary preset"
+            "(rows with `objects`, docs/DATA.md); point data.train at detection records or use a summary "
+            "preset"
         )
     if (
         optimized
@@ -183,8 +184,8 @@ def check_reward_rows(weights: dict[str, float], prompts: PromptSet) -> None:
         and not any(n in DETECTION_REWARDS for n in optimized)
     ):
         raise ConfigError(
-            "grpo.reward_preset: data.train holds detection records only but no detection reward is weighted; "
-            "set grpo.reward_preset: detection (or weight detection.* in grpo.reward_weights)"
+            "grpo.reward_preset: data.train holds detection records only but no detection reward is "
+            "weighted; set grpo.reward_preset: detection (or weight detection.* in grpo.reward_weights)"
         )
 
 
@@ -231,8 +232,8 @@ def _model_section(cfg: RunConfig, grpo: Any, model_path: Any) -> Any:
     stage2_key = cfg.model.freeze_vision
     if stage2_key is not None and stage2_key != grpo.freeze_vision_tower:
         raise ConfigError(
-            f"grpo.freeze_vision_tower {grpo.freeze_vision_tower} and model.freeze_vision {stage2_key} disagree;"
-            " set one of them"
+            f"grpo.freeze_vision_tower {grpo.freeze_vision_tower} and model.freeze_vision {stage2_key}"
+            " disagree; set one of them"
         )
     return cfg.model.model_copy(update={"freeze_vision": grpo.freeze_vision_tower})
 
@@ -255,10 +256,9 @@ def build_grpo_trainer(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != resolved.world_size:
         raise ConfigError(
-            f"train_gpus: {len(resolved.train_gpus)} learner GPUs {list(resolved.train_gpus)} but {world} processes "
-            "were started (GRPO §2.3 rule 7, docs/ALGORITHM.md#grpo-rules: world size = len(train_gpus));"
-            " launch with "
-            "scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
+            f"train_gpus: {len(resolved.train_gpus)} learner GPUs {list(resolved.train_gpus)} but {world} "
+            "processes were started (GRPO §2.3 rule 7, docs/ALGORITHM.md#grpo-rules: world size = "
+            "len(train_gpus)); launch with scripts/start_learner.sh, whose --gpus/--nproc keep both in step"
         )
     policy = load_policy(_model_section(cfg, grpo, resolved.model_path), resolved.model_path)
     model, tokenizer = policy.model, policy.tokenizer
@@ -333,7 +333,8 @@ def build_grpo_trainer(
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     logger.info(
-        "GRPO: %d prompts (%d with images, %d deleted as overlong), %d steps of %d prompts × %d generations, world %d, reference %s",
+        "GRPO: %d prompts (%d with images, %d deleted as overlong), %d steps of %d prompts × %d generations, "
+        "world %d, reference %s",
         len(prompts.rows),
         sum(r.has_images for r in prompts.rows),
         prompts.deleted_overlong,
@@ -359,7 +360,7 @@ def _prefetch(cfg: Any, source: RolloutSource) -> GrpoPrefetch | None:
 
 
 def _tis_mode(grpo: GrpoConfig, cfg: Any) -> str:
-    """`grpo.tis_mode`; `auto` is token-level truncated importance sampling with `rollout.async` on, else off."""
+    """`grpo.tis_mode`; `auto`: per-token truncated importance sampling with `rollout.async` on, else off."""
     if grpo.tis_mode != "auto":
         return grpo.tis_mode
     return "token" if cfg.rollout.async_.enabled else "off"

@@ -125,8 +125,8 @@ class MetricWindow:
 def record_importance_ratio(
     window: MetricWindow, logps: torch.Tensor, inputs: Mapping[str, Any], mask: torch.Tensor
 ) -> None:
-    """The rollout-vs-learner mismatch: ``exp(log π_learner − log π_server)`` per token over tokens with server
-    log-probs (1 = no mismatch), and the absolute log-prob difference (mean, max)."""
+    """The rollout-vs-learner mismatch: ``exp(log π_learner − log π_server)`` per token over tokens with
+    server log-probs (1 = no mismatch), and the absolute log-prob difference (mean, max)."""
     server_mask = inputs["server_logprobs_mask"] * mask
     count = float(server_mask.sum())
     diff = (logps - inputs["server_logprobs"]) * server_mask
@@ -136,7 +136,7 @@ def record_importance_ratio(
 
 
 def record_tis(window: MetricWindow, weights: torch.Tensor, mask: torch.Tensor, cap: float) -> None:
-    """Truncated importance-sampling weights over completion tokens: their mean and the fraction at the cap."""
+    """Truncated importance-sampling weights over completion tokens: their mean, the fraction at the cap."""
     tokens = mask.to(weights.dtype)
     count = float(tokens.sum())
     window.add_sum("sampling/tis_weight_mean", float((weights * tokens).sum()), count)

@@ -1,15 +1,15 @@
-"""Overlapped GRPO generation (`rollout.async`): rank 0 generates the next step's groups while every rank trains.
+"""Overlapped GRPO generation (`rollout.async`): rank 0 generates the next step while every rank trains.
 
-The GRPO twin of `learner.trainers.overlap` (whose `VersionLedger` and `WindowLookahead` it uses): after the sync of
-step v commits, rank 0 runs `GroupGenerator.generate_step` for step v + 1's prompts on a background thread — the
-same requests, per-request seeds and dynamic-sampling draws as a synchronous step v + 1 (they are keyed by the
-step), generated with weights one step older. Step v + 1 takes the result when its requests match; a result whose
-weights lag more than `max_staleness` steps (or an unknown version) is dropped, and the step generates again after
-its own sync. The off-policy gap is corrected in the loss by truncated importance sampling from the server's
-log-probs (`grpo.tis_mode`, `learner.grpo.loss.tis_weights`).
+The GRPO twin of `learner.trainers.overlap` (whose `VersionLedger` and `WindowLookahead` it uses): after the
+sync of step v commits, rank 0 runs `GroupGenerator.generate_step` for step v + 1's prompts on a background
+thread — the same requests, per-request seeds and dynamic-sampling draws as a synchronous step v + 1 (they are
+keyed by the step), generated with weights one step older. Step v + 1 takes the result when its requests
+match; a result whose weights lag more than `max_staleness` steps (or an unknown version) is dropped, and the
+step generates again after its own sync. The off-policy gap is corrected in the loss by truncated importance
+sampling from the server's log-probs (`grpo.tis_mode`, `learner.grpo.loss.tis_weights`).
 
-Holds no `torch.distributed`: every rank tracks which step has a background request (`pending_step`, decided the
-same way on every rank); only rank 0 holds the future.
+Holds no `torch.distributed`: every rank tracks which step has a background request (`pending_step`, decided
+the same way on every rank); only rank 0 holds the future.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class GrpoPrefetch:
             self._future = self._pool.submit(generate)
 
     def take(self, step: int, prompts: Sequence[PromptRow]) -> StepRollout | None:
-        """Rank 0: the background result for `step` when it answers these prompts and is fresh enough, else None
-        (the caller generates now). Raises what the background generation raised.
+        """Rank 0: the background result for `step` when it answers these prompts and is fresh enough, else
+        None (the caller generates now). Raises what the background generation raised.
 
         Raises:
             RolloutWaitTimeout: not back within `wait_timeout_s`.
@@ -79,13 +79,15 @@ class GrpoPrefetch:
             rollout = future.result(timeout=self.wait_timeout_s)
         except FutureTimeout:
             raise RolloutWaitTimeout(
-                f"the background GRPO generation of step {step} (servers {', '.join(self.endpoints)}) was not back "
-                f"after {self.wait_timeout_s:.0f} s; check those servers' logs, or raise rollout.async.wait_timeout_s"
+                f"the background GRPO generation of step {step} (servers {', '.join(self.endpoints)}) was "
+                f"not back after {self.wait_timeout_s:.0f} s; check those servers' logs, or raise "
+                "rollout.async.wait_timeout_s"
             ) from None
         lag = self.staleness(rollout, step)
         if lag is None or lag > self.max_staleness:
             logger.warning(
-                "step %d: background GRPO groups lag %s steps (> rollout.async.max_staleness=%d); regenerating",
+                "step %d: background GRPO groups lag %s steps (> rollout.async.max_staleness=%d); "
+                "regenerating",
                 step,
                 lag,
                 self.max_staleness,
@@ -95,7 +97,7 @@ class GrpoPrefetch:
         return rollout
 
     def staleness(self, rollout: StepRollout, step: int) -> int | None:
-        """Steps between the oldest weights that generated `rollout` and step `step` (None: unknown version)."""
+        """Steps from the oldest weights that generated `rollout` to step `step` (None: unknown version)."""
         lags = []
         for version in {g.weight_version for g in rollout.groups}:
             synced = self.ledger.steps.get(version)

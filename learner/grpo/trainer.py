@@ -19,10 +19,10 @@ One optimizer step (``global_step = k``):
 3. rank 0 runs :class:`~learner.grpo.generation.GroupGenerator` (one request per prompt with
    ``n = num_generations``, grouping by request id, rewards, dynamic sampling) and broadcasts the scored
    groups; a failure there is broadcast too, so every rank raises instead of hanging;
-4. every rank builds the tensors of its own slots (slot ``(p, j)`` trains on completion ``j`` of group
-   ``p``; an image prompt's vision tensors come from the run's prompt encoder, cached for the step, and its
-   M-RoPE positions from the row), computes the reference log-probs (no grad) and, with ``kl_in_reward``, the per-completion KL,
-   which is all-gathered;
+4. every rank builds the tensors of its own slots (slot ``(p, j)`` trains on completion ``j`` of group ``p``;
+   an image prompt's vision tensors come from the run's prompt encoder, cached for the step, and its M-RoPE
+   positions from the row), computes the reference log-probs (no grad) and, with ``kl_in_reward``, the
+   per-completion KL, which is all-gathered;
 5. every rank computes the advantages over the WHOLE generation batch from the broadcast rewards (group and
    batch statistics are global, §3.1; float64, identical on every rank) and keeps its slots' values.
 
@@ -130,15 +130,16 @@ class GrpoTrainer(Trainer):
         self.metric_window = MetricWindow()
         self._prepared_at: float | None = None
         self._reference_s = 0.0
-        # A VL policy's processing class is its processor (saved beside checkpoints); padding is its tokenizer's.
+        # A VL policy's processing class is its processor (saved beside checkpoints); the pad id is its
+        # tokenizer's.
         self._pad_id = _pad_id(getattr(self.processing_class, "tokenizer", self.processing_class))
         self.add_callback(_ForwardBackwardTimer(self))
 
     # -- one GRPO step ------------------------------------------------------------------------------
 
     def create_optimizer(self):  # noqa: D401 - HF signature
-        """HF's optimizer; a vision-language model gets `grpo.vision_tower_lr` / `grpo.aligner_lr` for its vision
-        tower and aligner (docs/ALGORITHM.md#grpo-knobs), `training.learning_rate` for the rest."""
+        """HF's optimizer; a vision-language model gets `grpo.vision_tower_lr` / `grpo.aligner_lr` for its
+        vision tower and aligner (docs/ALGORITHM.md#grpo-knobs), `training.learning_rate` for the rest."""
         if self.optimizer is None and self._is_vision_language():
             optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             groups = part_param_groups(
@@ -157,8 +158,9 @@ class GrpoTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: D401 - HF signature
         """Fetch this rank's slots for the step, then generate, score and prepare its micro-batches.
 
-        With `rollout.async` (`prefetch`), the step's groups come from rank 0's background generation requested
-        during the previous step, and right after this step's sync the next step's generation is requested.
+        With `rollout.async` (`prefetch`), the step's groups come from rank 0's background generation
+        requested during the previous step, and the next step's generation is requested right after this
+        step's sync.
         """
         raws = self.lookahead.next(epoch_iterator, num_batches)
         if not raws:
@@ -204,7 +206,7 @@ class GrpoTrainer(Trainer):
         return self._on_rank0(lambda: self._rank0_generator().generate_step(prompts, step), step), sync_s
 
     def _launch_next(self, epoch_iterator, step: int) -> float:
-        """With `rollout.async`: this step's sync, then rank 0 requests step + 1's generation in the background."""
+        """`rollout.async`: this step's sync, then rank 0 requests step + 1's generation in the background."""
         if self.prefetch is None or (self.state.max_steps > 0 and step + 1 >= self.state.max_steps):
             return 0.0
         window = self.lookahead.peek(epoch_iterator, 1, self.args.gradient_accumulation_steps)
@@ -220,7 +222,7 @@ class GrpoTrainer(Trainer):
         return sync_s
 
     def _sync(self, step: int) -> float:
-        """The lazy once-per-step sync; rank 0 records the version it made (staleness of background groups)."""
+        """The lazy once-per-step sync; rank 0 records its version (staleness of background groups)."""
         before = self.weight_sync.last_synced_step
         seconds = self.weight_sync.maybe_sync(self.model, step, self.source)
         if self.prefetch is not None and self.weight_sync.last_synced_step != before:
@@ -276,7 +278,7 @@ class GrpoTrainer(Trainer):
         return batch
 
     def _vision_inputs(self, row: PromptRow) -> dict[str, torch.Tensor]:
-        """The vision tensors of an image prompt from the run's encoder (same ids as at load time, checked)."""
+        """An image prompt's vision tensors from the run's encoder (same ids as at load time, checked)."""
         if not row.has_images:
             return {}
         if self.encoder is None:
@@ -284,14 +286,14 @@ class GrpoTrainer(Trainer):
         encoded = self.encoder.encode(row.messages, index=row.index)
         if list(encoded.ids) != list(row.prompt_ids):
             raise RuntimeError(
-                f"prompt {row.row_id!r}: re-encoding gave {len(encoded.ids)} ids, {len(row.prompt_ids)} at load "
-                "time (did an image file change during the run?)"
+                f"prompt {row.row_id!r}: re-encoding gave {len(encoded.ids)} ids, {len(row.prompt_ids)} at "
+                "load time (did an image file change during the run?)"
             )
         return encoded.mm_inputs
 
     @torch.no_grad()
     def _sequence_kl(self, prepared: list[dict[str, Any]], local: list[list[SlotTag]]) -> torch.Tensor:
-        """``KL_i = Σ_t (log π − log π_ref)`` of every completion of the step (``kl_in_reward``), all-gathered."""
+        """``KL_i = Σ_t (log π − log π_ref)`` per completion of the step (``kl_in_reward``), all-gathered."""
         mine: list[tuple[int, float]] = []
         for batch, tags in zip(prepared, local, strict=True):
             on_device = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}

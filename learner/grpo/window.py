@@ -55,8 +55,8 @@ def assemble_window(tags: Sequence[SlotTag], *, prompts_per_step: int, num_gener
     steps = sorted({t.step for t in tags})
     if len(steps) != 1:
         raise WindowError(
-            f"one optimizer step received slots of steps {steps[:5]}; per_device_train_batch_size × world size "
-            "× gradient_accumulation_steps must equal grpo.generation_batch_size"
+            f"one optimizer step received slots of steps {steps[:5]}; per_device_train_batch_size × world "
+            "size × gradient_accumulation_steps must equal grpo.generation_batch_size"
         )
     expected = prompts_per_step * num_generations
     seen: dict[tuple[int, int], SlotTag] = {}
@@ -76,7 +76,7 @@ def assemble_window(tags: Sequence[SlotTag], *, prompts_per_step: int, num_gener
             )
     if len(seen) != expected:
         raise WindowError(
-            f"step {steps[0]} gathered {len(seen)} of its {expected} completion slots; the dataset and the batch "
-            "sizes disagree (generation_batch_size must equal the effective batch size)"
+            f"step {steps[0]} gathered {len(seen)} of its {expected} completion slots; the dataset and the "
+            "batch sizes disagree (generation_batch_size must equal the effective batch size)"
         )
     return [rows[p] for p in range(prompts_per_step)]

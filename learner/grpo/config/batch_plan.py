@@ -20,7 +20,7 @@ from learner.yaml_loader import ConfigError
 logger = logging.getLogger(__name__)
 
 HF_DEFAULT_PER_DEVICE_BATCH = 8
-"""``TrainingArguments.per_device_train_batch_size`` default, used when neither the plan nor training sets it."""
+"""Default ``TrainingArguments.per_device_train_batch_size``, used when neither plan nor training sets it."""
 
 
 def parse_gpu_list(value: Any) -> Any:
@@ -78,7 +78,8 @@ def apply_batch_plan(raw: dict[str, Any], plan: BatchPlan) -> dict[str, Any]:
     """Returns a copy of ``raw`` with the fields of ``plan`` filled in (``raw`` is not modified).
 
     Raises:
-        ConfigError: ``effective_batch_size`` is not a multiple of ``per_device_batch_size × len(train_gpus)``.
+        ConfigError: ``effective_batch_size`` is not a multiple of
+            ``per_device_batch_size × len(train_gpus)``.
     """
     out = copy.deepcopy(raw)
     if plan.server_gpus is not None:

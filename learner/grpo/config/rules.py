@@ -246,7 +246,7 @@ def check_sync(rollout: Mapping[str, Any]) -> None:
 
 
 def existing_dir(key: str, value: Any, base_dir: Path) -> Path:
-    """Rule 10: ``value`` names an existing local path; returns it absolute (relative → under ``base_dir``)."""
+    """Rule 10: ``value`` is an existing local path; returns it absolute (relative → under ``base_dir``)."""
     if not isinstance(value, str) or not value:
         raise fail(key, "is missing", "rule 10", "set the local model directory")
     path = Path(value).expanduser()

@@ -55,7 +55,8 @@ class ResolvedGrpoRun:
         reward_schema_path: absolute schema file, or None.
         output_dir: absolute run output root.
         learner_config: the merged mapping for ``learner.config.RunConfig`` (batch plan applied, GRPO-only
-            top-level keys removed, paths absolute, ``rollout.decoding``/``rollout.sync.mode`` filled from GRPO).
+            top-level keys removed, paths absolute, ``rollout.decoding``/``rollout.sync.mode`` filled from
+            GRPO).
     """
 
     grpo: GrpoConfig
