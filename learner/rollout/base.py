@@ -104,8 +104,8 @@ class WeightUpdate:
             got, want = tensor_spec(name, tensor), specs[count - 1]
             if got != want:
                 raise SyncError(
-                    f"weight update tensor {count - 1} is {got.name!r} {got.dtype} {list(got.shape)}, declared"
-                    f" {want.name!r} {want.dtype} {list(want.shape)}"
+                    f"weight update tensor {count - 1} is {got.name!r} {got.dtype} {list(got.shape)},"
+                    f" declared {want.name!r} {want.dtype} {list(want.shape)}"
                 )
             yield name, tensor
         if count != len(specs):

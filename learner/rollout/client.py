@@ -154,8 +154,8 @@ class RolloutClient:
         self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._transport_factory = transport_factory
         self._client = self._connect()
-        # Calls in flight per pool: a retry's `reconnect` must not close a pool that another thread (a background
-        # rollout, a sync from the main thread) is still using; the last caller closes a replaced pool.
+        # Calls in flight per pool: a retry's `reconnect` must not close a pool that another thread (a
+        # background rollout, a sync from the main thread) still uses; the last caller closes a replaced pool.
         self._in_use: dict[int, int] = {}
         self._pool_lock = threading.Lock()
 
@@ -171,8 +171,8 @@ class RolloutClient:
         )
 
     def reconnect(self) -> None:
-        """Drops every pooled connection; the next call opens a fresh one (the §5.5 retry). Calls still running
-        on the old pool (other threads) finish on it; it is closed when the last of them returns."""
+        """Drops every pooled connection; the next call opens a fresh one (the §5.5 retry). Calls still
+        running on the old pool (other threads) finish on it; it is closed when the last of them returns."""
         with self._pool_lock:
             old, self._client = self._client, self._connect()
             idle = self._in_use.get(id(old), 0) == 0
@@ -347,8 +347,8 @@ class RolloutClient:
         return BucketAck.model_validate_json(response.content)
 
     def sync_prepare(self, sync_id: str, *, timeout_s: float | None = None) -> SyncPrepareResponse:
-        """Returns once the server holds every bucket of the sync (collective: its receive has finished), so the
-        commit will only apply; `timeout_s` bounds the wait (default the read timeout).
+        """Returns once the server holds every bucket of the sync (collective: its receive has finished), so
+        the commit will only apply; `timeout_s` bounds the wait (default the read timeout).
 
         Raises:
             ServerError: 400 `collective_failed` (the receive failed; the server discarded the sync) or

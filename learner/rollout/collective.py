@@ -5,17 +5,18 @@ weight-sync layout: the trainer plus every rollout worker in one group, world si
 learner is rank 0, server k's receivers are the block of ranks after server k - 1's, its size read from the
 server's `/health` (`collective_ranks`: every worker of every engine) when the group is planned. HTTP carries
 only the control (begin with the manifest and the rendezvous — store, token, world size, the server's
-`rank_offset` —, prepare, commit, abort). Each manifest bucket is then ONE broadcast of a flat `uint8` buffer —
-the bucket's tensors back to back in manifest order, no header (the manifest is the header) — over that group,
-whatever the number of servers: NCCL and gloo pipeline it along their ring or tree, so the learner's own link
-carries one copy of the weights, not one per server. The group is built by
+`rank_offset` —, prepare, commit, abort). Each manifest bucket is then ONE broadcast of a flat `uint8` buffer
+— the bucket's tensors back to back in manifest order, no header (the manifest is the header) — over that
+group, whatever the number of servers: NCCL and gloo pipeline it along their ring or tree, so the learner's
+own link carries one copy of the weights, not one per server. The group is built by
 `rollout_server.engines.collective.process_group`, the same builder the receivers use; the server side is that
 module (the vLLM workers receive through vLLM's weight-transfer engine API, the HF engine in its process). How
 buckets are packed — on the host for gloo, on the GPU for NCCL — is `learner.rollout.transports.collective`.
 
-A group outlives one sync (the same token is sent again, and every server reuses its part of it); any failure —
-one server dead, restarted or timed out — drops the whole group, and the next sync plans and forms a new one with
-every configured server. Every rendezvous and broadcast is bounded by `rollout.sync.collective_timeout_s`.
+A group outlives one sync (the same token is sent again, and every server reuses its part of it); any failure
+— one server dead, restarted or timed out — drops the whole group, and the next sync plans and forms a new one
+with every configured server. Every rendezvous and broadcast is bounded by
+`rollout.sync.collective_timeout_s`.
 """
 
 from __future__ import annotations
@@ -122,11 +123,12 @@ class CollectiveSender:
         return self.fleet is not None and self.fleet.urls == tuple(urls)
 
     def specs(self, urls: Sequence[str], ranks: Sequence[int | None] | None = None) -> list[CollectiveSpec]:
-        """The rendezvous each server's begin carries, in `urls` order: the planned group's, or a new group over
-        `urls` with `ranks[k]` receivers on server k (a new store and token, consecutive blocks of ranks).
+        """The rendezvous each server's begin carries, in `urls` order: the planned group's, or a new group
+        over `urls` with `ranks[k]` receivers on server k (new store and token, consecutive rank blocks).
 
         Raises:
-            ValueError: a new group is needed and `ranks` is missing, or a count is unknown with several servers.
+            ValueError: a new group is needed and `ranks` is missing, or a count is unknown with
+                several servers.
         """
         import torch.distributed as dist
 
@@ -167,8 +169,8 @@ class CollectiveSender:
         server), or checks that every server still holds it.
 
         Raises:
-            SyncError: a server lost the group it had joined (restarted), brings another number of receivers than
-                it reported, or the rendezvous failed (the group is dropped: the next sync plans a new one).
+            SyncError: a server lost the group it had joined (restarted), brings another number of receivers
+                than it reported, or the rendezvous failed (the group is dropped: the next sync plans anew).
         """
         fleet = self.fleet
         assert fleet is not None and fleet.urls == tuple(urls), "specs() plans the group before the begins"
@@ -182,22 +184,22 @@ class CollectiveSender:
             if expected is not None and begin.collective_ranks != expected:
                 self.drop()
                 raise SyncError(
-                    f"{url} brings {begin.collective_ranks} weight-sync receivers, its /health said {expected}"
-                    " (restarted with another parallel size?); the next sync plans a new group"
+                    f"{url} brings {begin.collective_ranks} weight-sync receivers, its /health said"
+                    f" {expected} (restarted with another parallel size?); the next sync plans a new group"
                 )
             if fleet.group is not None and begin.collective_joining:
                 self.drop()
                 raise SyncError(
-                    f"{url} no longer holds weight-sync group {fleet.token} (restarted?); the next sync forms a"
-                    " new group with every server"
+                    f"{url} no longer holds weight-sync group {fleet.token} (restarted?); the next sync forms"
+                    " a new group with every server"
                 )
         if fleet.group is None:
             fleet.ranks = tuple(begin.collective_ranks for begin in begins)
             self._join(fleet)
 
     def start_broadcast(self, flat: torch.Tensor, index: int) -> list[Any]:
-        """Enqueues one flat bucket's broadcast to the whole group (NCCL: asynchronous, on the group's own stream,
-        ordered after the current stream's work); returns its work.
+        """Enqueues one flat bucket's broadcast to the whole group (NCCL: asynchronous, on the group's own
+        stream, ordered after the current stream's work); returns its work.
 
         Raises:
             SyncError: the group refused the broadcast at once (it is dropped).
@@ -209,7 +211,8 @@ class CollectiveSender:
             servers = self._servers()
             self.drop()
             raise CollectiveError(
-                f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}: {exc})"
+                f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}: "
+                f"{exc})"
             ) from exc
 
     def finish(self, works: Sequence[Any], index: int) -> None:
@@ -241,13 +244,13 @@ class CollectiveSender:
             servers = self._servers()
             self.drop()
             raise CollectiveError(
-                f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}: {exc});"
-                " a server's receiver died or timed out"
+                f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}:"
+                f" {exc}); a server's receiver died or timed out"
             ) from exc
 
     def drop(self) -> None:
-        """Forgets the group (after a failure: the next sync plans a new one). The group object is retired, not
-        torn down here: a broadcast to a dead server may still be pending in it (`retire_group`)."""
+        """Forgets the group (after a failure: the next sync plans a new one). The group object is retired,
+        not torn down here: a broadcast to a dead server may still be pending in it (`retire_group`)."""
         fleet, self.fleet = self.fleet, None
         if fleet is not None:
             retire_group(fleet.group)
@@ -278,10 +281,10 @@ class CollectiveSender:
         except Exception as exc:
             self.drop()
             raise CollectiveError(
-                f"forming the {self.backend} weight-sync group of {len(fleet.urls)} server(s) ({world_size} ranks:"
-                f" learner 0, {fleet.layout()}) at {self.address}:{fleet.store.port} failed ({type(exc).__name__}:"
-                f" {exc}); every server must reach this address: set rollout.sync.collective_address to this host's"
-                " address on the servers' network"
+                f"forming the {self.backend} weight-sync group of {len(fleet.urls)} server(s) ({world_size}"
+                f" ranks: learner 0, {fleet.layout()}) at {self.address}:{fleet.store.port} failed"
+                f" ({type(exc).__name__}: {exc}); every server must reach this address: set"
+                " rollout.sync.collective_address to this host's address on the servers' network"
             ) from exc
         logger.info(
             "%s weight-sync group %s formed: %d ranks (learner 0, %s)",

@@ -107,7 +107,8 @@ class ColocateRolloutSource:
     last applied sync. The attribute `last_staleness` holds the per-result staleness of the last `infer`.
 
     Args:
-        backend: the generation backend (`colocate_vllm.VllmColocateBackend` or `colocate_hf.HfColocateBackend`).
+        backend: the generation backend (`colocate_vllm.VllmColocateBackend` or
+            `colocate_hf.HfColocateBackend`).
     """
 
     def __init__(self, backend: ColocateBackend) -> None:
@@ -133,8 +134,8 @@ class ColocateRolloutSource:
             encoder: the run's `PromptEncoder` (the `hf` backend encodes prompts, images included, with it).
 
         Raises:
-            ConfigError: `rollout.vllm.tensor_parallel_size` does not divide the world size, a sleep level on a
-                platform without vLLM sleep mode, or an `hf` backend under ZeRO-3.
+            ConfigError: `rollout.vllm.tensor_parallel_size` does not divide the world size, a sleep level on
+                a platform without vLLM sleep mode, or an `hf` backend under ZeRO-3.
             EngineStartError: the vLLM engine could not be created (suggests `rollout.backend: hf`).
         """
         if cfg.rollout.backend == "hf":

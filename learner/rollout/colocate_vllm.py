@@ -1,8 +1,9 @@
 """The `vllm` colocated backend: the rollout server's `VllmEngine`, built and driven inside the learner.
 
 The one learner → server import allowed (docs/ARCHITECTURE.md#the-two-services):
-`rollout_server.engines.vllm.engine.VllmEngine` (with its update dataclasses and errors) is imported lazily, when a
-colocated vLLM engine is actually built, so a learner in server mode never loads vLLM or the server package.
+`rollout_server.engines.vllm.engine.VllmEngine` (with its update dataclasses and errors) is imported
+lazily, when a colocated vLLM engine is actually built, so a learner in server mode never loads vLLM or the
+server package.
 
 Threading: `AsyncLLM` binds to the event loop it first runs on, so every engine call goes through ONE
 long-lived loop thread (`LoopThread`), never `asyncio.run` per call. Learner threads submit coroutines and
@@ -55,9 +56,9 @@ def server_config_for(cfg: RunConfig) -> Any:
     """The `ServerConfig` the colocated `VllmEngine` is built from (`rollout.vllm` + `model.path`).
 
     `load_format`, `sleep_level` (→ `enable_sleep_mode`) travel as `engine_kwargs`; LoRA is off. A Qwen-VL
-    checkpoint gets `data.max_images_per_sample` images and no video per prompt (vLLM would otherwise profile a
-    dummy video), and the learner processor's pixel bounds (`model.image_min_pixels` / `image_max_pixels`), so
-    engine and learner expand images to the same token counts.
+    checkpoint gets `data.max_images_per_sample` images and no video per prompt (vLLM would otherwise profile
+    a dummy video), and the learner processor's pixel bounds (`model.image_min_pixels` / `image_max_pixels`),
+    so engine and learner expand images to the same token counts.
     """
     from learner.config import resolve_path
     from learner.policy import ensure_vl_imports, is_vl_checkpoint
@@ -67,9 +68,9 @@ def server_config_for(cfg: RunConfig) -> Any:
     is_vl = is_vl_checkpoint(resolve_path(cfg.model.path))
     if is_vl and v.load_format == "dummy":
         raise ConfigError(
-            "rollout.vllm.load_format: dummy with a Qwen-VL checkpoint: vLLM's vision tower keeps state that is not"
-            " in the checkpoint (Qwen3-VL's visual.input_norm), which dummy init randomizes and no weight sync"
-            " restores; remove the key (default auto for VL models) or set it to auto"
+            "rollout.vllm.load_format: dummy with a Qwen-VL checkpoint: vLLM's vision tower keeps state that"
+            " is not in the checkpoint (Qwen3-VL's visual.input_norm), which dummy init randomizes and no"
+            " weight sync restores; remove the key (default auto for VL models) or set it to auto"
         )
     extra: dict[str, Any] = {"load_format": v.load_format or ("auto" if is_vl else "dummy")}
     if v.sleep_level > 0:
@@ -190,9 +191,10 @@ class VllmColocateBackend:
         except Exception as exc:
             loop.close()
             raise EngineStartError(
-                f"could not start the colocated vLLM engine for {server_cfg.model_path} ({type(exc).__name__}:"
-                f" {exc}); check rollout.vllm.* (gpu_memory_utilization {v.gpu_memory_utilization}, max_model_len"
-                f" {v.max_model_len}) or set rollout.backend: hf to generate with the training model instead"
+                f"could not start the colocated vLLM engine for {server_cfg.model_path}"
+                f" ({type(exc).__name__}: {exc}); check rollout.vllm.* (gpu_memory_utilization"
+                f" {v.gpu_memory_utilization}, max_model_len {v.max_model_len}) or set rollout.backend: hf to"
+                " generate with the training model instead"
             ) from exc
         backend = cls(engine, loop, **kwargs)
         logger.info(

@@ -2,7 +2,7 @@
 
 | error | when | retried by `ServerRolloutSource.infer` |
 |---|---|---|
-| `ServerError` | any non-2xx answer, parsed from the error envelope (docs/ARCHITECTURE.md#errors) | 5xx: yes; 4xx: never |
+| `ServerError` | a non-2xx answer, parsed from the error envelope (docs/ARCHITECTURE.md#errors) | 5xx only |
 | `ServerConflict` | 409 (adapter sync without LoRA, stale version); also a `SyncRejected` | never |
 | `ServerNotReady` | 503 (engine loading, or failed) | once, never split |
 | `ServerUnreachable` | transport failure (refused, reset, timeout) | once; split unless the connect failed |

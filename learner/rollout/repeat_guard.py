@@ -14,8 +14,8 @@ __all__ = ["RepeatTerminateConfig"]
 
 
 class RepeatTerminateConfig(WireRepeatTerminateConfig):
-    """``rollout.decoding.repeat_terminate``: the wire contract's fields and bounds (ONE definition, so a value
-    the server would refuse fails when the config loads, not at the first rollout), strict about unknown keys
-    as every config section is."""
+    """``rollout.decoding.repeat_terminate``: the wire contract's fields and bounds (ONE definition, so a
+    value the server would refuse fails when the config loads, not at the first rollout), strict about unknown
+    keys as every config section is."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

@@ -1,8 +1,9 @@
 """Per-request rollout seeds (docs/ALGORITHM.md#seeds).
 
 ``seed = (training.seed + global_step * 1_000_003 + micro_idx * 10_007 + request_index) & 0x7FFFFFFF`` with
-``request_index = dp_rank * per_device_batch_size + i``. ``check_seed_layout`` is the config guard that keeps the
-seeds of one optimizer step collision-free: ``dp_world_size * per_device_batch_size <= 10_007`` and ``gas <= 99``.
+``request_index = dp_rank * per_device_batch_size + i``. ``check_seed_layout`` is the config guard that keeps
+the seeds of one optimizer step collision-free: ``dp_world_size * per_device_batch_size <= 10_007`` and
+``gas <= 99``.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def check_seed_layout(dp_world_size: int, per_device_batch_size: int, gas: int) 
     if dp_world_size * per_device_batch_size > MAX_REQUESTS_PER_MICRO_STEP:
         raise ValueError(
             f"dp_world_size {dp_world_size} * per_device_batch_size {per_device_batch_size} = "
-            f"{dp_world_size * per_device_batch_size} > {MAX_REQUESTS_PER_MICRO_STEP}: per-request rollout seeds "
-            "would collide; lower the per-device batch size"
+            f"{dp_world_size * per_device_batch_size} > {MAX_REQUESTS_PER_MICRO_STEP}: per-request rollout "
+            "seeds would collide; lower the per-device batch size"
         )
     if gas > MAX_GAS:
         raise ValueError(

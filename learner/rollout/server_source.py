@@ -117,7 +117,7 @@ class ServerRolloutSource:
     servers on this host), `gloo` (one broadcast per bucket over ONE process group that spans the learner and
     every server, packed on the host: the learner's link carries one copy whatever the number of servers) or
     `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always carries
-    the control (begin, prepare, commit, abort); adapter syncs go over `http` when the transport is collective.
+    the control (begin, prepare, commit, abort); with a collective transport, adapter syncs go over `http`.
 
     Args:
         servers: server base URLs, one per server process (a DP server is one entry).
@@ -191,8 +191,8 @@ class ServerRolloutSource:
         """Version of the last sync this source committed (None before the first)."""
         self.last_infer = InferStats()
         """Counters of the last `infer` call to FINISH (metrics: staleness, retries), replaced whole (never
-        mutated). With overlapped rollouts (`rollout.async`) a background call and a foreground one can finish in
-        either order: read the staleness of a batch from its results' `weight_version` instead."""
+        mutated). With overlapped rollouts (`rollout.async`) a background call and a foreground one can finish
+        in either order: read the staleness of a batch from its results' `weight_version` instead."""
         self.last_sync_stages: dict[str, float] = {}
         """Seconds per stage of the last sync: learner side (`begin_s`, `produce_s` = export + encode,
         `upload_s`, `commit_s`, and the transport's own figures, e.g. nccl's `wire_wait_s`) and the first
@@ -345,8 +345,8 @@ class ServerRolloutSource:
     def _on_every(
         self, items: Sequence[_T], fn: Callable[[_T], _R]
     ) -> list[tuple[_R | None, BaseException | None]]:
-        """`fn` on every item at once (the per-server threads); each outcome as (result, None) or (None, error),
-        in order, once all have returned."""
+        """`fn` on every item at once (the per-server threads); each outcome as (result, None) or (None,
+        error), in order, once all have returned."""
 
         def settled(item: _T) -> tuple[_R | None, BaseException | None]:
             try:
@@ -359,8 +359,8 @@ class ServerRolloutSource:
     def _begin_everywhere(
         self, manifest: SyncManifest, specs: Sequence[CollectiveSpec | None]
     ) -> list[SyncSession]:
-        """Begins the sync on every server at once (one round trip, not one per server). If any begin fails, the
-        others are aborted and its error is raised."""
+        """Begins the sync on every server at once (one round trip, not one per server). If any begin fails,
+        the others are aborted and its error is raised."""
         outcomes = self._on_every(
             list(zip(self._clients, specs, strict=True)),
             lambda pair: SyncSession(pair[0], pair[0].sync_begin(manifest, collective=pair[1]), manifest),
@@ -373,8 +373,8 @@ class ServerRolloutSource:
         return sessions
 
     def _commit_everywhere(self, sessions: Sequence[SyncSession]) -> None:
-        """Commits on every server at once; raises the first failure once every commit has returned (the others
-        committed: the servers then disagree until the next sync, which carries a higher version)."""
+        """Commits on every server at once; raises the first failure once every commit has returned (the
+        others committed: the servers then disagree until the next sync, which carries a higher version)."""
 
         def commit(session: SyncSession) -> None:
             session.committed = session.client.sync_commit(session.sync_id)
@@ -386,12 +386,12 @@ class ServerRolloutSource:
     def sync_weights(self, update: WeightUpdate) -> SyncReport:
         """Sends `update` to every server (begin on all → each bucket to all → commit on all).
 
-        Any failure aborts the sync on every server that has not committed yet; sync phases are never
-        retried. No server commits before every server holds every bucket (HTTP/shm: every upload acknowledged;
-        gloo/nccl: every server answered `prepare` once its receive finished, so a server that dies mid-broadcast
-        leaves every server on its old weights). Begins and commits go to every server at once (one round trip
-        each, whatever the number of servers); when a commit itself fails while another succeeded the servers
-        disagree until the next sync (which uses a higher version and fixes it).
+        Any failure aborts the sync on every server that has not committed yet; sync phases are never retried.
+        No server commits before every server holds every bucket (HTTP/shm: every upload acknowledged;
+        gloo/nccl: every server answered `prepare` once its receive finished, so a server that dies
+        mid-broadcast leaves every server on its old weights). Begins and commits go to every server at once
+        (one round trip each, whatever the number of servers); when a commit itself fails while another
+        succeeded the servers disagree until the next sync (which uses a higher version and fixes it).
 
         Raises:
             SyncRejected: a server refused the update (409: adapter sync without LoRA, stale version).
@@ -409,7 +409,8 @@ class ServerRolloutSource:
             adapter_config=update.adapter_config,
         )
         stages = {"begin_s": 0.0, "produce_s": 0.0, "upload_s": 0.0, "commit_s": 0.0}
-        # Adapters are small and only the file transports stage them: collective transports send them over HTTP.
+        # Adapters are small and only the file transports stage them: collective transports send them
+        # over HTTP.
         transport = self._http if update.mode != "full" and self._transport.full_only else self._transport
         urls = [c.base_url for c in self._clients]
         try:
