@@ -8,8 +8,8 @@ the trainers' `log` to add beside the step's losses:
 - `memory/peak_reserved_gib`: the most the caching allocator held from the driver (allocated + cached blocks;
   a large gap to the allocated peak is fragmentation: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`).
 
-Rank-local (each rank measures its own device; rank 0's records are the ones written). On CPU, or before CUDA is
-initialised, it returns nothing: host memory is the OS's to report.
+Rank-local (each rank measures its own device; rank 0's records are the ones written). On CPU, or before CUDA
+is initialised, it returns nothing: host memory is the OS's to report.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ GIB = float(1 << 30)
 
 
 def peak_memory_metrics(device: torch.device | str | None = None) -> dict[str, float]:
-    """The peaks since the last call on `device` (the current CUDA device when None), in GiB; {} without CUDA."""
+    """Peaks since the last call on `device` (the current CUDA device when None), in GiB; {} without CUDA."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {}
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())

@@ -117,8 +117,8 @@ _PACKING_SUMS = (
 )
 
 _STALENESS_SUMS = ("staleness_sum", "staleness_count", "prefetched", "regenerated")
-"""Overlapped rollouts (`rollout.async`): per trained rollout, optimizer steps between its weights and the update
-(summed and counted), rollouts that came from a background request, and stale ones regenerated."""
+"""Overlapped rollouts (`rollout.async`): per trained rollout, optimizer steps between its weights and the
+update (summed and counted), rollouts that came from a background request, and stale ones regenerated."""
 
 TIME_KEYS: tuple[str, ...] = tuple(
     f"time/{k}"
@@ -226,8 +226,8 @@ class StepMetrics:
                 self._gauges[key] = v
             else:
                 raise KeyError(
-                    f"metric {key!r} is not registered in learner.metrics (SUM_KEYS / MAX_KEYS / GAUGE_KEYS); "
-                    "register it or pass it via StepMetrics(extra_sum_keys=...)"
+                    f"metric {key!r} is not registered in learner.metrics (SUM_KEYS / MAX_KEYS / "
+                    "GAUGE_KEYS); register it or pass it via StepMetrics(extra_sum_keys=...)"
                 )
 
     def add_rollout_counters(self, counters: Mapping[str, float]) -> None:

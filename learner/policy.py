@@ -60,7 +60,10 @@ logger = logging.getLogger(__name__)
 
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Default adapter targets of a text-only model (module-name suffixes)."""
-VL_LORA_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+VL_LORA_TARGETS = (
+    r".*language_model\.layers\.\d+\."
+    r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+)
 """Default adapter targets of a VL model: every linear layer of the LLM's decoder blocks, nothing of the
 vision tower (a PEFT regex, matched against the whole module name)."""
 

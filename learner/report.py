@@ -1,4 +1,4 @@
-"""PNG report of a run from its `metrics.jsonl`: loss, rollout F1, parse-valid rate, step-time split, packing fill.
+"""PNG report of a run's `metrics.jsonl`: loss, rollout F1, parse-valid rate, step-time split, packing fill.
 
 Usage: `python -m learner.report runs/demo/metrics.jsonl [-o runs/demo/report.png]`.
 """
@@ -97,9 +97,11 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
 
 
 def _step_time_panel(ax: Any, records: list[dict[str, Any]]) -> None:
-    """Stacked: what each step blocked on (rollout wait, sync, stage-2 host work, forward, backward). Lines: the
-    rollout generation itself and the wall time per step. Synchronous runs wait for the whole generation; with
-    `rollout.async` the generation runs during the previous step's training, so its line rises above the wait."""
+    """Stacked: what each step blocked on (rollout wait, sync, stage-2 host work, forward, backward).
+
+    Lines: the rollout generation itself and the wall time per step. Synchronous runs wait for the whole
+    generation; with `rollout.async` the generation runs during the previous step's training, so its line
+    rises above the wait."""
     trained = [r for r in records if r.get("time/forward_s") is not None]
     steps = [r["step"] for r in trained]
     bottom = [0.0] * len(steps)

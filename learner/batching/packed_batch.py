@@ -147,8 +147,8 @@ def _check_segment(seg: Segment, index: int) -> None:
         )
     if tuple(seg.input_ids[: m.prompt_len]) != tuple(m.prompt_ids):
         raise ValueError(
-            f"segment {index} (sample_id={m.sample_id}): the row's first prompt_len={m.prompt_len} ids differ "
-            "from meta.prompt_ids; segment and meta are out of sync (internal error)"
+            f"segment {index} (sample_id={m.sample_id}): the row's first prompt_len={m.prompt_len} ids "
+            "differ from meta.prompt_ids; segment and meta are out of sync (internal error)"
         )
     if not (len(seg.coord_pos) == len(seg.coord_bins) == len(seg.coord_is_prefix)):
         raise ValueError(

@@ -1,23 +1,24 @@
 """Converts detection annotations in PIXELS into training records (docs/DATA.md), checked against the images.
 
-The learner reads coordinates as norm1000 bins (0..999, `learner.stage2.coords`); annotation tools write pixels.
-This converter does the one mapping (`bbox_to_bins`: floor/ceil with anti-collapse for boxes, `pixel_to_bin`
-for polygon vertices) and checks each image as the model will see it: the file exists, decodes, and its size
-after EXIF orientation (`shared_schemas.images.load_image`, the decoder learner and server share) equals the
-annotation's width x height. A size mismatch is an error, not a guess: annotations drawn on the unrotated
-pixels of an EXIF-rotated photo would be trained on the wrong places.
+The learner reads coordinates as norm1000 bins (0..999, `learner.stage2.coords`); annotation tools write
+pixels. This converter does the one mapping (`bbox_to_bins`: floor/ceil with anti-collapse for boxes,
+`pixel_to_bin` for polygon vertices) and checks each image as the model will see it: the file exists, decodes,
+and its size after EXIF orientation (`shared_schemas.images.load_image`, the decoder learner and server share)
+equals the annotation's width x height. A size mismatch is an error, not a guess: annotations drawn on the
+unrotated pixels of an EXIF-rotated photo would be trained on the wrong places.
 
 Inputs:
 
-- ``coco``: a COCO ``instances_*.json`` (``images``, ``annotations``, ``categories``); the category name becomes
-  ``desc``. ``--geometry bbox`` (default) writes ``bbox_2d`` from ``bbox = [x, y, w, h]``; ``--geometry poly``
-  writes the largest polygon part of ``segmentation`` (an RLE/crowd mask or a part with fewer than 3 distinct
-  vertices after binning falls back to the box). Boxes with ``w <= 0`` or ``h <= 0`` are dropped and counted.
+- ``coco``: a COCO ``instances_*.json`` (``images``, ``annotations``, ``categories``); the category name
+  becomes ``desc``. ``--geometry bbox`` (default) writes ``bbox_2d`` from ``bbox = [x, y, w, h]``;
+  ``--geometry poly`` writes the largest polygon part of ``segmentation`` (an RLE/crowd mask or a part with
+  fewer than 3 distinct vertices after binning falls back to the box). Boxes with ``w <= 0`` or ``h <= 0`` are
+  dropped and counted.
 - ``pixels``: JSONL in the record format, but ``bbox_2d`` / ``poly`` in pixels; ``width`` / ``height`` may be
   left out (then read from the image).
 
-Images with no annotation are written with ``objects: []`` (they teach the model to answer nothing). Image paths
-are written relative to the output file's folder, so the data set can move as one folder.
+Images with no annotation are written with ``objects: []`` (they teach the model to answer nothing). Image
+paths are written relative to the output file's folder, so the data set can move as one folder.
 
     python -m learner.data.convert coco --annotations instances_train.json --images images/ --out train.jsonl
     python -m learner.data.convert pixels --input labels_px.jsonl --out train.jsonl [--images DIR]
@@ -233,7 +234,10 @@ def _size_problem(where: str, annotated: tuple[int, int], seen: tuple[int, int])
         if seen == annotated[::-1]
         else "fix the annotation's width/height, or the image file"
     )
-    return f"{where}: annotated {annotated[0]}x{annotated[1]} but the image decodes to {seen[0]}x{seen[1]}; {hint}"
+    return (
+        f"{where}: annotated {annotated[0]}x{annotated[1]} but the image decodes to {seen[0]}x{seen[1]};"
+        f" {hint}"
+    )
 
 
 def write_jsonl(records: Iterable[dict[str, Any]], out: Path) -> None:

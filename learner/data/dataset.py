@@ -5,9 +5,9 @@ The rollout buffer (docs/ALGORITHM.md#rollout-buffer §15.2) replays every windo
 into the dataset's index order instead and the trainer samples sequentially: `RepeatedWindowDataset` lists the
 base samples in the repeated order and tags each with `(window_id, repetition)`. With `W` learner ranks,
 accelerate hands global batch `k` to rank `k % W`, so one rank's window of `gas` batches is a block of
-`W · gas · per_device_batch_size` consecutive samples; blocks are repeated whole, a trailing partial block once.
-Shuffling happens once, with `training.seed`, before the repetition — resume therefore replays the exact same
-order and HF's batch skipping continues with no sample skipped or repeated.
+`W · gas · per_device_batch_size` consecutive samples; blocks are repeated whole, a trailing partial block
+once. Shuffling happens once, with `training.seed`, before the repetition — resume therefore replays the exact
+same order and HF's batch skipping continues with no sample skipped or repeated.
 """
 
 from __future__ import annotations

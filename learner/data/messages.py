@@ -26,10 +26,10 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are an open-vocabulary object detector. Reply with one single-line JSON object and nothing else, "
     'shaped like {"object_1": {...}, "object_2": {...}}. Each entry has a short plain-English "desc" and '
     'exactly one geometry: "bbox_2d" as [x1, y1, x2, y2] with x1 ≤ x2 and y1 ≤ y2, or "poly" as one closed '
-    "ring of [x, y] points that starts at the top-most (then left-most) vertex and goes clockwise. Write every "
-    "coordinate as <|coord_N|> with N from 0 to 999. Put one space after every ':' and ','. List objects top "
-    'to bottom, then left to right, numbering from 1. If nothing is visible, reply {}. Use desc "unknown" for '
-    "objects you cannot name."
+    "ring of [x, y] points that starts at the top-most (then left-most) vertex and goes clockwise. Write "
+    "every coordinate as <|coord_N|> with N from 0 to 999. Put one space after every ':' and ','. List "
+    "objects top to bottom, then left to right, numbering from 1. If nothing is visible, reply {}. Use desc "
+    '"unknown" for objects you cannot name.'
 )
 DEFAULT_USER_PROMPT = (
     "List every object in the image, top to bottom then left to right, as one JSON object whose entries hold "
@@ -67,7 +67,7 @@ def build_messages(
 
 
 def flatten_text_content(content: Any) -> str:
-    """A message content as a plain string: a string stays; a list of typed parts becomes its text parts joined."""
+    """A message content as a plain string: a string stays, a list of typed parts is its text parts joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, Sequence):
@@ -87,8 +87,8 @@ def rollout_messages(
     """Apply the §3.3 hygiene; the input is not modified.
 
     1. Keep ``messages[: i + 1]`` where ``i`` is the last user message (drops trailing assistant turns).
-    2. Insert ``{"role": "system", "content": system_prompt}`` first when there is no system message; flatten an
-       existing list-of-parts system content to a plain string.
+    2. Insert ``{"role": "system", "content": system_prompt}`` first when there is no system message; flatten
+       an existing list-of-parts system content to a plain string.
 
     Raises:
         DataRecordError: there is no user message.

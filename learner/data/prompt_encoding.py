@@ -3,10 +3,10 @@
 
 `PromptEncoder.encode(messages)` is the learner's ONE encode function for a rollout prompt: the §3.3 rollout
 messages the engine receives, encoded by `rollout_server.engines.hf_prompts.MessageEncoder` — the encoder the
-rollout server's HF backend and the colocated HF engine encode with, so their `prompt_token_ids` are these ids by
-construction. Text: the chat template in generation mode, tokenized without extra special tokens (the ids the
-vLLM engine derives too). A prompt with image parts also goes through the model's HF processor, which expands
-each `<|image_pad|>` to the image's token count and returns the vision tensors (`pixel_values`,
+rollout server's HF backend and the colocated HF engine encode with, so their `prompt_token_ids` are these ids
+by construction. Text: the chat template in generation mode, tokenized without extra special tokens (the ids
+the vLLM engine derives too). A prompt with image parts also goes through the model's HF processor, which
+expands each `<|image_pad|>` to the image's token count and returns the vision tensors (`pixel_values`,
 `image_grid_thw`, ...): the ids then equal the engine's expanded `prompt_token_ids`, which the §11 alignment
 check compares token for token.
 
@@ -17,8 +17,8 @@ record loader made relative paths absolute from `data.image_root`).
 Qwen-VL models place tokens with multi-axis rotary positions (M-RoPE: time, height, width). The encoder
 computes the prompt's 3-row positions with the model's own rope-index function (`get_rope_index`), once per
 prompt; the text that follows a prompt continues every row from ``max(prompt positions) + 1``, so a segment's
-positions are the prompt's plus a continuation (`learner.batching.packed_batch.segment_rope_positions`) — what `get_rope_index` returns for
-the whole segment (tested).
+positions are the prompt's plus a continuation (`learner.batching.packed_batch.segment_rope_positions`) — what
+`get_rope_index` returns for the whole segment (tested).
 
 Encodings are cached per rollout-buffer window (`new_window()` clears the cache): the E-step's rollout (a
 colocated HF engine encodes the same prompts) and its teacher forcing decode every image once; M-steps

@@ -35,8 +35,8 @@ _PASSTHROUGH = ("summary", "metadata")
 
 
 def resolve_image(ref: str, jsonl_dir: str | Path, image_root: str | Path | None = None) -> str:
-    """Resolve one image reference (§1.1): URLs, data URLs and absolute paths are kept; a relative path is joined
-    to ``image_root`` when set, else to the JSONL file's directory, and made absolute."""
+    """Resolve one image reference (§1.1): URLs, data URLs and absolute paths are kept; a relative path is
+    joined to ``image_root`` when set, else to the JSONL file's directory, and made absolute."""
     if ref.startswith("data:") or "://" in ref or os.path.isabs(ref):
         return ref
     base = image_root if image_root is not None else jsonl_dir
@@ -44,8 +44,9 @@ def resolve_image(ref: str, jsonl_dir: str | Path, image_root: str | Path | None
 
 
 def _missing_local_file(ref: str) -> bool:
-    """True when `ref` names a local file (path or `file://` URL) that does not exist. Data URLs, and references
-    `shared_schemas.images` refuses anyway (unknown scheme, another host), are left to the error at decode."""
+    """True when `ref` names a local file (path or `file://` URL) that does not exist. Data URLs, and
+    references `shared_schemas.images` refuses anyway (unknown scheme, another host), are left to the decode
+    error."""
     try:
         path = local_image_path(ref)
     except ImageRefError:
@@ -144,8 +145,9 @@ def load_records(
 ) -> list[dict[str, Any]]:
     """All validated records of a JSONL file (row ``j`` of the result has ``base_idx = j``).
 
-    Every local image file must exist (one ``stat`` each, at load time): a missing file would otherwise surface
-    at the rollout that first draws its record, possibly hours into a run. URLs and data URLs are not fetched.
+    Every local image file must exist (one ``stat`` each, at load time): a missing file would otherwise
+    surface at the rollout that first draws its record, possibly hours into a run. URLs and data URLs are
+    not fetched.
 
     Raises:
         DataRecordError: a record violates §1.1, or image files are missing (the first few are listed with
@@ -173,13 +175,13 @@ def load_records(
 
 
 def scene_user_text(user_prompt: str, scene: str) -> str:
-    """The user text of a record with a scene description: the configured user prompt, a newline, the scene."""
+    """The user text of a record with a scene: the configured user prompt, a newline, the scene."""
     return f"{user_prompt}\n{scene}"
 
 
 def record_user_text(record: Mapping[str, Any], user_prompt: str) -> str:
-    """The user text of any record: ``user_prompt``, with the record's ``metadata.scene`` appended on a new line
-    when it has one (a text-only record describes its scene in the prompt: the text demo's records do)."""
+    """The user text of any record: ``user_prompt``, with the record's ``metadata.scene`` appended on a new
+    line when it has one (a text-only record describes its scene in the prompt, as the text demo's do)."""
     scene = (record.get("metadata") or {}).get("scene")
     return scene_user_text(user_prompt, scene) if scene else user_prompt
 

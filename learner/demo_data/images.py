@@ -26,7 +26,8 @@ Design choices that make the task learnable by the tiny ``tiny-qwen3-vl-demo`` m
   direction per image), so the background is never confused with an object but is not a constant either.
 
 Everything is pure and seeded: the same ``(seed, split, n, config)`` always yields the same records and
-pixels, and the train and eval splits come from independent RNG streams (``"rollmatch-demo-vlm/{split}/{seed}"``).
+pixels, and the train and eval splits come from independent RNG streams
+(``"rollmatch-demo-vlm/{split}/{seed}"``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def _sample_object(rng: random.Random, desc: str, cfg: ImageDemoConfig) -> Pixel
 
 
 def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
-    """Whether two inclusive pixel boxes share a pixel row AND column interior (touching edges do not count)."""
+    """Whether two inclusive pixel boxes share interior rows AND columns (touching edges do not count)."""
     return min(a[2], b[2]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[1], b[1])
 
 

@@ -60,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 Shape = Literal["bbox", "triangle", "quad"]
 
-# Category → geometry. Words are single tokens of the demo tokenizer (scripts/build_tiny_models.py DEMO_WORDS).
+# Category → geometry. Words are single tokens of the demo tokenizer (DEMO_WORDS in
+# scripts/build_tiny_models.py).
 CATEGORIES: dict[str, Shape] = {
     "cat": "bbox",
     "dog": "bbox",

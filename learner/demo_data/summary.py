@@ -8,9 +8,9 @@ reference ``answer`` text that the optional SFT warm start (:mod:`learner.grpo.w
 Design choices (why the tiny model can raise the rewards within ~30 GRPO steps after a short warm start):
 
 - The scene text lists the facts in answer order, so the answer is a structured copy of the prompt.
-- Two domains (``BBU``/``RRU``) pick the header; ~20 % irrelevant rows answer ``无关图片``. A weakly warm-started
-  model confuses the domain and the two answer shapes often enough that the format/header/strict rewards
-  vary inside a group — the signal GRPO needs — and improve quickly.
+- Two domains (``BBU``/``RRU``) pick the header; ~20 % irrelevant rows answer ``无关图片``. A weakly
+  warm-started model confuses the domain and the two answer shapes often enough that the format/header/strict
+  rewards vary inside a group — the signal GRPO needs — and improve quickly.
 - A small closed vocabulary (3 categories per domain, attributes from the §5 path list) keeps every fact
   frequent.
 - The warm start is trained on NOISY answers (:func:`with_task_noise`): half of them carry the header of the
@@ -18,10 +18,10 @@ Design choices (why the tiny model can raise the rewards within ~30 GRPO steps a
   mode choice with maximal spread inside every group — and the header/strict rewards (−4 points for the
   wrong tag) tell GRPO which mode is right, so they rise within a few dozen steps.
 
-Image rows (:func:`generate_image_rows`, the Qwen-VL demo): the same §4 task read off a picture. A scene of 1–3
-flat shapes (``learner.demo_data.images``' renderer: each category has one colour and one shape) summarises
-as one ``统计`` entry per category with its count (``可见性: {完整: n}``); ~20 % of the images are pixel noise,
-whose right answer is ``无关图片``. The user turn only names the domain (which picks the header).
+Image rows (:func:`generate_image_rows`, the Qwen-VL demo): the same §4 task read off a picture. A scene of
+1–3 flat shapes (``learner.demo_data.images``' renderer: each category has one colour and one shape)
+summarises as one ``统计`` entry per category with its count (``可见性: {完整: n}``); ~20 % of the images are
+pixel noise, whose right answer is ``无关图片``. The user turn only names the domain (which picks the header).
 
 Everything is pure and seeded: the same ``(seed, split, n)`` always gives the same rows; the train and eval
 splits use independent RNG streams.
@@ -176,7 +176,7 @@ def with_task_noise(rows: list[dict[str, Any]], fraction: float, *, seed: int = 
     return out
 
 
-# -- image rows (the Qwen-VL GRPO demo) ------------------------------------------------------------------------
+# -- image rows (the Qwen-VL GRPO demo) ----------------------------------------------------------------------
 IMAGE_SYSTEM_PROMPT = "Summarize the image."
 IMAGE_COUNT_KEY = "可见性"
 """Attribute key of the image rows' counts (in the §5 ``attr_path_recall`` parent list)."""

@@ -2,11 +2,11 @@
 with the stage-2 machinery of rollout-matching SFT.
 
 One :class:`DetectionSample` per completion: the token-aligned strict parser
-(:func:`learner.stage2.parse.parser.parse_rollout`, on the sampled token ids, or on ``encode(text)`` when only the text
-is known), the GT extraction of §7 (:func:`learner.stage2.gt.extract_gt`: malformed GT objects are left out) and
-the Hungarian matching of §8 with the maskIoU gate (:func:`learner.stage2.matching.match.match`, ``stage2.matching``).
-Predictions are the parser's VALID objects, as in the held-out ``eval_rollout_f1``; ``desc`` plays no part in
-matching (§8). The rewards are pure ``(DetectionSample) -> float``:
+(:func:`learner.stage2.parse.parser.parse_rollout`, on the sampled token ids, or on ``encode(text)`` when only
+the text is known), the GT extraction of §7 (:func:`learner.stage2.gt.extract_gt`: malformed GT objects are
+left out) and the Hungarian matching of §8 with the maskIoU gate (:func:`learner.stage2.matching.match.match`,
+``stage2.matching``). Predictions are the parser's VALID objects, as in the held-out ``eval_rollout_f1``;
+``desc`` plays no part in matching (§8). The rewards are pure ``(DetectionSample) -> float``:
 
 - ``detection.f1``: ``2·matched / (pred + gt)``, the F1 at the matching gate;
 - ``detection.maskiou``: mean maskIoU of the matched pairs (0 without a match);
@@ -15,8 +15,8 @@ matching (§8). The rewards are pure ``(DetectionSample) -> float``:
   whitespace before the ``{`` and after the top-level ``}``;
 - ``detection.precision`` / ``detection.recall``: ``matched / pred`` and ``matched / gt`` (logged).
 
-Every ratio with a zero denominator (no prediction and no GT object) is the format value: an image with nothing
-to find is answered perfectly by a well-formed ``{}`` and by nothing else. Rows of another task (no
+Every ratio with a zero denominator (no prediction and no GT object) is the format value: an image with
+nothing to find is answered perfectly by a well-formed ``{}`` and by nothing else. Rows of another task (no
 ``task_mode: detection``) score 0.0 everywhere, as the summary rewards do on non-summary rows.
 """
 
@@ -137,7 +137,8 @@ class DetectionScorer:
 
         Args:
             row: the prompt's reward row (``task_mode``, ``objects``, optional ``sample_id`` for log lines).
-            text: the decoded completion; read only when ``token_ids`` is None (then encoded with the tokenizer).
+            text: the decoded completion; read only when ``token_ids`` is None (then the tokenizer
+                encodes it).
             token_ids: the sampled ids (may end with the end-of-turn id): what the parser is defined on.
         """
         if not is_detection_row(row):

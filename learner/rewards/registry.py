@@ -83,7 +83,7 @@ DETECTION_REWARDS: Mapping[str, DetectionReward] = {
     "detection.precision": precision_reward,
     "detection.recall": recall_reward,
 }
-"""Rewards of detection rows (``task_mode: detection``); they need a :class:`DetectionScorer` (the tokenizer)."""
+"""Detection-row rewards (``task_mode: detection``); they need a :class:`DetectionScorer` (the tokenizer)."""
 
 REWARD_NAMES: tuple[str, ...] = (*SUMMARY_REWARDS, SCHEMA_TREE, *DETECTION_REWARDS)
 
@@ -134,8 +134,8 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
     },
 }
 """§5.3 weights of the summary presets (the six rewards no preset lists are included with weight 0 so they are
-logged), and the detection preset: F1 at the matching gate, the matches' mean maskIoU, the format term; precision
-and recall logged."""
+logged), and the detection preset: F1 at the matching gate, the matches' mean maskIoU, the format term;
+precision and recall logged."""
 
 
 def uses_detection(weights: Mapping[str, float]) -> bool:
@@ -153,7 +153,8 @@ def get_reward(name: str, schemas: SummarySchemas | None = None) -> SampleReward
     if name == SCHEMA_TREE:
         if schemas is None:
             raise ValueError(
-                "summary.schema_tree needs a schema; set grpo.reward_schema_path or drop the reward from the weights"
+                "summary.schema_tree needs a schema; set grpo.reward_schema_path or drop the reward from the "
+                "weights"
             )
         return functools.partial(schema_tree_reward, schemas=schemas)
     if name in DETECTION_REWARDS:

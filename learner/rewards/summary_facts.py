@@ -22,7 +22,7 @@ from learner.rewards.summary_parse import (
 Fact = tuple[str, str, str]
 
 TVERSKY_ALPHA: dict[str, float] = {"BBU": 0.3, "RRU": 0.6}
-"""False-positive weight per domain (§5: α = 0.3 for BBU, 0.6 for RRU); domains not listed use the RRU value."""
+"""False-positive weight per domain (§5: α = 0.3 for BBU, 0.6 for RRU); unlisted domains use the RRU value."""
 TVERSKY_BETA = 1.0
 
 

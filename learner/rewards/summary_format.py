@@ -31,7 +31,8 @@ def format_reward(sample: SummarySample) -> float:
 
 
 def header_reward(sample: SummarySample) -> float:
-    """``summary.header``: relevant → 1.0 iff line 1 is the expected header; irrelevant → −1.0 for any header."""
+    """``summary.header``: relevant → 1.0 iff line 1 is the expected header; irrelevant → −1.0 for any
+    header."""
     if _relevant(sample):
         return 1.0 if sample.lines[0] == expected_header(sample.row.domain) else 0.0
     if _irrelevant(sample):

@@ -4,7 +4,8 @@ Every summary reward reads a completion through :func:`make_sample`, so the text
 the JSON parse with duplicate-key detection and the category merge are defined exactly once.
 
 Invariants:
-    * ``SummarySample.lines`` is ``text.split("\\n")`` of the cleaned text (never empty: ``"".split`` gives ``[""]``).
+    * ``SummarySample.lines`` is ``text.split("\\n")`` of the cleaned text (never empty: ``"".split`` gives
+      ``[""]``).
     * ``SummarySample.pred`` is a ``dict`` or ``None`` (unparseable: fewer than two lines, invalid JSON, or a
       JSON value that is not an object).
     * ``categories()`` keys are stripped category names; its values never contain ``类别``.
@@ -99,7 +100,8 @@ class SummaryRow:
         task_mode: ``summary`` or ``dense``; every summary reward scores 0.0 unless ``summary``.
         domain: ``BBU`` or ``RRU`` (other strings are kept; they simply never match a BBU-only rule).
         ref: the reference object for a relevant image, else ``None``.
-        ref_kind: ``relevant`` (object), ``irrelevant`` (``无关图片``) or ``invalid`` (anything else; scores 0.0).
+        ref_kind: ``relevant`` (object), ``irrelevant`` (``无关图片``) or ``invalid`` (anything else;
+            scores 0.0).
     """
 
     task_mode: str

@@ -32,7 +32,7 @@ MAX_PATH_CHILD_CHARS = 32
 
 
 def category_recall_reward(sample: SummarySample) -> float:
-    """``summary.category_recall``: ``#(P ∩ R) / #R`` over category names; ``R`` empty → 1.0 iff ``P`` empty."""
+    """``summary.category_recall``: ``#(P ∩ R) / #R`` of category names; empty ``R`` → 1.0 iff ``P`` empty."""
     pair = pred_and_ref(sample)
     if pair is None:
         return 0.0
@@ -58,7 +58,7 @@ def _attr_keys(attrs: dict[str, Any]) -> set[str]:
 
 
 def attr_key_recall_reward(sample: SummarySample) -> float:
-    """``summary.attr_key_recall``: mean over reference categories of attribute-key recall (``文本`` excluded).
+    """``summary.attr_key_recall``: mean attribute-key recall over reference categories (``文本`` excluded).
 
     Every reference category with a non-empty key set weighs the same; a missing predicted category
     recalls nothing. No reference category → 1.0 iff no predicted category; reference categories all

@@ -7,7 +7,11 @@ Schema file format (JSON; see ``learner/rewards/schemas/README.md``)::
         "top_level_allowed": ["统计", "备注"],
         "top_level_required": ["统计"],
         "categories": {
-          "A": {"required": ["可见性"], "any_of": [["捆扎", "保护措施"]], "allowed": ["可见性", "捆扎", "保护措施"]}
+          "A": {
+            "required": ["可见性"],
+            "any_of": [["捆扎", "保护措施"]],
+            "allowed": ["可见性", "捆扎", "保护措施"]
+          }
         }
       },
       "RRU": {...}

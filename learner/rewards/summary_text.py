@@ -114,7 +114,9 @@ def note_clauses(obj: dict[str, Any]) -> set[str]:
 
 
 def notes_bbu_reward(sample: SummarySample) -> float:
-    """``summary.notes_bbu`` (BBU only): set recall of ``备注`` clauses; no reference clause → 1.0 iff none predicted."""
+    """``summary.notes_bbu`` (BBU only): set recall of ``备注`` clauses.
+
+    No reference clause → 1.0 iff none predicted."""
     pair = pred_and_ref(sample)
     if pair is None or sample.row.domain != "BBU":
         return 0.0

@@ -95,8 +95,8 @@ def build_rollout_source(
 ) -> RolloutSource:
     """The configured `RolloutSource`: server client(s) or the colocated engine (same protocol).
 
-    `encoder` is the run's prompt encoder; a colocated HF engine encodes its prompts (images included) with it,
-    so rollout and teacher forcing share one encoding and one image cache.
+    `encoder` is the run's prompt encoder; a colocated HF engine encodes its prompts (images included) with
+    it, so rollout and teacher forcing share one encoding and one image cache.
     """
     if cfg.rollout.mode == "server":
         from learner.rollout.server_source import ServerRolloutSource
@@ -153,8 +153,8 @@ def check_images(policy: Policy, samples: list[dict[str, Any]], cfg: RunConfig) 
     if with_images is not None:
         raise ConfigError(
             f"data.train holds image records (sample base_idx={with_images['base_idx']} of "
-            f"{with_images['dataset']}) but model.path {cfg.model.path} is a text-only model; point model.path "
-            "at a Qwen-VL checkpoint, or use text-only records with data.max_images_per_sample: 0"
+            f"{with_images['dataset']}) but model.path {cfg.model.path} is a text-only model; point "
+            "model.path at a Qwen-VL checkpoint, or use text-only records with data.max_images_per_sample: 0"
         )
 
 
@@ -166,8 +166,8 @@ def check_sync_mode(cfg: RunConfig, policy: Policy) -> None:
     """
     if cfg.rollout.sync.mode == "adapter" and policy.trains_outside_adapters:
         raise ConfigError(
-            "rollout.sync.mode is 'adapter' but base weights train outside the adapters (model.freeze_vision / "
-            "model.freeze_aligner false): an adapter sync would leave the engine's vision tower stale; use "
+            "rollout.sync.mode is 'adapter' but base weights train outside the adapters (model.freeze_vision "
+            "/ model.freeze_aligner false): an adapter sync would leave the engine's vision tower stale; use "
             "rollout.sync.mode: full (or auto, which picks full here)"
         )
 

@@ -1,4 +1,4 @@
-"""Overlapped rollouts (`rollout.async`, issue 13): the servers generate the next window while the learner trains.
+"""Overlapped rollouts (`rollout.async`, issue 13): servers generate the next window while the learner trains.
 
 One code path for both schedules. Every optimizer step that rolls out asks `RolloutOverlap.fetch` for its
 results with the step's one `InferBatch` (`StepPlanner.step_batch`: the §5.3 seeds of that step):
@@ -109,7 +109,7 @@ class VersionLedger:
         self.steps[int(version)] = int(step)
 
     def staleness(self, result: InferResult, step: int) -> int | None:
-        """Steps between `result`'s weights and step `step`; None for a version no sync of this run produced."""
+        """Steps from `result`'s weights to step `step`; None for a version no sync of this run produced."""
         synced = self.steps.get(result.weight_version)
         return None if synced is None else step - synced
 
@@ -130,8 +130,8 @@ class RolloutOverlap:
         max_staleness: `rollout.async.max_staleness`.
         wait_timeout_s: limit of one wait for a background result.
         ledger: weight version → step of this run's syncs (the trainer records every sync).
-        agree: with several learner ranks, an all-reduce OR of a flag, called by every rank at the same points of
-            `fetch` (did any rank fail; does any rank regenerate); the default is a single process.
+        agree: with several learner ranks, an all-reduce OR of a flag, called by every rank at the same points
+            of `fetch` (did any rank fail; does any rank regenerate); the default is a single process.
     """
 
     def __init__(
@@ -209,12 +209,13 @@ class RolloutOverlap:
             results, lags, stale, generate_s = [None] * n, [None] * n, list(range(n)), 0.0
         wait_s = time.perf_counter() - started
         sync_s = 0.0
-        # Collective with several ranks: when any rank regenerates, every rank meets in this step's sync first.
+        # Collective with several ranks: when any rank regenerates, every rank first meets in this
+        # step's sync.
         if self._agree(bool(stale)):
             if stale:
                 logger.warning(
-                    "step %d: %d of %d background rollouts lag more than rollout.async.max_staleness=%d steps; "
-                    "regenerating them",
+                    "step %d: %d of %d background rollouts lag more than rollout.async.max_staleness=%d "
+                    "steps; regenerating them",
                     step,
                     len(stale),
                     n,
@@ -265,8 +266,9 @@ class RolloutOverlap:
         return results, time.perf_counter() - started
 
     def _everywhere(self, call: Callable[[], T]) -> T:
-        """Runs this rank's part of a rollout; then every rank learns (through `agree`) whether any rank failed, so
-        that a failure on one rank stops all of them instead of leaving the others in the next collective."""
+        """Runs this rank's part of a rollout; then every rank learns (through `agree`) whether any rank
+        failed, so a failure on one rank stops all of them instead of leaving the others in the next
+        collective."""
         failure: Exception | None = None
         try:
             value = call()
@@ -288,7 +290,8 @@ class RolloutOverlap:
             raise RolloutWaitTimeout(
                 f"the background rollout of step {pending.target_step} ({len(pending.batch.infer_requests)} "
                 f"requests to {', '.join(self.endpoints)}) was not back after {self.wait_timeout_s:.0f} s; "
-                "check those servers' logs (a hung or overloaded engine), or raise rollout.async.wait_timeout_s"
+                "check those servers' logs (a hung or overloaded engine), or raise "
+                "rollout.async.wait_timeout_s"
             ) from None
 
 

@@ -8,9 +8,9 @@ cannot use the flash kernel. On a CPU with an 8k-token row of 16 image segments 
 the same segments right-padded took ~1 s. Flash-attention's varlen kernel avoids this on GPUs that have it;
 this module does the same with plain SDPA, for every device:
 
-- packed rows (the forward receives `cu_seq_lens_q`, which `PackedBatch.model_inputs(flash_varlen_kwargs=True)`
-  passes): per segment `[cu[i], cu[i+1])`, one `scaled_dot_product_attention(..., is_causal=True)` — exactly the
-  attention the segment gets alone;
+- packed rows (the forward receives `cu_seq_lens_q`, which
+  `PackedBatch.model_inputs(flash_varlen_kwargs=True)` passes): per segment `[cu[i], cu[i+1])`, one
+  `scaled_dot_product_attention(..., is_causal=True)` — exactly the attention the segment gets alone;
 - right-padded rows (`pad_segments`): one causal SDPA call over the batch with NO mask: a real token at
   position p attends to positions ≤ p, which are all real (padding only follows), so real tokens are exact and
   padding positions, which no loss reads, are don't-care;
@@ -101,7 +101,7 @@ def segment_sdpa(
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function of `SEGMENT_SDPA`: causality comes from `is_causal`, isolation from the segment bounds."""
+    """`SEGMENT_SDPA`'s mask function: causality comes from `is_causal`, isolation from the segment bounds."""
     return None
 
 
@@ -119,8 +119,8 @@ def _register() -> None:
 
 
 def _text_configs(model: torch.nn.Module) -> list[Any]:
-    """The config whose `_attn_implementation` the language model reads: a VL model's `text_config` (its vision
-    tower keeps its own attention), else the model's config."""
+    """The config whose `_attn_implementation` the language model reads: a VL model's `text_config` (its
+    vision tower keeps its own attention), else the model's config."""
     base = model
     while hasattr(base, "module"):  # DDP / DeepSpeed engine wrappers
         base = base.module
@@ -143,8 +143,8 @@ def packed_attention(model: torch.nn.Module, *, enabled: bool = True) -> Iterato
     Wrap the forward AND the backward: gradient checkpointing re-runs the forward during the backward, which
     must attend the same way (the trainer wraps its whole `training_step`). Nested blocks are no-ops, so the
     trainer's step and `forward_for_loss` inside it compose. Only models configured for `sdpa` are switched
-    (eager is a debugging choice; flash-attention has varlen already). Not for concurrent use of one model from
-    several threads: the trainer's step is single-threaded.
+    (eager is a debugging choice; flash-attention has varlen already). Not for concurrent use of one model
+    from several threads: the trainer's step is single-threaded.
     """
     configs = [c for c in _text_configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
     if not enabled or not configs:

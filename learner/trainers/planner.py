@@ -131,14 +131,14 @@ class StepPlanner:
 
     # -- training step --------------------------------------------------------------------------
     def new_window(self) -> None:
-        """Starts a rollout-buffer window's prompt cache: call before the E-step's rollout, so that prompts (decoded
-        images) are encoded once for its rollout (a colocated HF engine encodes with the same encoder) and teacher
-        forcing; its M-steps replay the prepared batches and encode nothing."""
+        """Starts a rollout-buffer window's prompt cache: call before the E-step's rollout, so that prompts
+        (decoded images) are encoded once for its rollout (a colocated HF engine encodes with the same
+        encoder) and teacher forcing; its M-steps replay the prepared batches and encode nothing."""
         self.ctx.encoder.new_window()
 
     def step_batch(self, raws: Sequence[Sequence[dict[str, Any]]], global_step: int) -> InferBatch | None:
-        """The one rollout call of the optimizer step `global_step` over `raws` (§5.3 seeds, §17), or None when
-        the step rolls out nothing (stage-1 warm-up, or no samples).
+        """The one rollout call of the optimizer step `global_step` over `raws` (§5.3 seeds, §17), or None
+        when the step rolls out nothing (stage-1 warm-up, or no samples).
 
         A synchronous run asks for it when the step starts; an overlapped one (`rollout.async`) a step or more
         ahead — the same requests, seeds and chunking either way, so the server returns the same tokens.

@@ -52,7 +52,8 @@ class RolloutMatchingTrainer(Trainer):
         rollout_buffer: E/M-step state machine.
         run_cfg: the validated `RunConfig` (stage2 knobs, eval decoding overrides).
         eval_samples: held-out sample dicts for the rollout-only evaluation.
-        overlap: where each step's rollouts come from (background or now; `rollout.async`); default synchronous.
+        overlap: where each step's rollouts come from (background or now; `rollout.async`);
+            synchronous by default.
         **kwargs: passed to `Trainer` (model, args, train_dataset, data_collator, callbacks, ...).
     """
 
@@ -148,8 +149,8 @@ class RolloutMatchingTrainer(Trainer):
         return rollouts
 
     def _next_launch(self, epoch_iterator, step: int, decision: Any) -> tuple[list[Any], int] | None:
-        """`(raw micro-batches, target step)` of the next window that rolls out, when async is on and it is at most
-        `rollout.async.max_staleness` steps ahead (the E/M buffer's M-steps in between roll out nothing)."""
+        """`(raw micro-batches, target step)` of the next window that rolls out, when async is on and that
+        window is at most `rollout.async.max_staleness` steps ahead (E/M buffer M-steps roll out nothing)."""
         cfg = self.run_cfg.rollout.async_
         if not cfg.enabled or self.overlap.pending_step not in (None, step):  # one request ahead at a time
             return None
@@ -168,7 +169,7 @@ class RolloutMatchingTrainer(Trainer):
         return None
 
     def _replays(self, tagged: list[TaggedBatch], decision: Any) -> bool:
-        """Whether a future window is an M-step of the window this step trains (§15.3): nothing to roll out."""
+        """Whether a future window is an M-step of this step's window (§15.3): nothing to roll out."""
         window_ids = {t.window_id for t in tagged}
         return (
             self.rollout_buffer.enabled
@@ -179,7 +180,7 @@ class RolloutMatchingTrainer(Trainer):
         )
 
     def _sync_now(self) -> float:
-        """The lazy §5.6 sync of this step (a no-op when it already ran); records the weight version it made."""
+        """The lazy §5.6 sync of this step (no-op if it already ran); records the weight version it made."""
         before = self.weight_sync.last_synced_step
         seconds = self.weight_sync.maybe_sync(self.model, self.state.global_step, self.planner.source)
         if self.weight_sync.last_synced_step != before:
@@ -204,7 +205,7 @@ class RolloutMatchingTrainer(Trainer):
 
     # -- loss ---------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """HF's step, timed: `time/backward_s` = the step's wall time minus the forward measured in compute_loss."""
+        """HF's step, timed: `time/backward_s` is its wall time minus the forward timed in compute_loss."""
         t0 = time.perf_counter()
         self._last_forward_s = 0.0
         # The whole step (gradient checkpointing re-runs the forward inside the backward) attends per segment.

@@ -48,9 +48,9 @@ class StrategyReport:
     def line(self) -> str:
         gib = 1024**3
         return (
-            f"rank {self.rank}/{self.world_size}: {self.strategy}, parameters {self.param_bytes / gib:.3f} GiB,"
-            f" gradients {self.grad_bytes / gib:.3f} GiB, optimizer state {self.optimizer_state_bytes / gib:.3f}"
-            " GiB"
+            f"rank {self.rank}/{self.world_size}: {self.strategy}, parameters {self.param_bytes / gib:.3f}"
+            f" GiB, gradients {self.grad_bytes / gib:.3f} GiB, optimizer state"
+            f" {self.optimizer_state_bytes / gib:.3f} GiB"
         )
 
 

@@ -3,9 +3,10 @@ docs/ARCHITECTURE.md#weight-sync).
 
 Full sync: inside `merged_adapters(model)` the LoRA/DoRA deltas are merged into the base weights, and
 `full_state_items` yields every tensor under the BASE model's parameter names — the names
-`base_model.state_dict()` has, each tensor once (a tied `lm_head.weight` travels as `model.embed_tokens.weight`
-only: the engines tie it back, and the vocabulary matrix is often the largest tensor). The names come from walking the module tree
-(as PEFT's own `get_base_model_state_dict` does), not from string surgery on keys:
+`base_model.state_dict()` has, each tensor once (a tied `lm_head.weight` travels as
+`model.embed_tokens.weight` only: the engines tie it back, and the vocabulary matrix is often the largest
+tensor). The names come from walking the module tree (as PEFT's own `get_base_model_state_dict` does), not
+from string surgery on keys:
 
 - the PEFT wrapper (`base_model.model.`) is not part of any name: the walk starts at the wrapped model;
 - a tuner layer (LoRA/DoRA `q_proj`) contributes only its `base_layer`, under the layer's own name, so

@@ -12,12 +12,13 @@ adapter when the engine reports LoRA and the model is a PEFT model, else full. W
 any adapter failure warns once and switches to full for the rest of the run, syncing full at once.
 
 Multi-rank runs: only rank 0 sends (and resolves the mode, which a second `all_ok` round then hands to every
-rank, so every rank's requests name the adapter in adapter mode); every rank meets in `all_ok`, a collective that ANDs each rank's
-success flag (and so is also the barrier before the next rollout). A failed sync on rank 0 therefore stops
-every rank with an error instead of leaving the others waiting forever in a barrier. The policy never imports
-`torch.distributed`: the trainer injects `is_rank0` and `all_ok` (`learner.trainers.build.all_ranks_ok`).
-Under ZeRO-3 the export gathers are collectives, so ranks other than 0 run (and discard) the same export,
-and enter it only after a first `all_ok` round in which rank 0 says it got that far.
+rank, so every rank's requests name the adapter in adapter mode); every rank meets in `all_ok`, a collective
+that ANDs each rank's success flag (and so is also the barrier before the next rollout). A failed sync on
+rank 0 therefore stops every rank with an error instead of leaving the others waiting forever in a barrier.
+The policy never imports `torch.distributed`: the trainer injects `is_rank0` and `all_ok`
+(`learner.trainers.build.all_ranks_ok`). Under ZeRO-3 the export gathers are collectives, so the other ranks
+run (and discard) the same export, and enter it only after a first `all_ok` round in which rank 0 says it
+got that far.
 """
 
 from __future__ import annotations
@@ -63,16 +64,17 @@ class SyncConfig(BaseModel):
     """On any adapter-sync failure: warn once, sync full now and for the rest of the run."""
     transport: Literal["http", "shm", "gloo", "nccl"] = "http"
     """Server mode: buckets as HTTP bodies; as files in the shared staging dir (same host only); or broadcast
-    over ONE process group with every server, one broadcast per bucket (`gloo` on CPU hosts, packed on the host;
-    `nccl` on GPUs, packed on the learner's GPU and never through host memory: HTTP then carries only the
-    control; full syncs only, adapter syncs stay on HTTP). Implementations: `learner.rollout.transports`."""
+    over ONE process group with every server, one broadcast per bucket (`gloo` on CPU hosts, packed on the
+    host; `nccl` on GPUs, packed on the learner's GPU and never through host memory: HTTP then carries only
+    the control; full syncs only, adapter syncs stay on HTTP). Implementations:
+    `learner.rollout.transports`."""
     bucket_mb: int = Field(default=512, ge=1)
     """Upper bound of one safetensors bucket, MiB."""
     shm_dir: str | None = None
     """`shm` transport: the servers' `server.shm_dir` (`/health` does not expose it)."""
     collective_address: str | None = None
-    """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens there);
-    None = `127.0.0.1`, allowed only when every server is on this host."""
+    """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens
+    there); None = `127.0.0.1`, allowed only when every server is on this host."""
     collective_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """`gloo`/`nccl`: limit of each group rendezvous, each bucket broadcast and each server's prepare wait,
     seconds (a server that dies mid-sync fails the sync within it)."""
@@ -176,14 +178,14 @@ class WeightSyncPolicy:
         self.mode = "adapter" if adapter else "full"
 
     def _agree(self, ok: bool, failure: Exception | None, global_step: int) -> None:
-        """Meets every rank in `all_ok`; raises this rank's own failure, or a SyncError when another failed."""
+        """Meets every rank in `all_ok`; raises this rank's failure, or a SyncError when another failed."""
         everyone_ok = self._all_ok(ok)
         if failure is not None:
             raise failure
         if not everyone_ok:
             raise SyncError(
-                f"weight sync of step {global_step} failed on rank 0 (its log names the server and the cause);"
-                " this rank stops with it"
+                f"weight sync of step {global_step} failed on rank 0 (its log names the server and the"
+                " cause); this rank stops with it"
             )
 
     def _prepare(self, model: nn.Module, source: RolloutSource) -> None:
@@ -236,7 +238,8 @@ class WeightSyncPolicy:
             mode = wanted
         if mode == "adapter" and not is_peft_model(model):
             raise ValueError(
-                "rollout.sync.mode 'adapter' needs a PEFT model (model.adapter: lora or dora); use 'full' or 'auto'"
+                "rollout.sync.mode 'adapter' needs a PEFT model (model.adapter: lora or dora); use 'full' or "
+                "'auto'"
             )
         logger.info("weight sync mode: %s (configured %s)", mode, wanted)
         return mode
@@ -287,7 +290,7 @@ class WeightSyncPolicy:
 
 
 def stage2_seed_plan(seed: int) -> Callable[[int], str]:
-    """The stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`learner.rollout.seeds`)."""
+    """Stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`learner.rollout.seeds`)."""
 
     def plan(global_step: int) -> str:
         base = request_seed(seed, global_step, 0, 0)
