@@ -72,8 +72,8 @@ def launch_env(cfg: ServerConfig) -> dict[str, str]:
 def export_engine_env(cfg: ServerConfig) -> None:
     """Environment the engine reads at start (set here, never deep in libraries).
 
-    A Qwen-VL checkpoint on a host without torchvision (this repository's CPU machines) gets the import shim of
-    `rollout_server/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with
+    A Qwen-VL checkpoint on a host without torchvision (this repository's CPU machines) gets the import shim
+    of `rollout_server/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with
     torchvision never load it.
     """
     if is_vl_checkpoint(cfg.model_path):
@@ -125,15 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             listener = HealthListener(cfg.host, cfg.health_port, time.monotonic())
         except OSError as exc:
             print(
-                f"server.health_port {cfg.health_port} on {cfg.host} cannot be bound ({exc}); choose another port",
+                f"server.health_port {cfg.health_port} on {cfg.host} cannot be bound ({exc});"
+                " choose another port",
                 file=sys.stderr,
             )
             return EXIT_PORT_IN_USE
         listener.start()  # liveness answers while the engine loads
         logger.info("probe listener on %s:%d (scheduling: %s)", cfg.host, listener.port, listener.scheduling)
     app = create_app(cfg, on_load_failure=on_load_failure, health_listener=listener)
-    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish for drain_timeout_s, then cancels
-    # them (a cancelled /infer/ aborts its engine requests); the lifespan closes the engine; exit 0.
+    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish for drain_timeout_s, then
+    # cancels them (a cancelled /infer/ aborts its engine requests); the lifespan closes the engine; exit 0.
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -101,8 +101,8 @@ class VllmServerConfig(_Section):
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Concurrent sequences per engine."""
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    """Tokens per engine step (null: vLLM's default; on CPU max(4096, max_model_len), and at least max_model_len
-    there, since the CPU server never prefills in chunks: see `engines/vllm/params.py`)."""
+    """Tokens per engine step (null: vLLM's default; on CPU max(4096, max_model_len), and at least
+    max_model_len there, since the CPU server never prefills in chunks: see `engines/vllm/params.py`)."""
     kv_cache_space_gb: int | None = Field(default=None, ge=1)
     """CPU backend only: KV cache GiB (exported as `VLLM_CPU_KVCACHE_SPACE` by `__main__`/launcher)."""
     disable_custom_all_reduce: bool | None = None
@@ -130,8 +130,9 @@ class ServerConfig(_Section):
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port."""
     health_port: int | None = Field(default=None, ge=1, le=65535)
-    """Port of the probe listener (`/health/live`, `/health/ready`, `/health` in a process of its own, so probes
-    never wait behind generation; `rollout_server.health_listener`); None: probes on the main port only."""
+    """Port of the probe listener (`/health/live`, `/health/ready`, `/health` in a process of its own, so
+    probes never wait behind generation; `rollout_server.health_listener`); None: probes on the main port
+    only."""
     drain_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     """On SIGTERM/SIGINT: stop accepting, give in-flight requests this long to finish, then abort the rest,
     close the engine and exit 0."""
@@ -162,10 +163,11 @@ class ServerConfig(_Section):
     sync_timeout_s: float = Field(default=600.0, gt=0.0)
     """A staged sync idle for this long is discarded."""
     sync_staging: Literal["auto", "device", "host"] = "auto"
-    """Collective transport (`gloo`/`nccl`): where received buckets wait for the commit. `device`: in GPU memory
-    (one model's worth; the commit is a device copy); `host`: in pinned host memory (two buckets of GPU memory
-    while receiving; the commit copies host to device); `auto`: device when free GPU memory exceeds 1.25x the
-    model + 1 GiB at the sync's begin, else host. HTTP/shm syncs always stage in files on /dev/shm."""
+    """Collective transport (`gloo`/`nccl`): where received buckets wait for the commit. `device`: in GPU
+    memory (one model's worth; the commit is a device copy); `host`: in pinned host memory (two buckets of GPU
+    memory while receiving; the commit copies host to device); `auto`: device when free GPU memory exceeds
+    1.25x the model + 1 GiB at the sync's begin, else host. HTTP/shm syncs always stage in files on
+    /dev/shm."""
     vllm: VllmServerConfig = Field(default_factory=VllmServerConfig)
     """vLLM engine knobs."""
     hf: HfServerConfig = Field(default_factory=HfServerConfig)

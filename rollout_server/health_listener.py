@@ -1,23 +1,25 @@
-"""Probes that never wait behind generation: a small HTTP listener in a process of its own (`server.health_port`).
+"""Probes that never wait behind generation: a small HTTP listener in a process of its own
+(`server.health_port`).
 
 The main port's routes run on the asyncio event loop; when the loop is busy (a long prefill's Python side, a
 large request body being parsed, a sync's validation) a probe there waits with it — measured 1–3 s under a
 saturated CPU. A thread in the server process is not enough: it still needs the GIL, and measured with the CPU
 saturated its p99 was no better than the main port's (bench/RESULTS.md). So the listener is a child process
 that imports only the standard library, answers on one thread, raises its own scheduling priority when allowed
-(SCHED_RR 1, else nice -10: `_raise_priority`), and answers from a snapshot FILE the event loop rewrites every 0.2 s (`HealthListener.publish`, atomic rename on
-tmpfs); a probe never needs the server's loop, GIL or memory. It serves (GET only, no auth, like `/health`):
+(SCHED_RR 1, else nice -10: `_raise_priority`), and answers from a snapshot FILE the event loop rewrites every
+0.2 s (`HealthListener.publish`, atomic rename on tmpfs); a probe never needs the server's loop, GIL or
+memory. It serves (GET only, no auth, like `/health`):
 
 | path | 200 when | body |
 |---|---|---|
 | `/health/live` | the server process is alive | `{"status": "alive", "uptime_s", "snapshot_age_s"}` |
-| `/health/ready` | the engine is loaded and `ok`, and no weight update is being applied | the `/health` body |
+| `/health/ready` | the engine is loaded and `ok`, and no weight update is being applied | `/health`'s body |
 | `/health`, `/health/` | as the main port's `/health`: the engine is loaded and `ok` | the `/health` body |
 
 Liveness is the server process being alive (the child checks its parent; it exits when the parent is gone);
-readiness is what the engine can do. `snapshot_age_s` says how long ago the event loop last wrote the snapshot:
-a growing age with live answers means a stuck loop, which an orchestrator may act on (the listener never
-judges it). Everything else is 404 in the error envelope.
+readiness is what the engine can do. `snapshot_age_s` says how long ago the event loop last wrote the
+snapshot: a growing age with live answers means a stuck loop, which an orchestrator may act on (the listener
+never judges it). Everything else is 404 in the error envelope.
 
 Run as `python -m rollout_server.health_listener --host H --port P --snapshot FILE --parent PID --started T`
 (the server does this; `HealthListener` below is the server's side).
@@ -156,9 +158,9 @@ def _raise_priority() -> str:
     First choice is SCHED_RR at the lowest real-time priority (1): the listener sleeps in `accept` and each
     answer is a file read and a few hundred bytes, so it preempts the engine and the clients only for those
     microseconds, and the kernel's real-time throttling (`sched_rt_runtime_us`, 95 % by default) bounds even a
-    runaway. Measured with the CPU saturated (bench/bench_load.py), nice -10 alone left a p99 of 140-340 ms: CFS
-    still makes a woken task wait for the running one's slice. Without CAP_SYS_NICE (or root) it falls back to
-    nice -10, then to the server's priority, and says so on stderr.
+    runaway. Measured with the CPU saturated (bench/bench_load.py), nice -10 alone left a p99 of 140-340 ms:
+    CFS still makes a woken task wait for the running one's slice. Without CAP_SYS_NICE (or root) it falls
+    back to nice -10, then to the server's priority, and says so on stderr.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
@@ -170,8 +172,8 @@ def _raise_priority() -> str:
         return "nice -10"
     except OSError as exc:
         print(
-            f"health listener: priority unchanged (SCHED_RR: {realtime_error}; nice: {exc}); probes may wait on"
-            " a saturated host: grant CAP_SYS_NICE to the server's container",
+            f"health listener: priority unchanged (SCHED_RR: {realtime_error}; nice: {exc});"
+            " probes may wait on a saturated host: grant CAP_SYS_NICE to the server's container",
             file=sys.stderr,
         )
         return "unchanged"
@@ -201,9 +203,9 @@ def _serve(host: str, port: int, snapshot_path: Path, parent: int, started: floa
         def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep quiet
             return
 
-    # One thread answers every probe in turn (each answer is a file read and a few hundred bytes): no thread to
-    # start per probe, which measured slower under a saturated CPU; a client that stalls mid-request is cut off
-    # after a second (`Handler.timeout`), so it cannot hold the others up for longer.
+    # One thread answers every probe in turn (each answer is a file read and a few hundred bytes): no thread
+    # to start per probe, which measured slower under a saturated CPU; a client that stalls mid-request is cut
+    # off after a second (`Handler.timeout`), so it cannot hold the others up for longer.
     server = HTTPServer((host, port), Handler)
 
     def watch_parent() -> None:  # the server is gone: so are we (liveness must not outlive it)

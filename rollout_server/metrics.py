@@ -2,24 +2,29 @@
 
 One `CollectorRegistry` per app (never the process-global one: `create_app` runs many times in one process).
 HTTP series come from `prometheus-fastapi-instrumentator` (`http_requests_total` by handler, method and
-status; `http_request_duration_seconds` and `http_request_duration_highr_seconds` latency histograms; request and
-response sizes); this module adds the rollout series the instrumentator cannot see:
+status; `http_request_duration_seconds` and `http_request_duration_highr_seconds` latency histograms;
+request and response sizes); this module adds the rollout series the instrumentator cannot see:
 
 | series | type | labels | meaning |
 |---|---|---|---|
 | `rollmatch_infer_samples_total` | counter | | completions generated (request × `n`) |
 | `rollmatch_infer_calls_in_flight` | gauge | | `/infer/` calls admitted and not yet answered |
-| `rollmatch_infer_samples_in_flight` | gauge | | completions of `/infer/` calls admitted and not yet answered (generating, or waiting behind a weight commit) |
-| `rollmatch_infer_disconnects_total` | counter | | `/infer/` calls whose client went away (generation aborted) |
+| `rollmatch_infer_samples_in_flight` | gauge | | completions of admitted, unanswered `/infer/` calls (1) |
+| `rollmatch_infer_disconnects_total` | counter | | `/infer/` calls whose client went away (aborted) |
 | `rollmatch_prompt_tokens_total` | counter | | prompt tokens of answered requests |
 | `rollmatch_generation_tokens_total` | counter | | generated tokens |
 | `rollmatch_infer_batch_size` | histogram | | completions per `/infer/` call (the engine's batch) |
-| `rollmatch_weight_syncs_total` | counter | mode, transport, outcome | syncs by outcome (`committed`, `rejected`, `aborted`, `expired`, `superseded`, `failed`) |
+| `rollmatch_weight_syncs_total` | counter | mode, transport, outcome | syncs by outcome (2) |
 | `rollmatch_weight_sync_bytes_total` | counter | mode, transport | tensor bytes of committed syncs |
 | `rollmatch_weight_sync_seconds` | histogram | mode, transport | begin → commit of committed syncs |
-| `rollmatch_weight_sync_staging_bytes` | gauge | where | bytes the last committed full sync staged before its commit, by `where` (`device`: GPU memory, `host`: pinned host memory or /dev/shm files; `auto` when the vLLM workers chose); see `server.sync_staging` |
+| `rollmatch_weight_sync_staging_bytes` | gauge | where | bytes the last committed full sync staged (3) |
 | `rollmatch_weight_version` | gauge | | weight version served |
-| `rollmatch_health_status` | gauge | status | 1 for the current `/health` status (`ok`, `loading`, `error`), 0 for the others |
+| `rollmatch_health_status` | gauge | status | 1 for the current `/health` status, 0 for the others (4) |
+
+(1) generating, or waiting behind a weight commit. (2) `committed`, `rejected`, `aborted`, `expired`,
+`superseded`, `failed`. (3) before its commit, by `where`: `device` (GPU memory), `host` (pinned host memory
+or /dev/shm files), `auto` when the vLLM workers chose; see `server.sync_staging`. (4) `ok`, `loading`,
+`error`.
 
 The two gauges that describe state (`weight_version`, `health_status`) are refreshed when scraped. Requests
 queued INSIDE vLLM's scheduler are not a separate series: the engine runs with `disable_log_stats`, so its

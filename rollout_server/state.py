@@ -1,4 +1,4 @@
-"""The one typed object a server app keeps: config, engine (once loaded), load error, sync staging, metrics."""
+"""The one typed object a server app keeps: config, engine (if loaded), load error, sync staging, metrics."""
 
 from __future__ import annotations
 

@@ -3,20 +3,20 @@ builder (`process_group`, used by the learner's sender too) and the ONE receive 
 used by the HF engine in the server process and by every vLLM worker through `vllm.transfer`).
 
 The learner's rank 0 and the receivers of EVERY server of the sync form ONE process group (learner = rank 0;
-each server's receivers — every TP worker of every DP engine — a block of ranks the learner assigns at `begin`:
-`CollectiveSpec.rank_offset` onwards, in a group of `world_size`). HTTP carries only the control (`begin` with
-the manifest and the rendezvous, `prepare`, `commit`/`abort`, the version); the bytes of each manifest bucket
-travel as ONE flattened `uint8` broadcast from rank 0 to the whole group, whatever the number of servers — the
-bucket's tensors back to back in manifest order, exactly `BucketSpec.nbytes` long, no header (the manifest,
-validated at `begin`, is the header).
+each server's receivers — every TP worker of every DP engine — a block of ranks the learner assigns at
+`begin`: `CollectiveSpec.rank_offset` onwards, in a group of `world_size`). HTTP carries only the control
+(`begin` with the manifest and the rendezvous, `prepare`, `commit`/`abort`, the version); the bytes of each
+manifest bucket travel as ONE flattened `uint8` broadcast from rank 0 to the whole group, whatever the number
+of servers — the bucket's tensors back to back in manifest order, exactly `BucketSpec.nbytes` long, no header
+(the manifest, validated at `begin`, is the header).
 
-Receivers STAGE what they receive: it is loaded only at the sync's commit, so a learner that dies mid-broadcast
-leaves the served weights untouched. Where the staged copy lives is `server.sync_staging`: `device` keeps every
-received bucket in GPU memory (one model's worth, the commit is a device-to-device copy), `host` receives into
-two reused GPU buffers and moves each bucket to pinned host memory (two buckets of GPU memory; the commit copies
-host to device); `auto` picks `device` when the GPU has room for the model plus a margin. On NCCL nothing inside
-the receive loop waits on the host: broadcasts and host copies are ordered on a CUDA stream of their own, and
-only the end waits (bounded by the sync's timeout) for the last broadcast.
+Receivers STAGE what they receive: it is loaded only at the sync's commit, so a learner that dies
+mid-broadcast leaves the served weights untouched. Where the staged copy lives is `server.sync_staging`:
+`device` keeps every received bucket in GPU memory (one model's worth, the commit is a device-to-device copy),
+`host` receives into two reused GPU buffers and moves each bucket to pinned host memory (two buckets of GPU
+memory; the commit copies host to device); `auto` picks `device` when the GPU has room for the model plus a
+margin. On NCCL nothing inside the receive loop waits on the host: broadcasts and host copies are ordered on a
+CUDA stream of their own, and only the end waits (bounded by the sync's timeout) for the last broadcast.
 
 The group is a plain `torch.distributed` backend (`ProcessGroupGloo` on CPU hosts, `ProcessGroupNCCL` on
 GPUs) over a `TCPStore` that the learner hosts, keyed by a group token; every collective has the sync's
@@ -99,8 +99,8 @@ def process_group(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         # A peer that dies mid-sync must fail the sync, not the process: unless the user chose otherwise, this
-        # group's watchdog aborts its communicator on a timeout and leaves the process running (torch's default,
-        # 3, tears the process down — the learner's training run, or the server that still serves).
+        # group's watchdog aborts its communicator on a timeout and leaves the process running (torch's
+        # default, 3, tears the process down — the learner's training run, or the server that still serves).
         previous = os.environ.get(_NCCL_ERROR_HANDLING)
         if previous is None:
             os.environ[_NCCL_ERROR_HANDLING] = "2"
@@ -146,9 +146,10 @@ def open_receiver_group(rendezvous: Any, rank: int) -> Any:
         )
     except Exception as exc:
         raise RuntimeError(
-            f"joining the learner's {backend} weight-sync group at {master_address}:{master_port} as rank {rank}"
-            f" of {world_size} failed ({type(exc).__name__}: {exc}); check that this server can reach the"
-            " learner's rollout.sync.collective_address and that the learner is still running"
+            f"joining the learner's {backend} weight-sync group at {master_address}:{master_port}"
+            f" as rank {rank} of {world_size} failed ({type(exc).__name__}: {exc}); check that this"
+            " server can reach the learner's rollout.sync.collective_address and that the learner is"
+            " still running"
         ) from exc
 
 
@@ -157,9 +158,10 @@ _RETIRED: list[Any] = []
 
 def retire_group(group: Any) -> None:
     """Forgets a group after a FAILED sync without destroying it here: its communicator may still hold a
-    broadcast that will never complete (the peer died), and tearing it down from a Python thread can block that
-    thread — with the interpreter's lock held — until the communicator's watchdog has aborted it. The group's
-    own watchdog aborts the communicator after its timeout; the object is kept until the process exits."""
+    broadcast that will never complete (the peer died), and tearing it down from a Python thread can block
+    that thread — with the interpreter's lock held — until the communicator's watchdog has aborted it. The
+    group's own watchdog aborts the communicator after its timeout; the object is kept until the process
+    exits."""
     if group is not None:
         _RETIRED.append(group)
 
@@ -231,8 +233,8 @@ def receive_buckets(
 
     On a GPU every broadcast lands in device memory. `device` staging keeps each bucket in its own buffer;
     `host` staging receives into two alternating device buffers and copies each bucket out to pinned host
-    memory (the copy of bucket k is ordered before the broadcast of bucket k + 2 into the same buffer). No host
-    wait happens inside the loop; the end waits (bounded by `timeout_s`) for the last broadcast and copy.
+    memory (the copy of bucket k is ordered before the broadcast of bucket k + 2 into the same buffer). No
+    host wait happens inside the loop; the end waits (bounded by `timeout_s`) for the last broadcast and copy.
 
     Args:
         group: the process group from `open_receiver_group`.

@@ -113,7 +113,7 @@ class EngineGroup:
 
     @classmethod
     async def from_config(cls, cfg: ServerConfig) -> EngineGroup:
-        """Starts `cfg.vllm.data_parallel_size` vLLM engines one after the other (each spawns its processes)."""
+        """Starts `cfg.vllm.data_parallel_size` vLLM engines in turn (each spawns its processes)."""
         from rollout_server.engines.vllm.engine import VllmEngine
 
         dp, tp = cfg.vllm.data_parallel_size, cfg.vllm.tensor_parallel_size
@@ -195,7 +195,7 @@ class EngineGroup:
         )
 
     async def generate(self, batch: InferBatch) -> list[InferResult]:
-        """Chunks the batch over the members by `plan_chunks`, runs chunks concurrently, reassembles in order."""
+        """Splits the batch over members (`plan_chunks`), runs chunks concurrently, reassembles in order."""
         if self._failure or self._closed:
             raise EngineError(f"engine group cannot serve: {self._failure or 'closed'}")
         if not batch.infer_requests:

@@ -27,7 +27,7 @@ router = APIRouter(tags=["infer"])
 async def infer(
     batch: InferBatch, engine: EngineDep, state: StateDep, request: Request
 ) -> InferResponse | Response:
-    """Results in request order: `results[i].index == first_index + i`; an empty batch never reaches the engine."""
+    """Results in request order: `results[i].index == first_index + i`; an empty batch skips the engine."""
     started = time.perf_counter()
     if not batch.infer_requests:
         return InferResponse(
@@ -71,9 +71,9 @@ async def _unless_disconnected(
     batch: InferBatch, engine: Engine, request: Request, state: ServerState
 ) -> list[InferResult] | None:
     """Generates `batch`, or returns None when the client disconnects first: then it cancels the generation,
-    which aborts the engine's requests (vLLM aborts a request whose output stream is closed), so a client that gave up stops
-    costing at once instead of after its whole batch. A cancelled handler (graceful-shutdown timeout) cancels
-    the generation the same way."""
+    which aborts the engine's requests (vLLM aborts a request whose output stream is closed), so a client that
+    gave up stops costing at once instead of after its whole batch. A cancelled handler (graceful-shutdown
+    timeout) cancels the generation the same way."""
     task = asyncio.ensure_future(engine.generate(batch))
     watcher = asyncio.ensure_future(_disconnect(request))
     try:

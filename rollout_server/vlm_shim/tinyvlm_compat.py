@@ -186,8 +186,8 @@ def install() -> bool:
 
 
 def install_everywhere() -> bool:
-    """`install()` in this process and, through `PYTHONPATH` (this folder's `sitecustomize.py`), in every Python
-    process started from it afterwards (vLLM's engine core and its architecture-inspection subprocess).
+    """`install()` in this process and, through `PYTHONPATH` (this folder's `sitecustomize.py`), in every
+    Python process started from it afterwards (vLLM's engine core and its architecture-inspection subprocess).
 
     Returns:
         Whether the shim is active (False where torchvision imports).

@@ -75,7 +75,7 @@ class AdapterStore:
         return lora
 
     def serve(self, name: str, lora: Any) -> Any:
-        """Makes `lora` the adapter `name` and the default; returns the `LoRARequest` it replaces (or None)."""
+        """Makes `lora` the adapter `name` and the default; returns the `LoRARequest` replaced (or None)."""
         previous = self._served.get(name)
         self._served[name] = lora
         self._default = name

@@ -136,8 +136,9 @@ class _Stream:
         if want_logprobs:
             self.logprobs.extend(sampled_logprobs(o.token_ids, o.logprobs))
             self.eot_logprobs.extend(token_logprobs(self.end_of_turn_id, o.logprobs))
-        # Before token n is chosen the guard looks at g[:n]: check every n whose token n exists (n < len), so that
-        # step n's end-of-turn logprob is known; n == len waits for the next chunk (or never comes: finished).
+        # Before token n is chosen the guard looks at g[:n]: check every n whose token n exists (n < len), so
+        # that step n's end-of-turn logprob is known; n == len waits for the next chunk (or never comes:
+        # finished).
         stop = len(self.tokens)
         text_of = self._text_of if needs_text(self.guard) else None
         cut = first_guard_cut(self.tokens, self.checked, stop, self.guard, text_of)

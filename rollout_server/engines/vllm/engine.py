@@ -296,7 +296,7 @@ class VllmEngine:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def _with_text(self, completions: list[Completion]) -> list[Completion]:
-        """Decodes the completions vLLM did not detokenize (same text as its detokenizer: specials skipped)."""
+        """Decodes the completions vLLM did not detokenize (as its detokenizer does: specials skipped)."""
         return [
             c if c.text is not None else dataclasses.replace(c, text=self._decode(c.token_ids))
             for c in completions

@@ -150,7 +150,8 @@ def resolve_prompt(
     found = sum(1 for t in ids if t == placeholder_id)
     if found != len(refs):
         raise BadRequestError(
-            f"request {index}: prompt holds {found} {IMAGE_PLACEHOLDER} placeholder(s) for {len(refs)} image(s);"
+            f"request {index}: prompt holds {found} {IMAGE_PLACEHOLDER} placeholder(s)"
+            f" for {len(refs)} image(s);"
             f" send exactly one unexpanded {IMAGE_PLACEHOLDER} per image",
             type="image_placeholder_mismatch",
             detail={"index": index, "placeholders": found, "images": len(refs)},

@@ -29,7 +29,7 @@ __all__ = [
     "sampling_params",
 ]
 
-"""Seed offset between the `n` completions of one request, as in the HF engine (odd: streams never coincide)."""
+"""Seed offset between the `n` completions of a request, as in the HF engine (odd: streams never coincide)."""
 
 _FUSED_LEAVES = {
     "q_proj": "qkv_proj",
@@ -43,7 +43,7 @@ _FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 _CPU_DEFAULT_BATCHED_TOKENS = 4096
-"""vLLM's own CPU default for `max_num_batched_tokens` (offline engines), kept when it fits `max_model_len`."""
+"""vLLM's own CPU default for `max_num_batched_tokens` (offline engines), kept if it fits `max_model_len`."""
 
 
 def engine_kwargs_from_config(cfg: ServerConfig, *, cpu: bool = False) -> dict[str, Any]:
@@ -104,7 +104,8 @@ def _no_chunked_prefill_on_cpu(kwargs: dict[str, Any], max_model_len: int) -> No
     )
     if kwargs.get("enable_chunked_prefill"):
         raise ValueError(
-            f"server.vllm.engine_kwargs.enable_chunked_prefill: true is refused on CPU: {crash}; remove the key"
+            "server.vllm.engine_kwargs.enable_chunked_prefill: true is refused on CPU:"
+            f" {crash}; remove the key"
         )
     kwargs["enable_chunked_prefill"] = False
     budget = kwargs.get("max_num_batched_tokens")

@@ -5,13 +5,13 @@
 `COLLECTIVE_BACKEND` (by `worker`, which vLLM imports in every worker before it builds the engine), switched
 on through the engine's `weight_transfer_config`, and driven by `AsyncLLM.init_weight_transfer_engine` /
 `start_weight_update` / `update_weights` / `finish_weight_update` — the worker plumbing vLLM's own NCCL engine
-uses. It differs from vLLM's NCCL engine in one way, on purpose: it does not load while receiving. The received
-tensors are STAGED in the worker and loaded only at the sync's commit, through the same `reload_weights` as
-every other transport (`worker.rollmatch_stage_received` + `rollmatch_commit_weights`), so a learner that
-dies mid-broadcast leaves the served weights untouched; the cost is one model's worth of staging memory per
-worker (GPU memory with `server.sync_staging: device`, pinned host memory with `host`), which the file
-transports pay too. The receive itself is `engines.collective.receive_buckets`, the function the HF engine
-uses: broadcasts land in device buffers, no host wait inside the loop.
+uses. It differs from vLLM's NCCL engine in one way, on purpose: it does not load while receiving. The
+received tensors are STAGED in the worker and loaded only at the sync's commit, through the same
+`reload_weights` as every other transport (`worker.rollmatch_stage_received` + `rollmatch_commit_weights`), so
+a learner that dies mid-broadcast leaves the served weights untouched; the cost is one model's worth of
+staging memory per worker (GPU memory with `server.sync_staging: device`, pinned host memory with `host`),
+which the file transports pay too. The receive itself is `engines.collective.receive_buckets`, the function
+the HF engine uses: broadcasts land in device buffers, no host wait inside the loop.
 """
 
 from __future__ import annotations

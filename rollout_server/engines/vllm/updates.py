@@ -1,11 +1,12 @@
 """Weight updates of one vLLM engine: two-phase (stage, then commit) so a data-parallel group can apply an
 update to all its members or to none (docs/ARCHITECTURE.md#sync-weights).
 
-Staging happens while generations go on and changes nothing served: every worker maps the staged bucket
-files by name (`worker`; bytes are sent through the RPC only for in-memory buckets), an adapter is written as a PEFT folder and loaded into vLLM's LoRA cache. Commit
-closes the `UpdateGate` (new batches wait, running ones finish on the old weights), swaps the update in,
-resets the prefix and encoder caches and sets the version. A full sync may leave whole layers out, but a
-layer sent in part is refused before anything is staged (vLLM rebuilds every layer it touches).
+Staging happens while generations go on and changes nothing served: every worker maps the staged bucket files
+by name (`worker`; bytes are sent through the RPC only for in-memory buckets), an adapter is written as a PEFT
+folder and loaded into vLLM's LoRA cache. Commit closes the `UpdateGate` (new batches wait, running ones
+finish on the old weights), swaps the update in, resets the prefix and encoder caches and sets the version. A
+full sync may leave whole layers out, but a layer sent in part is refused before anything is staged (vLLM
+rebuilds every layer it touches).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class WeightUpdater:
         staging (`transfer.CollectiveTransferEngine`, vLLM's `update_weights` path); nothing served changes.
 
         Raises:
-            EngineError: the rendezvous or a broadcast failed (the group is dropped; the next sync joins anew).
+            EngineError: the rendezvous or a broadcast failed (the group is dropped; the next sync joins
+                anew).
         """
         from vllm.distributed.weight_transfer.base import (
             WeightTransferInitRequest,
@@ -142,7 +144,8 @@ class WeightUpdater:
                 f"an update to version {self._pending[0].version} is staged; commit or abort it"
             )
         if update.version < self.version:
-            # Equal is allowed: re-applying the current version reloads weights (colocate wake-up after sleep).
+            # Equal is allowed: re-applying the current version reloads weights (colocate wake-up after
+            # sleep).
             raise StaleVersionError(
                 f"update version {update.version} < current weight_version {self.version};"
                 f" send a version >= {self.version}"
@@ -172,7 +175,8 @@ class WeightUpdater:
         except Exception as exc:
             await self._discard_worker_stage()
             raise EngineError(
-                f"staging weight version {update.version} in the vLLM workers failed ({type(exc).__name__}: {exc})"
+                f"staging weight version {update.version} in the vLLM workers failed"
+                f" ({type(exc).__name__}: {exc})"
             ) from exc
         self._pending = (update, None)
 
@@ -180,8 +184,8 @@ class WeightUpdater:
         """Phase 2: waits for running batches, swaps the staged update in, resets caches, bumps the version.
 
         Raises:
-            EngineError: nothing staged, or loading failed (health then reports `error`: the workers may hold a
-                partial load).
+            EngineError: nothing staged, or loading failed (health then reports `error`: the workers may
+                hold a partial load).
         """
         if self._pending is None:
             raise EngineError("no update is staged; prepare one first")
@@ -220,8 +224,9 @@ class WeightUpdater:
         if partial:
             layer, missing = next(iter(partial.items()))
             raise SyncValidationError(
-                f"layer {layer!r} is sent in part (missing {', '.join(missing)}); vLLM reloads whole layers, so"
-                f" send every tensor of each layer you update ({len(partial)} layer(s) incomplete)",
+                f"layer {layer!r} is sent in part (missing {', '.join(missing)}); vLLM reloads whole"
+                " layers, so send every tensor of each layer you update"
+                f" ({len(partial)} layer(s) incomplete)",
                 type="partial_layer",
                 detail={"layers": sorted(partial)[:10]},
             )

@@ -5,10 +5,11 @@ It runs inside every vLLM worker process (one per tensor-parallel rank), reached
 `STAGE_FILES_METHOD` maps each file read-only (shared, pre-faulted) and keeps tensor views of the mapping, so
 bucket bytes are never pickled, queued or copied on their way into a worker; `STAGE_METHOD` still takes
 safetensors bytes for in-memory buckets (docs/ARCHITECTURE.md#weight-sync: plain tensors would arrive as
-lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or nothing: staging keeps the
-tensors aside (the served weights are untouched, a malformed bucket changes nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` —
-which maps checkpoint names (fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as
-loading the checkpoint from disk does — and `DISCARD_METHOD` drops a staged update.
+lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or
+nothing: staging keeps the tensors aside (the served weights are untouched, a malformed bucket changes
+nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` — which maps checkpoint names
+(fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as loading the checkpoint from
+disk does — and `DISCARD_METHOD` drops a staged update.
 
 Keep this module light: vLLM imports it by qualified name in every worker.
 """
@@ -41,8 +42,8 @@ COLLECTIVE_BACKEND = "rollmatch"
 
 
 def _register_collective_engine() -> None:
-    """Registers the collective transport's engine in vLLM's factory, lazily (imported when an engine is built);
-    this module is imported in every worker before the worker builds its weight-transfer engine."""
+    """Registers the collective transport's engine in vLLM's factory, lazily (imported when an engine is
+    built); this module is imported in every worker before the worker builds its weight-transfer engine."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # no vLLM here (HF-only host): nothing to register
