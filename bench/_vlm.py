@@ -1,4 +1,4 @@
-"""Shared `--vlm` set-up of the bench scripts: a Qwen3-VL model, its processor and image segments, all in code.
+"""Shared `--vlm` set-up of the bench scripts: a Qwen3-VL model, its processor and image segments, in code.
 
 Nothing is downloaded. The tokenizer (and chat template, coord tokens) is the embedded tiny one
 (`scripts/build_tiny_models.py`, via the tiny Qwen3-VL at `.cache/models/tiny-qwen3-vl`); its ids are kept as
@@ -198,8 +198,8 @@ def build_vlm(
 
 
 def save_vlm_2b(folder: Path, device: str | torch.device = "cpu") -> Path:
-    """Writes the random-init Qwen3-VL-2B-shaped model (bf16), its processor and tokenizer to `folder`, a model
-    directory `python -m learner` loads like a downloaded checkpoint (skipped when `folder` has one)."""
+    """Writes the random-init Qwen3-VL-2B-shaped model (bf16), its processor and tokenizer to `folder`, a
+    model directory `python -m learner` loads like a downloaded checkpoint (skipped when `folder` has one)."""
     if (folder / "config.json").is_file():
         return folder
     parts = build_vlm(False, device, train=False)
@@ -211,8 +211,8 @@ def save_vlm_2b(folder: Path, device: str | torch.device = "cpu") -> Path:
 
 
 def vlm_model_dir(smoke: bool, folder: Path, device: str | torch.device = "cpu") -> Path:
-    """A model directory a rollout server loads: the tiny Qwen3-VL's own (``smoke``; `folder` unused), else the
-    random-init Qwen3-VL-2B-shaped model written to `folder` (`save_vlm_2b`, built on `device`)."""
+    """A model directory a rollout server loads: the tiny Qwen3-VL's own (``smoke``; `folder` unused), else
+    the random-init Qwen3-VL-2B-shaped model written to `folder` (`save_vlm_2b`, built on `device`)."""
     return _tiny_dir() if smoke else save_vlm_2b(folder, device)
 
 
@@ -266,7 +266,7 @@ def image_messages(path: str, text: str = "List every object.") -> list[dict[str
 
 
 def _answer_ids(parts: VlmParts, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
-    """About ``length`` answer ids: a detection JSON of objects with 4 coord tokens each (ids, coord indices)."""
+    """About ``length`` answer ids: a detection JSON of objects, 4 coord tokens each (ids, coord indices)."""
     tokenizer = parts.tokenizer
     ids = tokenizer.encode("{", add_special_tokens=False)
     k = 0

@@ -1,8 +1,8 @@
 """A/B of learning recipes: K seeds x arms, equal steps and samples, held-out F1 over seeds.
 
     python bench/ab_learning.py --task text-random --arms sft,rm-keep,rm-drop,rm-reorder --seeds 0,1,2
-    python bench/ab_learning.py --task image-random --colocate     # a GPU machine without vLLM
-    python bench/ab_learning.py --smoke --server-url URL           # the CI smoke (< 1 min on a running server)
+    python bench/ab_learning.py --task image-random --colocate  # a GPU machine without vLLM
+    python bench/ab_learning.py --smoke --server-url URL        # the CI smoke (< 1 min on a running server)
 
 A task is a demo config plus its object order (``TASKS``: text or image demo, ``sorted`` or ``random``). Every
 run of a seed starts with the same ``--base-steps`` of plain-GT training (the demo's own stage 1: runs are
@@ -43,9 +43,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder"}},
 }
-"""Arm name → ``stage2`` override (deep-merged over the task config's stage2). Every arm trains on the plain GT
-for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues on
-the plain GT and the others roll out."""
+"""Arm name → ``stage2`` override (deep-merged over the task config's stage2). Every arm trains on the plain
+GT for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues
+on the plain GT and the others roll out."""
 
 TASKS: dict[str, dict[str, Any]] = {
     name: {"config": f"configs/demo_{kind}_cpu.yaml", "kind": kind, "ordering": ordering, "model": model}

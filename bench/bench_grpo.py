@@ -1,18 +1,19 @@
 """The tiny CPU GRPO run end to end (30 steps by default): step-time split and reward curve.
 
 Builds what is missing (`scripts/build_grpo_demo_data.py`: synthetic summary set, tiny-qwen2, its warm start),
-starts ONE rollout server on a free loopback port with `scripts/start_rollout_server.sh` (the `server:` section
-of `configs/grpo_tiny_cpu.yaml`), runs the learner with `scripts/start_learner.sh` on a generated config that
-extends it (`--nproc 2` runs the torchrun × 2 variant on `grpo_tiny_cpu_2rank.yaml`), then stops the server it
-started (try/finally plus SIGINT/SIGTERM handlers; the launcher's trap stops only its own process group).
+starts ONE rollout server on a free loopback port with `scripts/start_rollout_server.sh` (the `server:`
+section of `configs/grpo_tiny_cpu.yaml`), runs the learner with `scripts/start_learner.sh` on a generated
+config that extends it (`--nproc 2` runs the torchrun × 2 variant on `grpo_tiny_cpu_2rank.yaml`), then stops
+the server it started (try/finally plus SIGINT/SIGTERM handlers; the launcher's trap stops only its own
+process group).
 
 Prints one JSON line per optimizer step (`bench: grpo_step`: first-round mean reward, the format/header/parse
 reward means, KL, the time split generation / reward / policy forward-backward / sync) and one summary line
 (`bench: grpo`): mean seconds per step of each part, the mean reward over the first and the last `--window`
 steps and their difference. Timings on a shared CPU are noisy: the load average is printed with them.
 
-``--vlm`` runs the image edition instead: `scripts/build_grpo_demo_data.py --vlm` (synthetic image summary set,
-tiny Qwen3-VL, its warm start) and `configs/grpo_tiny_vlm_cpu[_2rank].yaml`.
+``--vlm`` runs the image edition instead: `scripts/build_grpo_demo_data.py --vlm` (synthetic image summary
+set, tiny Qwen3-VL, its warm start) and `configs/grpo_tiny_vlm_cpu[_2rank].yaml`.
 
     python bench/bench_grpo.py [--vlm] [--max-steps 30] [--window 5] [--nproc 1|2] [--out runs/bench_grpo]
                                [--server-backend vllm|hf]   # hf: a CUDA machine without vLLM

@@ -93,8 +93,8 @@ def write_configs(
             "data: {eval: []}\n"
             f"training: {{max_steps: {max_steps}, save_strategy: 'no', eval_strategy: 'no', report_to: []}}\n"
             # Every step rolls out (no stage-1 warm-up), so E-steps and M-steps are what is compared.
-            f"stage2: {{rollout_buffer: {{enabled: {str(m > 1).lower()}, m_steps: {m}}}, eval: {{at_start: false}}, "
-            "sft_warmup_steps: 0}\n"
+            f"stage2: {{rollout_buffer: {{enabled: {str(m > 1).lower()}, m_steps: {m}}},"
+            " eval: {at_start: false}, sft_warmup_steps: 0}\n"
         )
         runs[m] = path
     return base, runs
@@ -213,17 +213,20 @@ def main(argv: list[str] | None = None) -> int:
         "--rollout",
         choices=("server", "colocate-hf"),
         default="server",
-        help="server: one vLLM rollout server (default); colocate-hf: the training model generates in-process",
+        help="server: one vLLM rollout server (default);"
+        " colocate-hf: the training model generates in-process",
     )
     parser.add_argument(
         "--vlm",
         action="store_true",
-        help="the image demo (configs/demo_vlm_cpu.yaml: tiny Qwen3-VL, image prompts) instead of the text one",
+        help="the image demo (configs/demo_vlm_cpu.yaml: tiny Qwen3-VL, image prompts)"
+        " instead of the text one",
     )
     parser.add_argument(
         "--vlm-2b",
         action="store_true",
-        help="--vlm on a random-init Qwen3-VL-2B-shaped model in bf16 (built into OUT/qwen3-vl-2b-shapes; GPU)",
+        help="--vlm on a random-init Qwen3-VL-2B-shaped model in bf16"
+        " (built into OUT/qwen3-vl-2b-shapes; GPU)",
     )
     args = parser.parse_args(argv)
     args.vlm = args.vlm or args.vlm_2b

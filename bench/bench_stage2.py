@@ -75,7 +75,7 @@ def _clamp(v: float) -> int:
 
 
 def random_object(rng: random.Random, n_objects: int, poly_share: float) -> dict[str, Any]:
-    """One raw GT object (§1.1 record format, coord-token strings), sized so n objects roughly tile the image."""
+    """One raw GT object (§1.1 record, coord-token strings), sized so n objects roughly tile the image."""
     scale = 1000 / n_objects**0.5
     cx, cy = rng.uniform(0, 999), rng.uniform(0, 999)
     desc = rng.choice(DESCS)
@@ -130,7 +130,7 @@ def rollout_text(
     truncate: bool,
     n_objects: int,
 ) -> str:
-    """The assistant answer of §4 for one sample: noisy GT in order, misses, extras, optionally cut mid-object."""
+    """The assistant answer of §4 for one sample: noisy GT in order, misses, extras, maybe cut mid-object."""
     entries: list[tuple[str, str, list[int]]] = []
     for obj in gt:
         if rng.random() >= miss:

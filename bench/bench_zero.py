@@ -1,7 +1,7 @@
 """DDP vs DeepSpeed ZeRO-2 vs ZeRO-3 on several GPUs: what each rank holds, peak memory, and the first losses.
 
-    torchrun is started by this script:  python bench/bench_zero.py --nproc 2 [--model vlm-2b|tiny-vlm|tiny-text]
-                                         [--rollout colocate|server]
+    # torchrun is started by this script:
+    python bench/bench_zero.py --nproc 2 [--model vlm-2b|tiny-vlm|tiny-text] [--rollout colocate|server]
 
 Per strategy it runs ``python -m learner`` under ``torchrun --nproc_per_node N`` on the image demo's records
 (``configs/demo_vlm_cpu.yaml``; ``tiny-text``: the text demo's, ``configs/demo_tiny_cpu.yaml``):
@@ -14,12 +14,12 @@ the run the server's greedy answers are checked against the weights it should se
 one step before the last, whose weights the last step's sync sent): the log-prob gap of the server's
 greedy tokens under that checkpoint, teacher-forced on GPU 0. Same seed and data for every strategy.
 
-Prints one JSON line per strategy: the strategy the learner MEASURED (``learner.trainers.strategy``: the engine's
-ZeRO stage, not the config), per-rank parameter / gradient / optimizer-state bytes, per-step loss and
-``memory/peak_allocated_gib`` (rank 0), and the rollout F1 of the rollout-matching steps; then one line with the
-ratios of optimizer-state bytes to DDP's (ZeRO-2 partitions the state over the ranks, so about 1/N of DDP's
-when both keep fp32 state). GPU only for ZeRO (DeepSpeed's optimizers are CUDA); ``--strategies ddp`` runs on
-CPU with gloo.
+Prints one JSON line per strategy: the strategy the learner MEASURED (``learner.trainers.strategy``: the
+engine's ZeRO stage, not the config), per-rank parameter / gradient / optimizer-state bytes, per-step loss and
+``memory/peak_allocated_gib`` (rank 0), and the rollout F1 of the rollout-matching steps; then one line with
+the ratios of optimizer-state bytes to DDP's (ZeRO-2 partitions the state over the ranks, so about 1/N of
+DDP's when both keep fp32 state). GPU only for ZeRO (DeepSpeed's optimizers are CUDA); ``--strategies ddp``
+runs on CPU with gloo.
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     train: Path | None = None
     if not text:
         data = out / "data"  # 256 records of the image demo's generator: steps x ranks x 4 need no more
-        subprocess.run([sys.executable, "scripts/build_vlm_demo_data.py", "--out", str(data), "--n-train", "256",
-                        "--n-eval", "8"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run([sys.executable, "scripts/build_vlm_demo_data.py", "--out", str(data),
+                        "--n-train", "256", "--n-eval", "8"],
+                       cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
         train = data / "train.jsonl"
     if text:
         from bench_learner import build_demo_assets
@@ -249,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "optimizer_state_rank0_over_ddp": {s: round(r["ranks"][0]["optimizer_state_gib"] / base, 3)
                                                for s, r in results.items() if r["ranks"]},
-            "param_rank0_over_ddp": {s: round(r["ranks"][0]["param_gib"] / max(results["ddp"]["ranks"][0]["param_gib"],
-                                                                              1e-9), 3)
-                                     for s, r in results.items() if r["ranks"]},
+            "param_rank0_over_ddp": {
+                s: round(r["ranks"][0]["param_gib"] / max(results["ddp"]["ranks"][0]["param_gib"], 1e-9), 3)
+                for s, r in results.items() if r["ranks"]},
         }), flush=True)  # fmt: skip
     return 0
 

@@ -1,5 +1,5 @@
-"""Helpers the end-to-end benches share: the Python to run, a free loopback port, waiting for the server launcher,
-stopping it, and signals that unwind through the caller's `finally`."""
+"""Helpers the end-to-end benches share: the Python to run, a free loopback port, waiting for the server
+launcher, stopping it, and signals that unwind through the caller's `finally`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["exit_on_signals", "free_port", "repo_python", "stop", "wait_ready"]
 
 
 def repo_python(repo: Path) -> str:
-    """The repository's `.venv` Python when there is one (a local checkout), else this interpreter (device)."""
+    """The repository's `.venv` Python if there is one (a local checkout), else this interpreter (device)."""
     env_py = repo / ".venv" / "bin" / "python"
     return str(env_py) if env_py.exists() else sys.executable
 
