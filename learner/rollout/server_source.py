@@ -368,9 +368,14 @@ class ServerRolloutSource:
         sessions = [session for session, _ in outcomes if session is not None]
         errors = [exc for _, exc in outcomes if exc is not None]
         if errors:
-            self._on_every(sessions, lambda s: s.client.abort_quietly(s.sync_id))
+            self._abort_everywhere(sessions)
             raise errors[0]
         return sessions
+
+    def _abort_everywhere(self, sessions: Sequence[SyncSession]) -> None:
+        """Aborts the sync on every server at once; an abort that fails is logged (the server also drops an
+        idle sync after its timeout)."""
+        self._on_every(sessions, lambda s: s.client.abort_quietly(s.sync_id))
 
     def _commit_everywhere(self, sessions: Sequence[SyncSession]) -> None:
         """Commits on every server at once; raises the first failure once every commit has returned (the
@@ -421,7 +426,7 @@ class ServerRolloutSource:
                 stages["begin_s"] = time.perf_counter() - started
                 transport.send(sessions, manifest, update.iter_tensors(), stages)
             except BaseException:
-                self._on_every(sessions, lambda s: s.client.abort_quietly(s.sync_id))
+                self._abort_everywhere(sessions)
                 raise
             mark = time.perf_counter()
             self._commit_everywhere(sessions)
