@@ -125,6 +125,7 @@ TIME_KEYS: tuple[str, ...] = tuple(
     for k in (
         "rollout_generate_s",
         "weight_sync_s",
+        "weight_sync_agree_s",
         "offload_s",
         "rollout_parse_match_s",
         "teacher_encode_s",

@@ -227,6 +227,7 @@ class GrpoTrainer(Trainer):
         seconds = self.weight_sync.maybe_sync(self.model, step, self.source)
         if self.prefetch is not None and self.weight_sync.last_synced_step != before:
             self.prefetch.ledger.record(self.weight_sync.version, step)
+        self.metric_window.add_max("time/weight_sync_agree_s", self.weight_sync.last_agree_s)
         return seconds
 
     def _rank0_generator(self) -> GroupGenerator:

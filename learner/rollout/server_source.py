@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -279,10 +279,17 @@ class ServerRolloutSource:
             self._pool.submit(self._infer_chunk, self._clients[c.part], batch.slice(c.start, c.stop))
             for c in chunks
         ]
-        wait(futures)
+        # The first failed chunk fails the call at once: a dead server is reported when it is found, not
+        # after the surviving servers finish their chunks (whose results the failed call could not use).
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:
+            for future in futures:
+                future.cancel()  # chunks not started yet; running ones finish in the pool and are dropped
+            raise failed[0].exception()  # the failed chunk of the lowest server index among those done
         parts: list[InferResult] = []
         for future in futures:
-            results, counts = future.result()  # raises the first failed chunk's error, in server order
+            results, counts = future.result()
             parts.extend(results)
             stats.calls += counts.calls
             stats.retries += counts.retries

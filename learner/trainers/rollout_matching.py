@@ -188,6 +188,7 @@ class RolloutMatchingTrainer(Trainer):
             if self.args.world_size > 1:  # only the sending rank knows it; every rank checks its own results
                 version = int(self._reduce_metrics([float(version)], "max")[0])
             self.overlap.ledger.record(version, self.state.global_step)
+        self.step_metrics.add_time("time/weight_sync_agree_s", self.weight_sync.last_agree_s)
         return seconds
 
     def _reduce_metrics(self, values: list[float], op: str) -> list[float]:

@@ -123,6 +123,9 @@ class WeightSyncPolicy:
         """Effective mode, resolved at the first sync (`auto`) and switched to full by a fallback."""
         self.last_report: SyncReport | None = None
         """Report of the last successful sync (rank 0 only)."""
+        self.last_agree_s = 0.0
+        """Seconds the last `maybe_sync` waited in its closing all-rank agreement (0.0 on one rank's
+        no-op): the wait for the slowest rank, kept out of the sync's own seconds."""
 
     @property
     def request_adapter(self) -> str | None:
@@ -138,11 +141,15 @@ class WeightSyncPolicy:
             source: where rollouts come from.
 
         Returns:
-            Seconds spent (0.0 when nothing was synced), for `time/weight_sync_s`.
+            Seconds this rank spent syncing (0.0 when nothing was synced), for `time/weight_sync_s`: on rank 0
+            the export, transfer and commit; on the others their share of ZeRO-3 gathers. The closing
+            all-rank agreement, which waits for the slowest rank to reach this step, is not in it: it is
+            `last_agree_s` (`time/weight_sync_agree_s`).
 
         Raises:
             SyncError: the sync failed (and no fallback applied).
         """
+        self.last_agree_s = 0.0
         if global_step == self.last_synced_step:
             return 0.0
         started = time.perf_counter()
@@ -165,10 +172,12 @@ class WeightSyncPolicy:
         elif zero3:
             self._agree(True, None, global_step)
             _drain(self._full_items(model))  # take part in the ZeRO-3 gathers rank 0 runs
+        synced = time.perf_counter()
         self._agree(failure is None, failure, global_step)
         self._share_mode()
         self.last_synced_step = global_step
-        return time.perf_counter() - started
+        self.last_agree_s = time.perf_counter() - synced
+        return synced - started
 
     def _share_mode(self) -> None:
         """Every rank takes rank 0's effective mode: their requests must name the adapter in adapter mode

@@ -276,6 +276,7 @@ def test_grpo_single_rank(tmp_path: Path, demo: dict[str, Path], proxy: Recordin
         "time/reward_s",
         "time/forward_backward_s",
         "time/weight_sync_s",
+        "time/weight_sync_agree_s",
         "kl/mean",
     ):
         assert key in metrics[0]

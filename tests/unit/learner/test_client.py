@@ -312,6 +312,30 @@ def test_unreachable_server_is_retried_once_then_raises_without_splitting() -> N
     assert cluster[1].infer_calls == [(3, 3), (3, 3)]
 
 
+def test_a_dead_server_fails_the_call_while_the_others_still_generate() -> None:
+    """The first failed chunk ends the call: the error names the dead server while the surviving server is
+    still busy with its chunk (it would otherwise report only after the survivors finish)."""
+    cluster = Cluster(2)
+    release = threading.Event()
+    survivor_done = threading.Event()
+
+    def busy(batch: InferBatch, request: httpx.Request) -> None:
+        release.wait(30)  # a bound: a call that waited for this chunk still ends, and the test fails
+        survivor_done.set()
+
+    def refuse(batch: InferBatch, request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    cluster[0].fail, cluster[1].fail = busy, refuse
+    with cluster.source() as source:
+        with pytest.raises(InferFailed) as info:
+            source.infer(make_batch(6))
+        still_busy = not survivor_done.is_set()
+        release.set()
+    assert still_busy, "the call waited for the surviving server's chunk before reporting the dead one"
+    assert info.value.url == URLS[1] and info.value.indices == [3, 4, 5]
+
+
 def test_read_timeout_is_split_like_a_server_error() -> None:
     cluster = Cluster(1)
 

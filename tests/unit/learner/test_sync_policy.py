@@ -94,6 +94,21 @@ def test_syncs_once_per_step() -> None:
     assert policy.last_synced_step == 1
 
 
+def test_the_wait_for_other_ranks_is_kept_out_of_the_sync_seconds() -> None:
+    """`time/weight_sync_s` is the sync itself; the closing all-rank agreement (here a slow peer: 0.3 s per
+    round) is `last_agree_s`, so a rank that waits for the slowest does not read as a slow sync."""
+    import time
+
+    def slow_peer(ok: bool) -> bool:
+        time.sleep(0.3)
+        return ok
+
+    policy = WeightSyncPolicy(SyncConfig(), all_ok=slow_peer)
+    seconds = policy.maybe_sync(Tiny(), 0, FakeSource())
+    assert 0 < seconds < 0.3 <= policy.last_agree_s
+    assert policy.maybe_sync(Tiny(), 0, FakeSource()) == 0.0 and policy.last_agree_s == 0.0
+
+
 def test_full_sync_sends_merged_base_weights_and_unmerges() -> None:
     model = peft_tiny()
     before = model.base_model.model.proj.base_layer.weight.detach().clone()
