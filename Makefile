@@ -15,7 +15,7 @@ demo-text: setup
 	./scripts/demo.sh
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -130,6 +130,9 @@ class GrpoTrainer(Trainer):
         self.metric_window = MetricWindow()
         self._prepared_at: float | None = None
         self._reference_s = 0.0
+        self._step_agree_s = 0.0
+        """Seconds this step's syncs waited in their closing all-rank agreement
+        (`time/weight_sync_agree_s`)."""
         # A VL policy's processing class is its processor (saved beside checkpoints); the pad id is its
         # tokenizer's.
         self._pad_id = _pad_id(getattr(self.processing_class, "tokenizer", self.processing_class))
@@ -170,6 +173,7 @@ class GrpoTrainer(Trainer):
         prompts = self._window_prompts(local)
         if self.encoder is not None:
             self.encoder.new_window()  # vision tensors are cached for this step only
+        self._step_agree_s = 0.0
         rollout, sync_s = self._step_rollout(prompts, step)
         sync_s += self._launch_next(epoch_iterator, step)
         self._reference_s = 0.0
@@ -227,7 +231,7 @@ class GrpoTrainer(Trainer):
         seconds = self.weight_sync.maybe_sync(self.model, step, self.source)
         if self.prefetch is not None and self.weight_sync.last_synced_step != before:
             self.prefetch.ledger.record(self.weight_sync.version, step)
-        self.metric_window.add_max("time/weight_sync_agree_s", self.weight_sync.last_agree_s)
+        self._step_agree_s += self.weight_sync.last_agree_s
         return seconds
 
     def _rank0_generator(self) -> GroupGenerator:
@@ -338,6 +342,7 @@ class GrpoTrainer(Trainer):
         }
         self.metric_window.add_step(metrics)
         self.metric_window.add_max("time/weight_sync_s", sync_s)
+        self.metric_window.add_max("time/weight_sync_agree_s", self._step_agree_s)
 
     # -- loss ---------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
