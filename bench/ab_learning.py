@@ -173,6 +173,24 @@ def eval_curve(metrics: Path) -> list[dict[str, float]]:
     ]
 
 
+def finished(run_dir: Path, cfg: dict[str, Any], total: int) -> bool:
+    """Whether ``run_dir`` holds this run already: its last evaluation is at step ``total`` and its
+    ``run.yaml`` is ``cfg`` apart from where rollouts came from (the server's address and staging dir change
+    from one harness invocation to the next; the runs are deterministic whichever server serves them)."""
+    metrics, path = run_dir / "metrics.jsonl", run_dir / "run.yaml"
+    if not metrics.exists() or not path.exists():
+        return False
+    curve = eval_curve(metrics)
+    if not curve or curve[-1]["step"] != total:
+        return False
+
+    def comparable(config: dict[str, Any]) -> dict[str, Any]:
+        rollout = {k: v for k, v in config.get("rollout", {}).items() if k not in ("servers", "sync")}
+        return {**config, "rollout": rollout}
+
+    return comparable(yaml.safe_load(path.read_text())) == comparable(cfg)
+
+
 def summarize(task: str, curves: dict[tuple[str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
     """One line per arm: final F1 mean/sd over seeds, and the paired difference to the sft arm."""
     arms = sorted({a for a, _ in curves})
@@ -290,29 +308,25 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in args.arms.split(","):
                     run_dir = out / f"{arm}-s{seed}-{args.steps}"
                     metrics = run_dir / "metrics.jsonl"
-                    if (
-                        not metrics.exists()
-                        or not eval_curve(metrics)
-                        or eval_curve(metrics)[-1]["step"] != args.steps
-                    ):
-                        total = args.base_steps + args.steps
-                        training = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
-                        training["eval_steps"] = args.eval_every
-                        if args.learning_rate is not None:
-                            training["learning_rate"] = args.learning_rate
-                        stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": False}})
-                        # every arm: plain GT for the base steps (the same run for a seed), then its recipe
-                        stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
-                        cfg = deep_merge(
-                            common,
-                            {
-                                "output_dir": str(run_dir),
-                                "rollout": rollout,
-                                "training": training,
-                                "stage2": stage2,
-                                "save_final_model": False,
-                            },
-                        )
+                    total = args.base_steps + args.steps
+                    training = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
+                    training["eval_steps"] = args.eval_every
+                    if args.learning_rate is not None:
+                        training["learning_rate"] = args.learning_rate
+                    stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": False}})
+                    # every arm: plain GT for the base steps (the same run for a seed), then its recipe
+                    stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
+                    cfg = deep_merge(
+                        common,
+                        {
+                            "output_dir": str(run_dir),
+                            "rollout": rollout,
+                            "training": training,
+                            "stage2": stage2,
+                            "save_final_model": False,
+                        },
+                    )
+                    if not finished(run_dir, cfg, total):
                         t0 = time.time()
                         metrics.unlink(missing_ok=True)
                         run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
