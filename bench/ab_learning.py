@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if url is None and not args.colocate:
         server, url = start_server(task_config, Path(task["model"]), out)
     rollout = (
-        {"mode": "colocate", "backend": "hf"}
+        # every row of a step in one decode call (the spec's default of 1 decodes them one at a time)
+        {"mode": "colocate", "backend": "hf", "decoding": {"rollout_generate_batch_size": 16}}
         if args.colocate
         else {"servers": [{"base_url": url}], "sync": {"shm_dir": SHM_DIR}}
         if server is not None

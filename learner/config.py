@@ -151,7 +151,8 @@ class DecodingConfig(_Section):
     num_beams: int = Field(default=1, ge=1)
     """Beam mode only."""
     rollout_generate_batch_size: int = Field(default=1, ge=1)
-    """Padded batch size of in-process (hf) generation per rank; server mode sends one call per step."""
+    """Padded batch size of in-process (hf) generation per rank; server mode sends one call per step. The
+    spec's 1 decodes the rows one at a time (a warning says so): set it to the rows per step on a GPU."""
     repeat_terminate: RepeatTerminateConfig = Field(default_factory=RepeatTerminateConfig)
     """Degenerate-rollout guard (§5.4)."""
 

@@ -110,6 +110,7 @@ class HfColocateBackend:
         """Rows generated so far (benchmarks and tests)."""
         self.decode_calls = 0
         """Left-padded decode calls so far."""
+        self._warned_unbatched = False
 
     @classmethod
     def from_config(
@@ -154,6 +155,17 @@ class HfColocateBackend:
         finally:
             self._model.train(was_training)
         rows = len(encoded) * cfg.n
+        if self._batch_size == 1 and rows > 1 and not self._warned_unbatched:
+            # The spec's default. One row per decode call keeps a GPU launch-bound: 16 image rows of the demo
+            # VLM took 5.5-7 s per step on an H200 (bench/RESULTS.md, image A/B on GPU).
+            self._warned_unbatched = True
+            logger.warning(
+                "rollout.decoding.rollout_generate_batch_size is 1: the %d rows of this rollout call are"
+                " decoded one at a time; set it to the rows per call (%d) to decode them in one left-padded"
+                " batch (the tokens do not depend on it: every row samples from its own seed)",
+                rows,
+                rows,
+            )
         self.decode_calls += -(-rows // self._batch_size)
         self.rows_decoded += rows
         return results

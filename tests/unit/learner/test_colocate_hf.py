@@ -186,6 +186,17 @@ def test_batches_are_split_by_rollout_generate_batch_size(model, tiny_tokenizer)
     assert (source.backend.decode_calls, source.backend.rows_decoded) == (3, 5)
 
 
+@pytest.mark.parametrize(("batch_size", "warnings"), [(1, 1), (2, 0)])
+def test_one_row_per_decode_call_is_named_once(model, tiny_tokenizer, caplog, batch_size, warnings):
+    source = make_source(model, tiny_tokenizer, batch_size)
+    with caplog.at_level("WARNING", logger="learner.rollout.colocate_hf"):
+        source.infer(batch_of([0, 1]))
+        source.infer(batch_of([2, 3]))
+    named = [r for r in caplog.records if "rollout_generate_batch_size is 1" in r.getMessage()]
+    assert len(named) == warnings
+    assert all("set it to the rows per call (2)" in r.getMessage() for r in named)
+
+
 def test_prompt_too_long_names_request_and_key(model, tiny_tokenizer):
     source = make_source(model, tiny_tokenizer, 2, max_model_len=30)
     with pytest.raises(
