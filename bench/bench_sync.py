@@ -11,7 +11,8 @@ same tensors into preallocated, already touched destinations (best of 5), in the
 line carries the per-stage split (learner: `begin_s`, `produce_s` = export + encode, `upload_s`, `commit_s`;
 server: `server_receive_s`, `server_apply_s` and the engine's split).
 
-Usage: ``python bench/bench_sync.py [--bucket-mb 128] [--repeats 3] [--server-cpus 1 --learner-cpus 0]``.
+Usage: ``python bench/bench_sync.py [--bucket-mb 128] [--repeats 3] [--server-cpus 1 --learner-cpus 0]
+[--no-share-parameters]``.
 With `--server-cpus`/`--learner-cpus` the server is started under `taskset -c` and the learner process pins
 itself (the output says which cores); without them both share every core.
 
@@ -96,7 +97,12 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
     with running(cmd, f"{base}/health", tmp / "sync.log"):
         step = 0
         for transport in args.transports:
-            config = SyncConfig(transport=transport, bucket_mb=args.bucket_mb, shm_dir=str(shm))
+            config = SyncConfig(
+                transport=transport,
+                bucket_mb=args.bucket_mb,
+                shm_dir=str(shm),
+                shm_share_parameters=not args.no_share_parameters,
+            )
             policy = WeightSyncPolicy(config)
             with ServerRolloutSource(
                 [base], timeout_s=600, transport=transport, shm_dir=shm, bucket_mb=args.bucket_mb
@@ -126,10 +132,12 @@ def bench(args: argparse.Namespace, tmp: Path) -> None:
             )
     # vLLM's in-place reload (`server_load_s`) is paid by every transport after the last byte has arrived: the
     # bytes it moves per second bound any end-to-end rate from above, measured here in the same run.
-    # An atomic sync also cannot start that load before its last byte is written, and the bytes leave the
-    # learner through at least one copy (into the shm file or the socket) at no more than the warm memcpy
-    # rate: load / (load + bytes / memcpy) is the most any of these transports can reach against the load
-    # bound.
+    # An atomic sync also cannot start that load before its last byte is written; a transport that copies the
+    # bytes out of the learner (the socket, gloo, shm without shared parameters) does so at no more than the
+    # warm memcpy rate: load / (load + bytes / memcpy) is the most such a transport can reach against the
+    # load bound. shm with `shm_share_parameters` (the default) copies nothing after its first sync (the
+    # learner's parameters live in the bucket files: `shm_shared_bytes` in its stages), so only the round
+    # trips and the workers' mapping stand between it and the bound.
     load_s = min(v for v in loads.values() if v > 0) if any(loads.values()) else 0.0
     bound = nbytes / load_s / 1e9 if load_s else None
     cap = load_s / (load_s + nbytes / (memcpy * 1e9)) if load_s else None
@@ -185,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-log-dir", default=None, help="--gpu: copy each server's log here")
     parser.add_argument("--no-raw-copy", action="store_true", help="--gpu: skip the raw GPU 0 -> GPU 1 copy")
     parser.add_argument("--kill-timeout-s", type=float, default=15, help="--kill-check: the group timeout")
+    parser.add_argument(
+        "--no-share-parameters", action="store_true", help="shm copies every byte (the A/B of sharing)"
+    )
     parser.add_argument("--server-cpus", default=None, help="taskset -c list for the server, e.g. 1")
     parser.add_argument("--learner-cpus", default=None, help="cores this (learner) process pins to, e.g. 0")
     args = parser.parse_args(argv)

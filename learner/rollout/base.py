@@ -63,6 +63,9 @@ class WeightUpdate:
             derived from the mapping otherwise.
         adapter_config: adapter mode only: the PEFT `adapter_config.json` content (JSON-able).
         adapter_name: adapter mode only: the name generate requests reference in `request_config.adapter`.
+        parameters: full mode, optional: the learner's parameters behind `tensors`, which a same-host
+            transport may move into its shared files once the sync has committed (`shm`:
+            `rollout.sync.shm_share_parameters`); empty: no transport touches the learner's parameters.
     """
 
     mode: Literal["full", "adapter"]
@@ -71,6 +74,7 @@ class WeightUpdate:
     specs: tuple[TensorSpec, ...] | None = None
     adapter_config: dict[str, Any] | None = None
     adapter_name: str | None = None
+    parameters: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self) -> None:
         if self.version < 1:

@@ -449,6 +449,7 @@ class ServerRolloutSource:
                 f"weight sync v{update.version} ({update.mode}) to {exc.url} failed: {exc}{hint}"
             ) from exc
         stages["commit_s"] = time.perf_counter() - mark
+        transport.committed(update)
         committed = sessions[0].committed
         self.last_sync_stages = stages | {
             f"server_{k}": v for k, v in (committed.stages if committed else {}).items()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import numpy as np
 import torch
 
 from learner.rollout.base import SyncError
@@ -140,6 +141,17 @@ class ShmStager:
     it any more); otherwise it is left to the server and a new file is written. Costs one model's worth of
     tmpfs between syncs, which every sync needs anyway; `discard` (after a failed sync) and `close` remove it.
 
+    Shared parameters (`share`, `rollout.sync.shm_share_parameters`): after a committed sync, the learner's
+    CPU parameters that were written as they are move into the files at the bytes they were written to
+    (`param.data` becomes a view of the file; one storage per parameter, so checkpoint writers do not take
+    them for tied weights). The next sync then finds those tensors already in place and writes only the
+    headers: the servers load straight from the learner's memory, and the file copy (bytes / memcpy, the
+    cap of any copying transport) is gone. Safe because a file is rewritten or trained in only while no
+    server holds it: a sync ends (and the learner trains again) after every server's commit has loaded and
+    dropped its link, and `discard` (a failed sync, after which a server may still be reading) first moves
+    every shared parameter back into private memory. Parameters that share a storage, live off the CPU, or
+    were cast, merged or gathered on export are copied as before.
+
     Args:
         shm_dir: the staging directory (created when missing).
     """
@@ -148,8 +160,16 @@ class ShmStager:
         self.shm_dir = Path(shm_dir).expanduser()
         self._tag = uuid.uuid4().hex[:12]
         self._spares: dict[int, Path] = {}
+        self._written: dict[int, list[tuple[int, int, int]]] = {}
+        """Bucket index -> (source address, offset in the file, bytes) of each tensor of the last write."""
+        self._mapped: dict[int, _MappedFile] = {}
+        """Bucket index -> the mapping that shared parameters of that bucket live in."""
+        self._shared: dict[int, tuple[torch.Tensor, _MappedFile]] = {}
+        """id -> each parameter moved into a mapping, and that mapping."""
         self.reused_bytes = 0
         """Bytes written into reused (already allocated) files since this stager was made."""
+        self.shared_bytes = 0
+        """Tensor bytes not written because the parameter already lives at its place in the file."""
 
     @contextmanager
     def staged(self, version: int, index: int, parts: BucketParts) -> Iterator[str]:
@@ -163,8 +183,9 @@ class ShmStager:
         final = self.shm_dir / name
         tmp = self.shm_dir / f".{name}.tmp"
         spare = self._spares.pop(index, None)
+        layout = _layout(parts)
         try:
-            if spare is None or not self._rewrite(spare, tmp, parts):
+            if spare is None or not self._rewrite(index, spare, tmp, parts, layout):
                 _write_new(tmp, parts)
             os.replace(tmp, final)
         except OSError as exc:
@@ -173,6 +194,7 @@ class ShmStager:
                 f"cannot write bucket {index} into shm staging dir {self.shm_dir} ({exc.strerror});"
                 " check rollout.sync.shm_dir (it must equal the server's server.shm_dir) and free space"
             ) from exc
+        self._written[index] = layout[1:]
         try:
             yield name
         finally:
@@ -183,9 +205,11 @@ class ShmStager:
             except OSError:
                 final.unlink(missing_ok=True)
 
-    def _rewrite(self, spare: Path, tmp: Path, parts: BucketParts) -> bool:
+    def _rewrite(
+        self, index: int, spare: Path, tmp: Path, parts: BucketParts, layout: list[tuple[int, int, int]]
+    ) -> bool:
         """Rewrites `spare` in place as `tmp` when no server holds it any more; False (spare removed) if one
-        still does or it is not a plain file of ours."""
+        still does, it is not a plain file of ours, or parameters living in it would be overwritten."""
         try:
             fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
@@ -193,32 +217,182 @@ class ShmStager:
             return False
         try:
             info = os.fstat(fd)
+            total = sum(part.nbytes for part in parts)
+            mapped = self._mapped.get(index)
+            if mapped is not None and mapped.inode != (info.st_dev, info.st_ino):
+                mapped = None
             if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
                 spare.unlink(missing_ok=True)  # a server still maps it (its sync has not ended): leave it be
                 return False
-            total = sum(part.nbytes for part in parts)
-            if info.st_size != total:
-                os.ftruncate(fd, total)
-            # MAP_POPULATE maps every page up front: 5.3-5.8 GB/s instead of 2.4 GB/s with a fault per page.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            with mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE) as out:
-                offset = 0
-                for part in parts:
-                    out[offset : offset + part.nbytes] = part
-                    offset += part.nbytes
+            in_place = self._in_place(mapped, layout) if mapped is not None else set()
+            if in_place is None or (in_place and info.st_size != total):
+                # A tensor to send lives in this file elsewhere than its place: writing would clobber it.
+                spare.unlink(missing_ok=True)
+                return False
+            if mapped is not None:
+                self._evict(mapped, keep=in_place)  # shared parameters this write would land on go private
+                if not in_place:
+                    del self._mapped[index]
+                    mapped = None
+            if mapped is not None:
+                self.shared_bytes += mapped.write(parts, layout)
+            else:
+                if info.st_size != total:
+                    os.ftruncate(fd, total)
+                with _map(fd, total) as out:
+                    for part, (_, offset, nbytes) in zip(parts, layout, strict=True):
+                        out[offset : offset + nbytes] = part
         finally:
             os.close(fd)
         os.replace(spare, tmp)
         self.reused_bytes += total
         return True
 
+    def _in_place(self, mapped: _MappedFile, layout: list[tuple[int, int, int]]) -> set[int] | None:
+        """Offsets of the parts that already live at their place in `mapped`; None when a part lives in it
+        elsewhere (the file cannot be rewritten in place)."""
+        in_place = set()
+        for source, offset, nbytes in layout:
+            if nbytes and mapped.holds_address(source):
+                if source != mapped.address + offset:
+                    return None
+                in_place.add(offset)
+        return in_place
+
+    def _evict(self, mapped: _MappedFile, keep: set[int]) -> None:
+        """Moves the shared parameters living in `mapped` other than at `keep` offsets into private memory."""
+        for key, (param, home) in list(self._shared.items()):
+            if home is mapped and mapped.holds(param) and param.data_ptr() - mapped.address not in keep:
+                param.data = param.data.clone()
+                del self._shared[key]
+
+    def share(self, parameters: Iterable[torch.Tensor]) -> int:
+        """Moves every parameter the last sync wrote as it is into its place in the bucket files (see the
+        class docstring); call once every server has committed that sync.
+
+        Returns:
+            Bytes of parameters that now live in the files (moved now or earlier).
+        """
+        owners = {p.data_ptr(): p for p in parameters if _owns_its_storage(p)}
+        placed = 0
+        for index, tensors in self._written.items():
+            spare = self._spares.get(index)
+            found = [(owners.get(address), offset, n) for address, offset, n in tensors]
+            found = [(p, offset, n) for p, offset, n in found if p is not None and n == _nbytes(p)]
+            if spare is None or not found:
+                continue
+            mapped = self._mapped.get(index)
+            try:
+                if mapped is None or not mapped.is_file(spare):
+                    mapped = self._mapped[index] = _MappedFile.open(spare)
+            except OSError:
+                continue  # the spare went away: these parameters stay private, their bytes are copied
+            for param, offset, nbytes in found:
+                if (mapped.address + offset) % param.element_size():
+                    continue  # a misaligned place (a 2-byte tensor before it): keep copying this one
+                if param.data_ptr() != mapped.address + offset:
+                    view = torch.frombuffer(
+                        mapped.buffer, dtype=param.dtype, count=param.numel(), offset=offset
+                    )
+                    param.data = view.view(param.shape)
+                    self._shared[id(param)] = (param, mapped)
+                placed += nbytes
+        self._written = {}
+        return placed
+
     def discard(self) -> None:
-        """Removes the spares (after a failed sync: the next one starts from new files)."""
+        """After a failed sync: moves shared parameters back into private memory (a server may still be
+        loading a file) and removes the spares (the next sync starts from new files)."""
+        for param, mapped in self._shared.values():
+            if mapped.holds(param):
+                param.data = param.data.clone()
+        self._shared = {}
+        self._mapped = {}
+        self._written = {}
+        self._remove_spares()
+
+    def close(self) -> None:
+        """Removes the spares; shared parameters keep their (now unnamed) memory."""
+        self._shared = {}
+        self._mapped = {}
+        self._written = {}
+        self._remove_spares()
+
+    def _remove_spares(self) -> None:
         for path in self._spares.values():
             path.unlink(missing_ok=True)
         self._spares = {}
 
-    close = discard
+
+class _MappedFile:
+    """A bucket file mapped read-write for the life of the parameters placed in it."""
+
+    def __init__(self, buffer: mmap.mmap, inode: tuple[int, int]) -> None:
+        self.buffer = buffer
+        self.inode = inode
+        self.address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+        self.size = len(buffer)
+
+    @classmethod
+    def open(cls, path: Path) -> _MappedFile:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+            return cls(_map(fd, info.st_size), (info.st_dev, info.st_ino))
+        finally:
+            os.close(fd)
+
+    def is_file(self, path: Path) -> bool:
+        info = os.stat(path, follow_symlinks=False)
+        return (info.st_dev, info.st_ino) == self.inode
+
+    def holds_address(self, address: int) -> bool:
+        return self.address <= address < self.address + self.size
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self.holds_address(tensor.data_ptr())
+
+    def write(self, parts: BucketParts, layout: list[tuple[int, int, int]]) -> int:
+        """Writes the parts not already in place; returns the bytes that were."""
+        in_place = 0
+        for part, (source, offset, nbytes) in zip(parts, layout, strict=True):
+            if nbytes and source == self.address + offset:
+                in_place += nbytes
+            else:
+                self.buffer[offset : offset + nbytes] = part
+        return in_place
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE maps every page up front: 5.3-5.8 GB/s instead of 2.4 GB/s with a fault per page.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _layout(parts: BucketParts) -> list[tuple[int, int, int]]:
+    """(address of the part's memory, offset in the file, bytes) of each part, in order."""
+    layout, offset = [], 0
+    for part in parts:
+        address = np.frombuffer(part, dtype=np.uint8).ctypes.data if part.nbytes else 0
+        layout.append((address, offset, part.nbytes))
+        offset += part.nbytes
+    return layout
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _owns_its_storage(param: torch.Tensor) -> bool:
+    """A dense CPU tensor that is the whole of its storage (not a view into a flat buffer, e.g. ZeRO's)."""
+    return (
+        param.device.type == "cpu"
+        and param.layout == torch.strided
+        and param.numel() > 0
+        and param.is_contiguous()
+        and param.storage_offset() == 0
+        and param.untyped_storage().nbytes() == _nbytes(param)
+    )
 
 
 def _write_new(path: Path, parts: BucketParts) -> None:

@@ -72,6 +72,13 @@ class SyncConfig(BaseModel):
     """Upper bound of one safetensors bucket, MiB."""
     shm_dir: str | None = None
     """`shm` transport: the servers' `server.shm_dir` (`/health` does not expose it)."""
+    shm_share_parameters: bool = True
+    """`shm` with a learner on CPU: after a committed sync, the parameters that were sent as they are (no
+    dtype cast, no adapter merge, no ZeRO-3 gather) move into the bucket files, so later syncs write only
+    the headers and each server's load reads the learner's memory directly (the learner's copy into the
+    files, bytes / memcpy, is gone; the tmpfs is the one the files used anyway). A file is trained in only
+    after every server's commit has loaded it and let it go; a failed sync first moves the parameters back
+    into private memory. False: every sync copies every byte (`learner.rollout.sync_stream.ShmStager`)."""
     collective_address: str | None = None
     """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens
     there); None = `127.0.0.1`, allowed only when every server is on this host."""
@@ -280,12 +287,19 @@ class WeightSyncPolicy:
                     version=self._next_version(),
                     tensors=items,
                     specs=full_state_specs(model, self._dtype),
+                    parameters=self._shareable(model),
                 )
                 report = source.sync_weights(update)
             finally:
                 if is_zero3(model):
                     _drain(items)  # the other ranks wait in the remaining gathers
         return _with_seconds(report, started)
+
+    def _shareable(self, model: nn.Module) -> tuple[torch.Tensor, ...]:
+        """The parameters the transport may move into its files (`shm_share_parameters`), else none."""
+        if self.config.transport != "shm" or not self.config.shm_share_parameters or is_zero3(model):
+            return ()
+        return tuple(model.parameters())
 
     def _full_items(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         return full_state_items(model, self._dtype, bucket_bytes=self.config.bucket_mb * 2**20)

@@ -6,6 +6,8 @@ throw-away HF-backend server (no second vLLM engine) that it kills.
 - a full sync of the seed-1 tiny model through `WeightSyncPolicy` + `ServerRolloutSource`, over http, shm
   and gloo (the collective transport: vLLM's weight-transfer engine in the workers), makes the server answer
   like the seed-1 model;
+- shm with and without shared parameters: an in-place change of the learner's weights is what the next
+  sync serves (with them, that sync copies no tensor byte);
 - an adapter sync against a LoRA-less server raises `SyncRejected`, and the policy falls back to full once
   (the merged LoRA weights are then served);
 - killing a server makes the next `infer` fail fast, naming that server (no hang); killing one of three
@@ -136,6 +138,37 @@ def test_full_sync_serves_the_seed1_model(
         assert same_model(rollout(source), before, atol=0.0)
     if transport == "shm":
         assert list(vllm_server.shm_dir.iterdir()) == [], "bucket files are removed after the sync"
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-parameters", "copied"])
+def test_shm_syncs_follow_training_in_place(
+    vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, share: bool
+) -> None:
+    """With `shm_share_parameters` the first sync moves the learner's parameters into the bucket files; an
+    in-place update of them (what an optimizer step does) is what the next sync serves, and that sync
+    copies no tensor byte. Without it every sync copies every byte."""
+    model, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
+    config = SyncConfig(transport="shm", bucket_mb=1, shm_share_parameters=share)
+    with ServerRolloutSource(
+        [vllm_server.base_url], timeout_s=30, transport="shm", shm_dir=vllm_server.shm_dir, bucket_mb=1
+    ) as source:
+        policy = WeightSyncPolicy(config)
+        try:
+            policy.maybe_sync(model, 0, source)
+            assert source.last_sync_stages["shm_shared_bytes"] == 0  # the first sync writes the files
+            with torch.no_grad():
+                for param, trained in zip(model.parameters(), seed1.parameters(), strict=True):
+                    param.copy_(trained)
+            policy.maybe_sync(model, 1, source)
+            report = policy.last_report
+            assert report is not None and source.health().weight_version == report.version
+            shared = source.last_sync_stages["shm_shared_bytes"]
+            assert shared == (report.bytes if share else 0)
+            after = rollout(source)
+            assert same_model(after, reference(seed1, after))
+        finally:
+            restore_seed0(source, tiny_model_dir, "shm")
+    assert same_model(after, reference(model, after))  # the learner's weights survive the closed stager
 
 
 def test_adapter_sync_rejected_then_policy_falls_back_to_full(

@@ -2,7 +2,7 @@
 
 A transport moves a full or adapter sync's buckets from the learner to every server between the sync's
 `begin` and its `commit`, which `ServerRolloutSource.sync_weights` drives over HTTP for every transport alike.
-It answers four questions, one method each (the shape of vLLM's `distributed/weight_transfer` engines, sender
+It answers five questions, one method each (the shape of vLLM's `distributed/weight_transfer` engines, sender
 side: init info, then send):
 
 - `rendezvous(clients)`: what each server's `begin` must carry (its part of the collective group; None
@@ -10,6 +10,7 @@ side: init info, then send):
 - `joined(sessions)`: what to do once every server has answered its `begin` (form the group);
 - `send(sessions, manifest, items, stages)`: move every bucket, in manifest order (a collective transport also
   waits until every server holds every bucket, so that no server commits unless all can);
+- `committed(update)`: what to do once every server has committed (`shm`: share the learner's parameters);
 - `failed(urls)` / `close()`: forget per-server state after a failure, release everything at the end.
 
 Implementations register under their configuration name (`register`); `build_transport(name, ...)` makes one.
@@ -34,6 +35,7 @@ from shared_schemas.registry import registrar
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
+    from learner.rollout.base import WeightUpdate
     from learner.rollout.client import RolloutClient, SyncSession
 
 __all__ = ["TRANSPORTS", "Transport", "TransportOptions", "build_transport", "register"]
@@ -98,6 +100,9 @@ class Transport:
                 from the HTTP calls pass through.
         """
         raise NotImplementedError
+
+    def committed(self, update: WeightUpdate) -> None:
+        """Called once every server has committed `update` (its tensors are no longer read by any server)."""
 
     def failed(self, urls: Sequence[str]) -> None:
         """Forgets whatever state the servers may now be out of step with (the next sync starts afresh)."""

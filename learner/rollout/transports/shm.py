@@ -10,6 +10,7 @@ from learner.rollout.transports.base import PartsTransport, TransportOptions, re
 from shared_schemas.sync import BucketSpec, SyncManifest
 
 if TYPE_CHECKING:
+    from learner.rollout.base import WeightUpdate
     from learner.rollout.client import SyncSession
 
 __all__ = ["ShmTransport"]
@@ -19,7 +20,8 @@ __all__ = ["ShmTransport"]
 class ShmTransport(PartsTransport):
     """Bucket files in `rollout.sync.shm_dir` (= the servers' `server.shm_dir`); every server on this host.
 
-    Bucket k's file is rewritten in place by the next sync once no server holds it (`ShmStager`).
+    Bucket k's file is rewritten in place by the next sync once no server holds it, and after a committed
+    sync the learner's CPU parameters move into the files when `share_parameters` (`ShmStager.share`).
 
     Raises:
         ValueError: no `shm_dir`, or a server that is not on a loopback address.
@@ -40,13 +42,23 @@ class ShmTransport(PartsTransport):
             )
         self.stager = ShmStager(options.shm_dir)
         self._reused_before = 0
+        self._shared_before = 0
 
     def joined(self, sessions: Sequence[SyncSession]) -> None:
         self._reused_before = self.stager.reused_bytes
+        self._shared_before = self.stager.shared_bytes
 
     def sent_stages(self) -> dict[str, float]:
-        """`shm_reused_bytes`: bytes this sync wrote into files an earlier sync left (no new tmpfs pages)."""
-        return {"shm_reused_bytes": float(self.stager.reused_bytes - self._reused_before)}
+        """`shm_reused_bytes`: bytes this sync wrote into files an earlier sync left (no new tmpfs pages);
+        `shm_shared_bytes`: tensor bytes not written at all (the learner's parameters live in the files)."""
+        return {
+            "shm_reused_bytes": float(self.stager.reused_bytes - self._reused_before),
+            "shm_shared_bytes": float(self.stager.shared_bytes - self._shared_before),
+        }
+
+    def committed(self, update: WeightUpdate) -> None:
+        if update.parameters:
+            self.stager.share(update.parameters)
 
     def send_bucket(
         self, sessions: Sequence[SyncSession], manifest: SyncManifest, bucket: BucketSpec, parts: BucketParts
@@ -55,7 +67,9 @@ class ShmTransport(PartsTransport):
             list(self.options.pool.map(lambda s: s.upload_shm(bucket.index, file_name), sessions))
 
     def failed(self, urls: Sequence[str]) -> None:
-        self.stager.discard()  # a server may still hold a file: the next sync writes new ones
+        # A server may still hold (and read) a file: the learner's parameters leave the files, and the next
+        # sync writes new ones.
+        self.stager.discard()
 
     def close(self) -> None:
         self.stager.close()

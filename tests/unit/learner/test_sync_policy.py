@@ -268,6 +268,7 @@ def test_sync_config_is_strict() -> None:
         "transport": "http",
         "bucket_mb": 512,
         "shm_dir": None,
+        "shm_share_parameters": True,
         "collective_address": None,
         "collective_timeout_s": 120.0,
     }
@@ -332,3 +333,22 @@ def test_every_rank_learns_that_rank0_syncs_adapters() -> None:
         t.join(timeout=60)
     assert [p.request_adapter for p in policies] == ["rollmatch", "rollmatch"]
     assert len(source.updates) == 1
+
+
+@pytest.mark.parametrize(
+    ("transport", "share", "offered"), [("shm", True, True), ("shm", False, False), ("http", True, False)]
+)
+def test_only_shm_with_sharing_offers_the_learners_parameters(
+    transport: str, share: bool, offered: bool
+) -> None:
+    offers: list[tuple[torch.Tensor, ...]] = []
+
+    class Recording(FakeSource):
+        def sync_weights(self, update: WeightUpdate) -> SyncReport:
+            offers.append(update.parameters)
+            return super().sync_weights(update)
+
+    model = Tiny()
+    config = SyncConfig(transport=transport, shm_dir="/tmp", shm_share_parameters=share)  # type: ignore[arg-type]
+    WeightSyncPolicy(config).maybe_sync(model, 0, Recording())
+    assert offers == [tuple(model.parameters()) if offered else ()]
