@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from learner.rollout.base import WeightUpdate
-from learner.rollout.colocate import EngineStatus
+from learner.rollout.colocate_backend import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
 from learner.yaml_loader import ConfigError
 from shared_schemas.images import request_messages

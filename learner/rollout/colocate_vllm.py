@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from torch import nn
 
 from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
-from learner.rollout.colocate import EngineStartError, EngineStatus
+from learner.rollout.colocate_backend import EngineStartError, EngineStatus
 from learner.rollout.colocate_tp import TpGroup, TpLayout, current_cuda_device, engine_device_env, tp_layout
 from learner.rollout.colocate_weights import encode_full_update, encode_tensors
 from learner.rollout.loop_thread import LoopThread

@@ -78,7 +78,7 @@ class SyncConfig(BaseModel):
     the headers and each server's load reads the learner's memory directly (the learner's copy into the
     files, bytes / memcpy, is gone; the tmpfs is the one the files used anyway). A file is trained in only
     after every server's commit has loaded it and let it go; a failed sync first moves the parameters back
-    into private memory. False: every sync copies every byte (`learner.rollout.sync_stream.ShmStager`)."""
+    into private memory. False: every sync copies every byte (`learner.rollout.transports.shm.ShmStager`)."""
     collective_address: str | None = None
     """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens
     there); None = `127.0.0.1`, allowed only when every server is on this host."""
