@@ -125,7 +125,9 @@ class ShmStager:
         self._tag = uuid.uuid4().hex[:12]
         self._spares: dict[int, Path] = {}
         self._written: dict[int, list[tuple[int, int, int]]] = {}
-        """Bucket index -> (source address, offset in the file, bytes) of each tensor of the last write."""
+        """Bucket index -> (source address, offset in the file, bytes) of each tensor written by the sync of
+        version `_written_version` (an earlier sync's entries would point at bytes training has changed)."""
+        self._written_version: int | None = None
         self._mapped: dict[int, _MappedFile] = {}
         """Bucket index -> the mapping that shared parameters of that bucket live in."""
         self._shared: dict[int, tuple[torch.Tensor, _MappedFile]] = {}
@@ -158,6 +160,8 @@ class ShmStager:
                 f"cannot write bucket {index} into shm staging dir {self.shm_dir} ({exc.strerror});"
                 " check rollout.sync.shm_dir (it must equal the server's server.shm_dir) and free space"
             ) from exc
+        if version != self._written_version:
+            self._written, self._written_version = {}, version
         self._written[index] = layout[1:]
         try:
             yield name

@@ -221,3 +221,21 @@ def test_another_models_sync_reuses_the_file_and_moves_the_shared_parameters_out
     assert all(torch.equal(p.detach(), values[n]) for n, p in params.items())
     assert stager.reused_bytes > 0 and stager.shared_bytes == 0
     stager.close()
+
+
+def test_share_moves_only_what_the_last_sync_wrote(tmp_path: Path) -> None:
+    """A bucket an earlier sync wrote holds bytes that training has changed since: its parameters stay."""
+    first, second = parameters(), parameters()
+    stager = ShmStager(tmp_path)
+    with stager.staged(1, 1, one_bucket(first)):
+        pass  # a sync that never committed (no share) ...
+    with torch.no_grad():
+        first["w"].add_(1)  # ... and training went on
+    trained = first["w"].detach().clone()
+    with stager.staged(2, 0, one_bucket(second)):
+        pass
+    stager.share([*first.values(), *second.values()])
+    assert torch.equal(first["w"].detach(), trained)
+    assert not in_file(spare_range(stager, 0), first["w"]) and 1 not in stager._mapped
+    assert all(in_file(spare_range(stager, 0), p) for p in second.values())
+    stager.close()
