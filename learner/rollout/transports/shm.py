@@ -35,7 +35,8 @@ class ShmTransport(PartsTransport):
     """Bucket files in `rollout.sync.shm_dir` (= the servers' `server.shm_dir`); every server on this host.
 
     Bucket k's file is rewritten in place by the next sync once no server holds it, and after a committed
-    sync the learner's CPU parameters move into the files when `share_parameters` (`ShmStager.share`).
+    sync the learner's CPU parameters move into the files when the update offers them
+    (`rollout.sync.shm_share_parameters`; `ShmStager.share`).
 
     Raises:
         ValueError: no `shm_dir`, or a server that is not on a loopback address.
@@ -63,8 +64,9 @@ class ShmTransport(PartsTransport):
         self._shared_before = self.stager.shared_bytes
 
     def sent_stages(self) -> dict[str, float]:
-        """`shm_reused_bytes`: bytes this sync wrote into files an earlier sync left (no new tmpfs pages);
-        `shm_shared_bytes`: tensor bytes not written at all (the learner's parameters live in the files)."""
+        """`shm_reused_bytes`: bytes of the files an earlier sync left that this sync reused (no new tmpfs
+        pages); `shm_shared_bytes`: of them, tensor bytes not written at all (the learner's parameters live
+        in the files)."""
         return {
             "shm_reused_bytes": float(self.stager.reused_bytes - self._reused_before),
             "shm_shared_bytes": float(self.stager.shared_bytes - self._shared_before),
