@@ -156,9 +156,13 @@ def test_shm_syncs_follow_training_in_place(
         try:
             policy.maybe_sync(model, 0, source)
             assert source.last_sync_stages["shm_shared_bytes"] == 0  # the first sync writes the files
+            served = rollout(source)
             with torch.no_grad():
                 for param, trained in zip(model.parameters(), seed1.parameters(), strict=True):
                     param.copy_(trained)
+            # Training in the files changes nothing served until the next sync commits (the engine copied
+            # the bytes at its load and keeps no reference to the files).
+            assert same_model(rollout(source), served, atol=0.0)
             policy.maybe_sync(model, 1, source)
             report = policy.last_report
             assert report is not None and source.health().weight_version == report.version

@@ -6,6 +6,7 @@ to sync, and (a learner on CPU) the home of the learner's own parameters between
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import stat
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from learner.rollout.client import SyncSession
 
 __all__ = ["ShmStager", "ShmTransport"]
+
+logger = logging.getLogger(__name__)
 
 
 @register("shm")
@@ -244,7 +247,7 @@ class ShmStager:
             Bytes of parameters that now live in the files (moved now or earlier).
         """
         owners = {p.data_ptr(): p for p in parameters if _owns_its_storage(p)}
-        placed = 0
+        placed = moved = 0
         for index, tensors in self._written.items():
             spare = self._spares.get(index)
             found = [(owners.get(address), offset, n) for address, offset, n in tensors]
@@ -266,8 +269,19 @@ class ShmStager:
                     )
                     param.data = view.view(param.shape)
                     self._shared[id(param)] = (param, mapped)
+                    moved += nbytes
                 placed += nbytes
         self._written = {}
+        if moved:
+            # Said once per move (normally the first sync): the learner's memory now shows as shared memory.
+            logger.info(
+                "shm sync: %.1f MB of the learner's parameters now live in the bucket files under %s (%.1f MB"
+                " in all) and later syncs copy none of it; rollout.sync.shm_share_parameters: false keeps"
+                " them in private memory",
+                moved / 1e6,
+                self.shm_dir,
+                placed / 1e6,
+            )
         return placed
 
     def discard(self) -> None:

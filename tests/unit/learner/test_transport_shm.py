@@ -3,8 +3,10 @@ the learner's parameters living in the files between syncs (never in a file a se
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load, save_file
 
@@ -103,7 +105,9 @@ def spare_range(stager: ShmStager, index: int = 0) -> tuple[int, int]:
     return mapped.address, mapped.address + mapped.size
 
 
-def test_shared_parameters_live_in_the_file_and_the_next_sync_writes_only_the_header(tmp_path: Path) -> None:
+def test_shared_parameters_live_in_the_file_and_the_next_sync_writes_only_the_header(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """After `share`, the parameters ARE the file's tensor bytes: training writes the file, and the next
     sync copies none of them (only the header), yet the file decodes to the current parameters."""
     params = parameters()
@@ -111,7 +115,11 @@ def test_shared_parameters_live_in_the_file_and_the_next_sync_writes_only_the_he
     with stager.staged(1, 0, one_bucket(params)):
         pass
     before = {n: p.detach().clone() for n, p in params.items()}
-    placed = stager.share(params.values())
+    with caplog.at_level(logging.INFO, logger="learner.rollout.transports.shm"):
+        placed = stager.share(params.values())
+        assert stager.share(params.values()) == 0  # nothing written since: nothing moves, nothing said
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "now live in the bucket files" in said and "shm_share_parameters: false" in said
     assert placed == sum(p.numel() * p.element_size() for p in params.values())
     assert all(in_file(spare_range(stager), p) for p in params.values())
     assert all(torch.equal(p, before[n]) for n, p in params.items())
