@@ -224,3 +224,31 @@ def test_reorder_is_plain_sft_of_the_ground_truth_in_the_model_order(tiny_tokeni
     # the counters describe the generated rollout: 3 predictions, 2 matched, 1 FP, 1 FN
     assert outcome.counters["valid_pred_objects"] == 3.0 and outcome.counters["fp"] == 1.0
     assert outcome.counters["matched"] == 2.0 and outcome.counters["fn"] == 1.0
+
+
+@pytest.mark.parametrize("emitted", [[CAT, FISH], [DOG, FISH], [CAT], [FISH], [CAT, BIRD, FISH]])
+def test_reorder_of_a_rollout_in_the_gt_order_that_misses_objects_is_plain_sft(
+    tiny_tokenizer, tiny_model_dir, emitted
+) -> None:
+    """The model follows the GT order (CAT, DOG, FISH) but skips objects (and may add a false positive): the
+    missed ones go where the GT order puts them, so the target is the plain-SFT segment token for token and
+    label for label — not the matches first and the misses after (CAT, FISH, DOG: an order the data never
+    uses, which made `reorder` lose to plain SFT on sorted order)."""
+    gt = [CAT, DOG_GT, FISH]
+    rollout = _sft_path(tiny_tokenizer, emitted)
+    _, rm, outcome = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, rollout_ids=rollout)
+    sft = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, empty=True)[1]
+    assert _same(rm, sft)
+    assert outcome.counters["fn"] == 3.0 - sum(o is not BIRD for o in emitted)
+
+
+def test_reorder_keeps_the_model_order_when_it_disagrees_with_the_gt_order(
+    tiny_tokenizer, tiny_model_dir
+) -> None:
+    """FISH before CAT (GT order CAT, DOG, FISH), DOG missed: the model's order of its matches, then the
+    miss."""
+    rollout = _sft_path(tiny_tokenizer, [FISH, CAT])
+    gt = [CAT, DOG_GT, FISH]
+    _, rm, _ = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, rollout_ids=rollout)
+    want = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], [FISH, CAT, DOG_GT], empty=True)[1]
+    assert _same(rm, want)
