@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 from learner.demo_data.scenes import SceneObject, canonical_ring, record_objects
@@ -48,15 +49,19 @@ from learner.stage2.coords import bbox_to_bins, pixel_to_bin
 
 __all__ = [
     "CATEGORIES",
+    "CROWDED_CONFIG",
     "DEMO_SYSTEM_PROMPT",
     "DEMO_USER_PROMPT",
     "Category",
     "ImageDemoConfig",
     "PixelObject",
     "generate_images",
+    "object_mask",
     "render_scene",
+    "sample_occluded_scene",
     "sample_pixel_scene",
     "to_scene_objects",
+    "visible_objects",
     "write_image_dataset",
 ]
 
@@ -107,6 +112,13 @@ class ImageDemoConfig:
         min_side: smallest side of an object's bounding box.
         max_side: largest side of an object's bounding box.
         categories: desc → drawing; order matters for sampling.
+        min_visible: 1.0 (the demo): bounding boxes never overlap and every object is whole. Below 1:
+            objects may overlap, and each keeps at least this fraction of its drawn pixels visible (an
+            occluded scene, :func:`sample_occluded_scene`); the GT box of a box-kind object is then the
+            extent of its VISIBLE pixels.
+        same_category_p: with this probability an object takes the previous object's category and is
+            placed touching or overlapping it (same-category neighbours); only used below ``min_visible``
+            1.0.
     """
 
     size: int = 192
@@ -116,6 +128,8 @@ class ImageDemoConfig:
     min_side: int = 48
     max_side: int = 88
     categories: dict[str, Category] = field(default_factory=lambda: dict(CATEGORIES))
+    min_visible: float = 1.0
+    same_category_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not 32 <= self.size <= 1024:
@@ -134,6 +148,31 @@ class ImageDemoConfig:
             )
         if not self.categories:
             raise ValueError("ImageDemoConfig.categories is empty")
+        if not 0.1 <= self.min_visible <= 1.0:
+            raise ValueError(f"ImageDemoConfig.min_visible={self.min_visible}: must be in 0.1..1.0")
+        if not 0.0 <= self.same_category_p <= 1.0:
+            raise ValueError(f"ImageDemoConfig.same_category_p={self.same_category_p}: must be in 0..1")
+
+    @property
+    def occluded(self) -> bool:
+        """Whether objects may overlap (``min_visible < 1``)."""
+        return self.min_visible < 1.0
+
+
+CROWDED_CONFIG = ImageDemoConfig(
+    size=384,
+    grid=8,
+    min_objects=8,
+    max_objects=24,
+    min_side=32,
+    max_side=72,
+    min_visible=0.5,
+    same_category_p=0.5,
+)
+"""The crowded task (``bench/ab_learning.py --task crowded-random``): 8–24 objects on a 384 px canvas (144
+image tokens at 32 px per merged token), sides of 32–72 px (8–19 % of the side), same-category neighbours
+half the time, overlaps that leave each object at least half visible. Where on-policy training should pay:
+many objects to order, duplicates to avoid, misses among neighbours."""
 
 
 @dataclass(frozen=True)
@@ -156,12 +195,20 @@ def _grid_value(rng: random.Random, lo: int, hi: int, grid: int) -> int:
     return rng.randint(-(-lo // grid), hi // grid) * grid
 
 
-def _sample_object(rng: random.Random, desc: str, cfg: ImageDemoConfig) -> PixelObject:
+def _sample_object(
+    rng: random.Random, desc: str, cfg: ImageDemoConfig, near: PixelObject | None = None
+) -> PixelObject:
+    """One object of category ``desc``; with ``near``, its box lies within two grid steps of ``near``'s."""
     g, last = cfg.grid, cfg.size - 1
     w = _grid_value(rng, cfg.min_side, cfg.max_side, g)
     h = _grid_value(rng, cfg.min_side, cfg.max_side, g)
-    x1 = _grid_value(rng, 0, last - w, g)
-    y1 = _grid_value(rng, 0, last - h, g)
+    if near is None:
+        x1 = _grid_value(rng, 0, last - w, g)
+        y1 = _grid_value(rng, 0, last - h, g)
+    else:
+        nx1, ny1, nx2, ny2 = near.box
+        x1 = _grid_value(rng, max(0, nx1 - w - 2 * g), min(last - w, nx2 + 2 * g), g)
+        y1 = _grid_value(rng, max(0, ny1 - h - 2 * g), min(last - h, ny2 + 2 * g), g)
     x2, y2 = x1 + w, y1 + h
     drawing = cfg.categories[desc].drawing
     if drawing == "triangle":
@@ -210,6 +257,124 @@ def sample_pixel_scene(rng: random.Random, cfg: ImageDemoConfig) -> list[PixelOb
     return objects
 
 
+def _share_pixels(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    """Whether two inclusive pixel boxes share any pixel (touching edges count)."""
+    return min(a[2], b[2]) >= max(a[0], b[0]) and min(a[3], b[3]) >= max(a[1], b[1])
+
+
+def _draw(draw: ImageDraw.ImageDraw, o: PixelObject, cat: Category, fill: Any, outline: Any = None) -> None:
+    """Draw ``o`` as its category does (the one drawing rule for pixels and masks); ``outline``: a 2 px edge
+    of that colour (crowded scenes: neighbours of one category stay apart), None for none (the demo)."""
+    edge = {"outline": outline, "width": 2} if outline is not None else {}
+    if o.ring:
+        draw.polygon(list(o.ring), fill=fill, **edge)
+    elif cat.drawing == "ellipse":
+        draw.ellipse(o.box, fill=fill, **edge)
+    elif cat.drawing == "frame":
+        side = min(o.box[2] - o.box[0], o.box[3] - o.box[1])
+        draw.rectangle(o.box, outline=fill, width=max(3, side // 6))
+        if outline is not None:
+            draw.rectangle(o.box, outline=outline, width=1)
+    else:
+        draw.rectangle(o.box, fill=fill, **edge)
+
+
+def object_mask(o: PixelObject, cfg: ImageDemoConfig) -> np.ndarray:
+    """The pixels ``o`` paints, as a bool array over its inclusive box (rows y1..y2, columns x1..x2)."""
+    x1, y1, x2, y2 = o.box
+    canvas = Image.new("1", (x2 - x1 + 1, y2 - y1 + 1), 0)
+    shifted = PixelObject(o.desc, (0, 0, x2 - x1, y2 - y1), tuple((x - x1, y - y1) for x, y in o.ring))
+    _draw(ImageDraw.Draw(canvas), shifted, cfg.categories[o.desc], 1, 1 if cfg.occluded else None)
+    return np.asarray(canvas, dtype=bool)
+
+
+def _visible_masks(scene: Sequence[PixelObject], masks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each object's visible pixels (over its own box) when ``scene`` is painted in list order."""
+    out = []
+    for i, (o, m) in enumerate(zip(scene, masks, strict=True)):
+        vis = m.copy()
+        for later, lm in zip(scene[i + 1 :], masks[i + 1 :], strict=True):
+            if not _share_pixels(o.box, later.box):
+                continue
+            x1, y1 = max(o.box[0], later.box[0]), max(o.box[1], later.box[1])
+            x2, y2 = min(o.box[2], later.box[2]), min(o.box[3], later.box[3])
+            vis[y1 - o.box[1] : y2 - o.box[1] + 1, x1 - o.box[0] : x2 - o.box[0] + 1] &= ~lm[
+                y1 - later.box[1] : y2 - later.box[1] + 1, x1 - later.box[0] : x2 - later.box[0] + 1
+            ]
+        out.append(vis)
+    return out
+
+
+def _draw_order(objects: Sequence[PixelObject]) -> list[int]:
+    """Box-kind objects in sampling order, then polygons: polygons are never occluded, so their GT ring is
+    exactly what is visible."""
+    return [i for i, o in enumerate(objects) if not o.ring] + [i for i, o in enumerate(objects) if o.ring]
+
+
+def _visible_enough(
+    objects: Sequence[PixelObject], masks: Sequence[np.ndarray], cfg: ImageDemoConfig
+) -> bool:
+    """Every object keeps ``cfg.min_visible`` of its pixels and a visible extent of at least two grid steps
+    per side; polygons never overlap each other."""
+    polys = [o for o in objects if o.ring]
+    if any(_share_pixels(a.box, b.box) for k, a in enumerate(polys) for b in polys[k + 1 :]):
+        return False
+    order = _draw_order(objects)
+    visible = _visible_masks([objects[i] for i in order], [masks[i] for i in order])
+    for i, vis in zip(order, visible, strict=True):
+        if vis.sum() < cfg.min_visible * masks[i].sum():
+            return False
+        ys, xs = np.nonzero(vis)
+        if xs.max() - xs.min() < 2 * cfg.grid or ys.max() - ys.min() < 2 * cfg.grid:
+            return False
+    return True
+
+
+def sample_occluded_scene(rng: random.Random, cfg: ImageDemoConfig) -> list[PixelObject]:
+    """A crowded scene (``cfg.min_visible < 1``): ``min_objects..max_objects`` objects that may overlap, in
+    DRAW order (later ones paint over earlier ones).
+
+    With probability ``cfg.same_category_p`` an object repeats the previous object's category next to it.
+    A candidate is kept only if every object stays visible enough (:func:`_visible_enough`); 50 tries per
+    object (the last 25 anywhere on the canvas), so a scene too crowded for another object keeps fewer.
+    """
+    names = list(cfg.categories)
+    target = rng.randint(cfg.min_objects, cfg.max_objects)
+    objects: list[PixelObject] = []
+    masks: list[np.ndarray] = []
+    for _ in range(target):
+        near = objects[-1] if objects and rng.random() < cfg.same_category_p else None
+        desc = near.desc if near is not None else rng.choice(names)
+        for attempt in range(50):
+            obj = _sample_object(rng, desc, cfg, near if attempt < 25 else None)
+            mask = object_mask(obj, cfg)
+            if _visible_enough([*objects, obj], [*masks, mask], cfg):
+                objects.append(obj)
+                masks.append(mask)
+                break
+    return [objects[i] for i in _draw_order(objects)]
+
+
+def visible_objects(scene: Sequence[PixelObject], cfg: ImageDemoConfig) -> list[PixelObject]:
+    """The GT of a scene in draw order: what is visible. A box-kind object's box becomes the inclusive extent
+    of its visible pixels; polygons (never occluded) keep their ring and box."""
+    visible = _visible_masks(scene, [object_mask(o, cfg) for o in scene])
+    out = []
+    for o, vis in zip(scene, visible, strict=True):
+        if o.ring:
+            out.append(o)
+            continue
+        ys, xs = np.nonzero(vis)
+        box = (
+            o.box[0] + int(xs.min()),
+            o.box[1] + int(ys.min()),
+            o.box[0] + int(xs.max()),
+            o.box[1] + int(ys.max()),
+        )
+        out.append(PixelObject(o.desc, box))
+    return out
+
+
 def to_scene_objects(objects: Sequence[PixelObject], width: int, height: int) -> list[SceneObject]:
     """Pixel objects → norm1000 :class:`SceneObject` (§2.2–§2.4), sorted by the §1.4 anchor (stable).
 
@@ -243,16 +408,8 @@ def render_scene(objects: Sequence[PixelObject], rng: random.Random, cfg: ImageD
         rect = (start, 0, end, cfg.size - 1) if vertical else (0, start, cfg.size - 1, end)
         draw.rectangle(rect, fill=stripe)
     for o in objects:
-        cat = cfg.categories[o.desc]
-        if o.ring:
-            draw.polygon(list(o.ring), fill=cat.rgb)
-        elif cat.drawing == "ellipse":
-            draw.ellipse(o.box, fill=cat.rgb)
-        elif cat.drawing == "frame":
-            side = min(o.box[2] - o.box[0], o.box[3] - o.box[1])
-            draw.rectangle(o.box, outline=cat.rgb, width=max(3, side // 6))
-        else:
-            draw.rectangle(o.box, fill=cat.rgb)
+        rgb = cfg.categories[o.desc].rgb
+        _draw(draw, o, cfg.categories[o.desc], rgb, tuple(c // 3 for c in rgb) if cfg.occluded else None)
     return img
 
 
@@ -271,13 +428,17 @@ def generate_images(
     rng = random.Random(f"rollmatch-demo-vlm/{split}/{seed}")
     out = []
     for i in range(n):
-        pixel_objects = sample_pixel_scene(rng, cfg)
+        if cfg.occluded:
+            pixel_objects = sample_occluded_scene(rng, cfg)
+            gt_objects = visible_objects(pixel_objects, cfg)
+        else:
+            pixel_objects = gt_objects = sample_pixel_scene(rng, cfg)
         image = render_scene(pixel_objects, rng, cfg)
         record = {
             "images": [f"images/{split}_{i:05d}.png"],
             "width": cfg.size,
             "height": cfg.size,
-            "objects": record_objects(to_scene_objects(pixel_objects, cfg.size, cfg.size)),
+            "objects": record_objects(to_scene_objects(gt_objects, cfg.size, cfg.size)),
             "metadata": {"id": f"demo-vlm-{split}-{seed}-{i:06d}", "grid_px": cfg.grid},
         }
         out.append((record, image))
