@@ -1,48 +1,212 @@
-"""Attention for the learner's teacher-forced forward: one causal SDPA call per packed segment, no mask.
+"""Attention for the learner's teacher-forced forward: each packed segment attends only to itself, no mask.
 
 Why: a packed row (`learner.batching.packed_batch.pack_segments`) holds k segments of a micro-batch in one
 padding-free row. With `attn_implementation="sdpa"` transformers isolates them with a block-diagonal mask of
 the WHOLE row, `[1, 1, T, T]` — built once per forward (T² bytes) and then attended in full: every query
 scores all T keys, so attention costs T² instead of the segments' Σ Lᵢ², and SDPA with an arbitrary mask
 cannot use the flash kernel. On a CPU with an 8k-token row of 16 image segments the forward took 10 s where
-the same segments right-padded took ~1 s. Flash-attention's varlen kernel avoids this on GPUs that have it;
-this module does the same with plain SDPA, for every device:
+the same segments right-padded took ~1 s. This module attends per segment instead, for every device:
 
 - packed rows (the forward receives `cu_seq_lens_q`, which
-  `PackedBatch.model_inputs(flash_varlen_kwargs=True)` passes): per segment `[cu[i], cu[i+1])`, one
-  `scaled_dot_product_attention(..., is_causal=True)` — exactly the attention the segment gets alone;
+  `PackedBatch.model_inputs(flash_varlen_kwargs=True)` passes): on CUDA in bf16/fp16, ONE call of PyTorch's
+  varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`) over the whole row, driven by the row's
+  cumulative segment lengths — no Python loop over segments, no host sync; elsewhere (CPU, float32, a torch
+  without the op, or the op failing its one-time check on this device) the fallback: per segment
+  `[cu[i], cu[i+1])` one `scaled_dot_product_attention(..., is_causal=True)` — exactly the attention the
+  segment gets alone;
 - right-padded rows (`pad_segments`): one causal SDPA call over the batch with NO mask: a real token at
   position p attends to positions ≤ p, which are all real (padding only follows), so real tokens are exact and
   padding positions, which no loss reads, are don't-care;
+- the vision tower of a Qwen-VL model (its blocks attend within each image, bounds in the tower's own
+  `cu_seqlens`): the same varlen call, non-causal, under `VISION_VARLEN`, instead of transformers' loop of one
+  SDPA call per image per block; the fallback is the same per-image SDPA;
 - mask construction is skipped entirely (the registered mask function returns None).
 
 It is therefore ONLY valid for the learner's own training forwards (right padding or packing, never left
-padding, never a KV cache): `packed_attention(model)` switches the language model to it for the duration of a
-`with` block and restores the configured implementation after — rollouts (the colocated HF decode loop, left
-padded) never see it. `stage2.loss.segment_attention: false` turns it off (transformers' own `sdpa` with the
-block-diagonal mask). Checked against `sdpa` (padded and packed, text and Qwen-VL, values and gradients) in
-tests/integration/test_packed_equivalence.py and tests/integration/test_vl_packing.py.
+padding, never a KV cache): `packed_attention(model)` switches the language model (and a vision tower) to it
+for the duration of a `with` block and restores the configured implementation after — rollouts (the colocated
+HF decode loop, left padded) never see it. `stage2.loss.segment_attention: false` turns it off (transformers'
+own `sdpa` with the block-diagonal mask). Checked against `sdpa` (padded and packed, text and Qwen-VL, values
+and gradients) in tests/integration/test_packed_equivalence.py and tests/integration/test_vl_packing.py; the
+varlen path against the fallback in tests/unit/learner/test_packed_attention.py (layout, GQA, causality, with
+a stand-in kernel on CPU) and by `bench/bench_packing.py --gpu --vlm` on CUDA (loss and gradients).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["SEGMENT_SDPA", "packed_attention", "segment_sdpa"]
+__all__ = [
+    "SEGMENT_SDPA",
+    "VISION_VARLEN",
+    "packed_attention",
+    "segment_sdpa",
+    "varlen_available",
+]
+
+logger = logging.getLogger(__name__)
 
 SEGMENT_SDPA = "rollmatch_segment_sdpa"
-"""Attention-implementation name under which `segment_sdpa` is registered with transformers."""
+"""Attention-implementation name of `segment_sdpa` in transformers' registry (language model)."""
+
+VISION_VARLEN = "rollmatch_flash_varlen_vision"
+"""The same function's name for a vision tower. Transformers hands a vision tower's `cu_seqlens` to its
+attention function only when the implementation's name contains "flash" (`is_flash_attention_requested`);
+other names get one call per image. Only ever set on a vision config, never on a language model's."""
 
 _registered = False
 _lock = threading.Lock()
+_use_varlen = [True]
+"""Set by `packed_attention(varlen=...)`. A module global, not a context variable: the backward (and the
+forward that gradient checkpointing re-runs in it) runs on autograd's own threads."""
+_varlen_checked: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _varlen_op() -> tuple[Callable[..., torch.Tensor], bool] | None:
+    """`(torch.nn.attention.varlen.varlen_attn, keyword API?)`, or None where this torch lacks it. The keyword
+    API (torch ≥ 2.12: `scale`, `window_size`, `enable_gqa`) differs from the first one (`is_causal` only)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, all(k in params for k in ("window_size", "enable_gqa", "scale"))
+
+
+def _varlen_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One varlen flash call over a packed row.
+
+    Args:
+        query: `(1, H, T, D)`; key, value: `(1, H_kv, T, D)`, H a multiple of H_kv.
+        cu: `[k + 1]` segment bounds (any int dtype, any device).
+        max_len: longest segment (tokens).
+        causal: causal within each segment (language model) or full (vision tower).
+        scaling: softmax scale; None = `D ** -0.5`.
+
+    Returns:
+        `(1, T, H, D)`.
+    """
+    op = _varlen_op()
+    assert op is not None
+    fn, keyword_api = op
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    gqa = k.shape[1] != q.shape[1]
+    if keyword_api:
+        window = (-1, 0) if causal else (-1, -1)
+        out = fn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window, enable_gqa=gqa)
+    else:
+        if gqa:  # SDPA's enable_gqa grouping: query head h reads kv head h // (H / H_kv)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if scaling is not None and abs(scaling * q.shape[-1] ** 0.5 - 1.0) > 1e-6:
+            q = q * (scaling * q.shape[-1] ** 0.5)
+        out = fn(q, k, v, cu, cu, max_len, max_len, is_causal=causal)
+    return out.unsqueeze(0)
+
+
+def _segment_loop(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    *,
+    causal: bool,
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """The fallback: one SDPA call per segment; `(1, T, H, D)` like `_varlen_call`."""
+    gqa = key.shape[1] != query.shape[1]
+    bounds = cu.tolist()
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, a:b],
+                value[:, :, a:b],
+                dropout_p=dropout,
+                scale=scaling,
+                is_causal=causal,
+                enable_gqa=gqa,
+            )
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ],
+        dim=2,
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the varlen kernel runs on `device` in `dtype` and matches the fallback (values and gradients,
+    causal with GQA and full), checked once per (device, dtype); a failure is logged once and the fallback
+    serves from then on."""
+    tag = (str(device), dtype)
+    if tag not in _varlen_checked:
+        ok, why = True, ""
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            cu = torch.tensor([0, 5, 37, 96], dtype=torch.int32, device=device)
+            for causal, heads_kv in ((True, 2), (False, 4)):
+                shapes = ((1, 4, 96, 64), (1, heads_kv, 96, 64), (1, heads_kv, 96, 64))
+                leaves = [torch.randn(s, device=device, dtype=dtype, generator=gen) for s in shapes]
+                outs, grads = [], []
+                for fn in (_varlen_call, _segment_loop):
+                    xs = [t.clone().requires_grad_(True) for t in leaves]
+                    kw = {} if fn is _varlen_call else {"dropout": 0.0}
+                    args = (cu, 32) if fn is _varlen_call else (cu,)
+                    out = fn(*xs, *args, causal=causal, scaling=None, **kw)
+                    out.float().square().sum().backward()
+                    outs.append(out.float())
+                    grads.append([x.grad.float() for x in xs])
+                errs = [(outs[0] - outs[1]).norm() / outs[1].norm()]
+                errs += [(a - b).norm() / b.norm() for a, b in zip(grads[0], grads[1], strict=True)]
+                worst = max(float(e) for e in errs)
+                if not worst < 2e-2:
+                    ok, why = False, f"relative error {worst:.3g} vs per-segment SDPA (causal={causal})"
+        except Exception as err:  # noqa: BLE001 - any failure means: use the fallback, and say why
+            ok, why = False, f"{type(err).__name__}: {err}"
+        if not ok:
+            logger.warning(
+                "varlen attention unusable on %s in %s (%s); packed rows attend per segment in a loop "
+                "(slower, same values). Upgrade torch to one whose torch.nn.attention.varlen runs here.",
+                device,
+                dtype,
+                why[:300],
+            )
+        _varlen_checked[tag] = ok
+    return _varlen_checked[tag]
+
+
+def varlen_available(query: torch.Tensor) -> bool:
+    """Whether a packed row of `query`'s device and dtype attends through the varlen kernel (see the module
+    docstring): CUDA, bf16 or fp16, head size ≤ 256 and a multiple of 8, the op present and checked, and not
+    turned off by `packed_attention(..., varlen=False)`."""
+    if not (_use_varlen[0] and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    d = query.shape[-1]
+    if d > 256 or d % 8 or _varlen_op() is None:
+        return False
+    return _varlen_works(query.device, query.dtype)
 
 
 def segment_sdpa(
@@ -61,7 +225,8 @@ def segment_sdpa(
     Args:
         query: `(B, H, T, D)`; key, value: `(B, H_kv, T, D)` (no KV cache: keys are the row's own tokens).
         attention_mask: ignored (None: the registered mask function builds none).
-        kwargs: `cu_seq_lens_q` (int32 `[k + 1]` segment bounds of a packed row, `B == 1`) when packed.
+        kwargs: `cu_seq_lens_q` (int32 `[k + 1]` segment bounds of a packed row, `B == 1`) and
+            `max_length_q` (longest segment, tokens) when packed.
 
     Returns:
         `((B, T, H, D) attention output, None)`, as transformers' `sdpa_attention_forward`.
@@ -71,33 +236,26 @@ def segment_sdpa(
             f"{SEGMENT_SDPA} serves teacher-forced forwards only (query {query.shape[2]} tokens vs "
             f"{key.shape[2]} keys: a KV cache?); rollouts must run with the model's own attention"
         )
-    gqa = key.shape[1] != query.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         out = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=gqa
+            query,
+            key,
+            value,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=causal,
+            enable_gqa=key.shape[1] != query.shape[1],
         )
-    else:
-        if query.shape[0] != 1:
-            raise RuntimeError(f"a packed row has batch size 1, got {query.shape[0]}")
-        bounds = cu.tolist()
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    query[:, :, a:b],
-                    key[:, :, a:b],
-                    value[:, :, a:b],
-                    dropout_p=dropout,
-                    scale=scaling,
-                    is_causal=causal,
-                    enable_gqa=gqa,
-                )
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            ],
-            dim=2,
-        )
-    return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise RuntimeError(f"a packed row has batch size 1, got {query.shape[0]}")
+    if dropout == 0.0 and varlen_available(query):
+        max_len = kwargs.get("max_length_q")
+        max_len = int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
+        return _varlen_call(query, key, value, cu, max_len, causal=causal, scaling=scaling), None
+    return _segment_loop(query, key, value, cu, causal=causal, scaling=scaling, dropout=dropout), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -113,20 +271,21 @@ def _register() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
-        AttentionInterface.register(SEGMENT_SDPA, segment_sdpa)
-        AttentionMaskInterface.register(SEGMENT_SDPA, _no_mask)
+        for name in (SEGMENT_SDPA, VISION_VARLEN):
+            AttentionInterface.register(name, segment_sdpa)
+            AttentionMaskInterface.register(name, _no_mask)
         _registered = True
 
 
-def _text_configs(model: torch.nn.Module) -> list[Any]:
-    """The config whose `_attn_implementation` the language model reads: a VL model's `text_config` (its
-    vision tower keeps its own attention), else the model's config."""
+def _configs(model: torch.nn.Module) -> tuple[Any, Any | None]:
+    """`(language config, vision config or None)`: the configs whose `_attn_implementation` the language
+    model and a VL model's vision tower read (a text model's own config, no vision)."""
     base = model
     while hasattr(base, "module"):  # DDP / DeepSpeed engine wrappers
         base = base.module
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     text = getattr(base.config, "text_config", None)
-    return [text if text is not None else base.config]
+    return (text if text is not None else base.config), getattr(base.config, "vision_config", None)
 
 
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -137,27 +296,37 @@ on an H100 with a Qwen3-VL-2B-shaped model: packed ÷ padded tokens/s 0.63× wit
 
 
 @contextlib.contextmanager
-def packed_attention(model: torch.nn.Module, *, enabled: bool = True) -> Iterator[None]:
-    """Runs the block with `SEGMENT_SDPA` as the language model's attention (and no cuDNN SDPA on CUDA).
+def packed_attention(model: torch.nn.Module, *, enabled: bool = True, varlen: bool = True) -> Iterator[None]:
+    """Runs the block with `SEGMENT_SDPA` as the language model's attention, `VISION_VARLEN` as a vision
+    tower's, and no cuDNN SDPA on CUDA.
 
     Wrap the forward AND the backward: gradient checkpointing re-runs the forward during the backward, which
     must attend the same way (the trainer wraps its whole `training_step`). Nested blocks are no-ops, so the
-    trainer's step and `forward_for_loss` inside it compose. Only models configured for `sdpa` are switched
-    (eager is a debugging choice; flash-attention has varlen already). Not for concurrent use of one model
-    from several threads: the trainer's step is single-threaded.
+    trainer's step and `forward_for_loss` inside it compose. Only configs set to `sdpa` are switched (eager
+    is a debugging choice; flash-attention has varlen already). Not for concurrent use of one model from
+    several threads: the trainer's step is single-threaded.
+
+    Args:
+        model: the (possibly wrapped) model.
+        enabled: False runs the block unchanged (`stage2.loss.segment_attention: false`).
+        varlen: False keeps the per-segment SDPA loop even where the varlen kernel runs (benches' baseline).
     """
-    configs = [c for c in _text_configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
-    if not enabled or not configs:
+    text, vision = _configs(model)
+    switch = [(c, name) for c, name in ((text, SEGMENT_SDPA), (vision, VISION_VARLEN)) if c is not None]
+    switch = [(c, name) for c, name in switch if getattr(c, "_attn_implementation", None) == "sdpa"]
+    if not enabled or not any(c is text for c, _ in switch):
         yield
         return
     _register()
     cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))
     kernels = sdpa_kernel(_CUDA_BACKENDS) if cuda else contextlib.nullcontext()
-    for config in configs:
-        config._attn_implementation = SEGMENT_SDPA
+    saved, _use_varlen[0] = _use_varlen[0], varlen
+    for config, name in switch:
+        config._attn_implementation = name
     try:
         with kernels:
             yield
     finally:
-        for config in configs:
+        for config, _ in switch:
             config._attn_implementation = "sdpa"
+        _use_varlen[0] = saved

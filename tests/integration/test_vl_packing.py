@@ -28,7 +28,7 @@ from learner.data.records import build_sample, validate_record
 from learner.policy import load_policy
 from learner.stage2.losses import CoordLossConfig, read_columns, step_loss_sums
 from learner.stage2.pipeline import prepare_segment
-from learner.trainers.build import _sample_context
+from learner.trainers.build import sample_context
 from shared_schemas.infer import Choice, InferResult
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ def vl_parts(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     policy = load_policy(cfg.model, tiny_vlm_dir)
     model = policy.model.eval()
     encoder = PromptEncoder.for_model(model, policy.tokenizer, policy.processor)
-    ctx = _sample_context(cfg, policy.tokenizer, encoder)
+    ctx = sample_context(cfg, policy.tokenizer, encoder)
     folder = tmp_path_factory.mktemp("vl_images")
     segments = []
     for k, (w, h) in enumerate(SIZES):
@@ -158,12 +158,24 @@ def test_packed_and_padded_losses_are_equal(vl_parts, compact: bool) -> None:
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5), name
 
 
+def _step(model, batch, coord_ids, eos_id: int, **forward_kwargs):
+    """`forward_for_loss` (compact logits) + `step_loss_sums` + backward of CE + coord; returns
+    `(outputs, columns, {parameter name: gradient})`."""
+    from learner.trainers.rollout_matching import forward_for_loss
+
+    out, columns = forward_for_loss(model, batch, compact=True, **forward_kwargs)
+    sums = step_loss_sums(
+        out.logits, batch, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=eos_id, columns=columns
+    )
+    (sums.s_ce + sums.s_coord).backward()
+    return out, columns, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: str) -> None:
     """`stage2.loss.segment_attention`: per-segment causal SDPA without a mask = transformers' sdpa with its
     block-diagonal (packed) or padding (padded) mask — logits at the read columns and parameter gradients."""
     from learner.trainers.packed_attention import SEGMENT_SDPA
-    from learner.trainers.rollout_matching import forward_for_loss
 
     model, segments, coord_ids, ctx = vl_parts
     batch = (
@@ -175,17 +187,7 @@ def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: st
     results = []
     for segment_attention in (False, True):
         model.zero_grad()
-        out, columns = forward_for_loss(model, batch, compact=True, segment_attention=segment_attention)
-        sums = step_loss_sums(
-            out.logits,
-            batch,
-            coord_ids=coord_ids,
-            coord_cfg=CoordLossConfig(),
-            eos_id=ctx.eot_id,
-            columns=columns,
-        )
-        (sums.s_ce + sums.s_coord).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out, columns, grads = _step(model, batch, coord_ids, ctx.eot_id, segment_attention=segment_attention)
         # Padded rows: positions past a row's end are padding (don't-care without a mask; no loss reads them).
         real = torch.ones_like(out.logits[..., 0], dtype=torch.bool)
         if batch.attention_mask is not None:
@@ -243,3 +245,47 @@ def test_segment_attention_under_gradient_checkpointing(vl_parts) -> None:
     for name, grad in reference.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     model.zero_grad()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_varlen_attention_equals_segment_loop(vl_parts, monkeypatch, checkpointing: bool) -> None:
+    """The varlen path (one kernel call per packed row in every language layer AND every vision block) gives
+    the per-segment loop's logits and gradients. The flash kernel is CUDA-only, so a dense stand-in takes its
+    place on CPU (`tests/unit/learner/varlen_reference.py`); its call counts show both towers used it."""
+    from learner.trainers import packed_attention as pa
+    from tests.unit.learner.varlen_reference import ReferenceVarlen
+
+    model, segments, coord_ids, ctx = vl_parts
+    ref = ReferenceVarlen()
+    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, True))
+    monkeypatch.setattr(pa, "varlen_available", lambda q: pa._use_varlen[0])
+    batch = pack_segments(segments)
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    results = []
+    try:
+        for varlen in (False, True):
+            model.zero_grad()
+            with pa.packed_attention(model, varlen=varlen):
+                out, _, grads = _step(model, batch, coord_ids, ctx.eot_id)
+            results.append((out.logits.detach(), grads))
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        model.zero_grad()
+        for n, p in model.named_parameters():
+            p.requires_grad_(trainable[n])
+    text, vision = model.config.text_config, model.config.vision_config
+    assert text._attn_implementation == vision._attn_implementation == "sdpa"  # restored
+    layers, blocks = text.num_hidden_layers, vision.depth
+    passes = 2 if checkpointing else 1  # checkpointing re-runs the forward in the backward
+    assert ref.causal_calls == passes * layers and ref.calls == passes * (layers + blocks)
+    (ref_logits, ref_grads), (var_logits, var_grads) = results
+    torch.testing.assert_close(var_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert ref_grads.keys() == var_grads.keys() and any("visual" in n for n in ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(var_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

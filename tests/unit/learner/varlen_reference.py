@@ -1,0 +1,46 @@
+"""A CPU stand-in for `torch.nn.attention.varlen.varlen_attn` (whose flash kernel runs on CUDA only): dense
+attention under a block-diagonal (optionally causal) mask built from the cumulative lengths, so the varlen
+path of `learner.trainers.packed_attention` can be checked on CPU against its per-segment fallback."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ReferenceVarlen"]
+
+
+class ReferenceVarlen:
+    """Callable with either API of `varlen_attn` (`keyword=True`: torch ≥ 2.12's `scale` / `window_size` /
+    `enable_gqa`; False: the first API, `is_causal` only and equal head counts); counts its calls."""
+
+    def __init__(self, keyword: bool = True) -> None:
+        self.keyword = keyword
+        self.calls = 0
+        self.causal_calls = 0
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # noqa: ANN001, ANN204 - mirrors torch
+        if self.keyword:
+            assert set(kw) <= {"scale", "window_size", "enable_gqa"}, kw
+            causal = tuple(kw.get("window_size", (-1, -1))) == (-1, 0)
+            scale = kw.get("scale")
+            if k.shape[1] != q.shape[1]:
+                assert kw.get("enable_gqa"), "GQA shapes without enable_gqa"
+        else:
+            assert set(kw) <= {"is_causal"}, kw
+            assert k.shape[1] == q.shape[1], "the first varlen API takes equal head counts"
+            causal, scale = bool(kw.get("is_causal", False)), None
+        assert q.dim() == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        lengths = cu_q[1:] - cu_q[:-1]
+        assert int(lengths.max()) == max_q == max_k
+        self.calls += 1
+        self.causal_calls += int(causal)
+        t, h, d = q.shape
+        seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths.long())
+        allowed = seg[:, None] == seg[None, :]
+        if causal:
+            allowed &= torch.ones(t, t, dtype=torch.bool).tril()
+        k = k.repeat_interleave(h // k.shape[1], dim=1)
+        v = v.repeat_interleave(h // v.shape[1], dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * (scale if scale is not None else d**-0.5)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
