@@ -323,6 +323,10 @@ class EvalConfig(_Section):
     """Override of rollout.decoding.temperature for evaluation (None: inherit)."""
     at_start: bool = True
     """Evaluate before the first step too (the demo reports F1 at step 0)."""
+    gallery_images: int = Field(default=6, ge=0)
+    """Held-out images drawn with their predictions at every evaluation into
+    `output_dir/gallery/step_XXXX.png` (and TensorBoard's `eval/gallery` when it is a report target); the
+    same images every time. 0: none; text-only records draw nothing."""
 
 
 class Stage2Config(_Section):

@@ -18,6 +18,12 @@ from learner.data.messages import rollout_messages
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import GtExtraction, extract_gt
+from learner.stage2.matching.breakdown import (
+    DetectionBreakdown,
+    detection_breakdown,
+    detection_counts,
+    detection_rates,
+)
 from learner.stage2.matching.match import MatchingConfig, match
 from learner.stage2.parse.parser import ParseResult, parse_rollout
 from learner.stage2.targets.labels import encode_segment
@@ -26,7 +32,15 @@ from learner.stage2.targets.y_train import TargetsConfig, build_y_train, model_o
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
-__all__ = ["SampleContext", "SampleOutcome", "eval_metrics", "prepare_segment", "score_rollout"]
+__all__ = [
+    "RolloutEval",
+    "SampleContext",
+    "SampleOutcome",
+    "eval_metrics",
+    "evaluate_rollout",
+    "prepare_segment",
+    "score_rollout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +222,33 @@ def prepare_segment(
     return segment, SampleOutcome(segment, counters, lengths)
 
 
-def score_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext) -> dict[str, float]:
-    """Evaluation counts of one sample (§18): parse + match only, raw matched pairs, no targets."""
+@dataclass(frozen=True)
+class RolloutEval:
+    """One sample's evaluation (§18): what was parsed, the ground truth, the detection breakdown and the
+    summable counts (`counts` is what `score_rollout` returns; sum it over samples for `eval_metrics`).
+
+    Attributes:
+        parse: the parsed rollout (`parse.valid_objects[i]` is prediction `i` of `detection`).
+        gt: the extracted ground truth (`gt.objects[j]` is GT `j` of `detection`).
+        detection: gate matching, matchings at the IoU thresholds, duplicates
+            (`learner.stage2.matching.breakdown`).
+        counts: the sample's counts, every key summable.
+    """
+
+    parse: ParseResult
+    gt: GtExtraction
+    detection: DetectionBreakdown
+    counts: dict[str, float]
+
+
+def evaluate_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext) -> RolloutEval:
+    """Evaluation of one sample (§18): parse + match only, raw matched pairs, no targets; plus the detection
+    breakdown (TP at maskIoU 0.5 / 0.75 / 0.95, duplicates) with the same matcher."""
     parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
+    preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
+    detection = detection_breakdown(
+        preds, [(g.geom_type, g.bins) for g in gts.objects], ctx.matching, gate=result_match
+    )
     counters.update(
         gt_objects=float(len(gts.objects)),
         valid_pred_objects=float(len(parse.valid_objects)),
@@ -222,34 +260,37 @@ def score_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleCon
         matched_maskiou_count=float(result_match.iou_count),
         samples_with_valid_pred=float(bool(parse.valid_objects)),
         samples_with_match=float(bool(result_match.pairs)),
+        **detection_counts(detection),
     )
-    return counters
+    return RolloutEval(parse, gts, detection, counters)
+
+
+def score_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext) -> dict[str, float]:
+    """Evaluation counts of one sample (§18): `evaluate_rollout(...).counts`."""
+    return evaluate_rollout(sample, result, ctx).counts
 
 
 def eval_metrics(
     sums: Mapping[str, float], *, n_samples: int, runtime_s: float, prefix: str = "eval"
 ) -> dict[str, float]:
-    """`eval_rollout_*` keys of §18 from globally summed `score_rollout` counts."""
+    """`eval_rollout_*` keys of §18 from globally summed `score_rollout` counts.
+
+    Besides the counts: the detection rates of `learner.stage2.matching.breakdown.detection_rates` —
+    `precision`, `recall`, `f1` at the matching gate (`eval_rollout_f1`), `precision_iouXX` / `recall_iouXX`
+    / `f1_iouXX` at maskIoU 0.5, 0.75, 0.95, `duplicates`, `duplicate_rate`, `pred_gt_ratio`,
+    `matched_maskiou_mean`, `parse_valid_rate` — each as `<prefix>_rollout_<name>`.
+    """
 
     def ratio(a: float, b: float) -> float:
         return a / max(b, 1.0)
 
-    matched, pred, gt = (
-        sums.get("matched", 0.0),
-        sums.get("valid_pred_objects", 0.0),
-        sums.get("gt_objects", 0.0),
-    )
-    precision, recall = ratio(matched, pred), ratio(matched, gt)
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
     p = f"{prefix}_rollout_"
     n = float(n_samples)
     return {
-        f"{p}precision": precision,
-        f"{p}recall": recall,
-        f"{p}f1": f1,
-        f"{p}pred_objects": pred,
-        f"{p}gt_objects": gt,
-        f"{p}matched": matched,
+        **{f"{p}{name}": value for name, value in detection_rates(sums).items()},
+        f"{p}pred_objects": sums.get("valid_pred_objects", 0.0),
+        f"{p}gt_objects": sums.get("gt_objects", 0.0),
+        f"{p}matched": sums.get("matched", 0.0),
         f"{p}fp": sums.get("fp", 0.0),
         f"{p}fn": sums.get("fn", 0.0),
         f"{p}gating_rejections": sums.get("gating_rejections", 0.0),
@@ -257,9 +298,6 @@ def eval_metrics(
         f"{p}parse_truncated_rate": ratio(sums.get("parse_truncated", 0.0), n),
         f"{p}sample_valid_pred_rate": ratio(sums.get("samples_with_valid_pred", 0.0), n),
         f"{p}sample_any_match_rate": ratio(sums.get("samples_with_match", 0.0), n),
-        f"{p}matched_maskiou_mean": ratio(
-            sums.get("matched_maskiou_sum", 0.0), sums.get("matched_maskiou_count", 0.0)
-        ),
         f"{p}gt_malformed": sums.get("gt_malformed", 0.0),
         f"{p}repeat_terminated": sums.get("repeat_terminated", 0.0),
         f"{prefix}_runtime": runtime_s,

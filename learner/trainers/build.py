@@ -25,6 +25,7 @@ from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
 from learner.stage2.rollout_reuse import RolloutBuffer
 from learner.trainers.callbacks import LiveProgressCallback, MetricsJsonlCallback
+from learner.trainers.eval_gallery import EvalGallery
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
@@ -40,6 +41,7 @@ __all__ = [
     "check_images",
     "load_samples",
     "resolve_path",
+    "sample_context",
 ]
 
 logger = logging.getLogger(__name__)
@@ -172,7 +174,13 @@ def check_sync_mode(cfg: RunConfig, policy: Policy) -> None:
         )
 
 
-def _sample_context(cfg: RunConfig, tokenizer: Any, encoder: PromptEncoder | None = None) -> SampleContext:
+def sample_context(cfg: RunConfig, tokenizer: Any, encoder: PromptEncoder | None = None) -> SampleContext:
+    """The per-sample context of `cfg` (tokenizer, coord ids, prompts, stage-2 knobs); `encoder` defaults to a
+    text-only `PromptEncoder` (evaluation never encodes prompts; teacher forcing and colocated HF do).
+
+    Raises:
+        ConfigError: the tokenizer does not encode a newline as one id.
+    """
     s2 = cfg.stage2
     eot_id = tokenizer.convert_tokens_to_ids(cfg.chat.end_of_turn_token)
     newline = tokenizer.encode("\n", add_special_tokens=False)
@@ -209,7 +217,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     model, tokenizer = policy.model, policy.tokenizer
     check_compact_logits(cfg, model)
     check_sync_mode(cfg, policy)
-    ctx = _sample_context(cfg, tokenizer, PromptEncoder.for_model(model, tokenizer, policy.processor))
+    ctx = sample_context(cfg, tokenizer, PromptEncoder.for_model(model, tokenizer, policy.processor))
     train = load_samples(cfg.data.train, cfg)
     evals = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]
     check_images(policy, train + evals, cfg)
@@ -260,6 +268,13 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         wait_timeout_s=cfg.rollout.async_wait_timeout_s,
         agree=(lambda stale: not all_ranks_ok(not stale)) if args.world_size > 1 else (lambda stale: stale),
     )
+    report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+    gallery = EvalGallery(
+        evals,
+        out,
+        cfg.stage2.eval.gallery_images if args.process_index == 0 else 0,
+        tensorboard_dir=args.logging_dir if "tensorboard" in report_to else None,
+    )
     strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = RolloutMatchingTrainer(
         planner=planner,
@@ -268,6 +283,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         rollout_buffer=RolloutBuffer(m_steps=m_steps, gas=gas, enabled=buffer_cfg.enabled),
         run_cfg=cfg,
         eval_samples=evals,
+        gallery=gallery,
         model=model,
         args=args,
         train_dataset=dataset,

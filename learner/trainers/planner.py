@@ -21,7 +21,7 @@ from learner.config import DecodingConfig, Stage2Config
 from learner.metrics import StepMetrics
 from learner.rollout.base import RolloutSource
 from learner.rollout.seeds import request_seed
-from learner.stage2.pipeline import SampleContext, prepare_segment, score_rollout
+from learner.stage2.pipeline import RolloutEval, SampleContext, evaluate_rollout, prepare_segment
 from learner.trainers.overlap import Rollouts
 from shared_schemas.infer import (
     Choice,
@@ -43,8 +43,10 @@ def build_request_config(
     max_new_tokens: int | None = None,
     temperature: float | None = None,
     adapter: str | None = None,
+    logprobs: bool = False,
 ) -> RequestConfig:
-    """The wire `request_config` for the learner's decoding knobs (greedy = temperature 0)."""
+    """The wire `request_config` for the learner's decoding knobs (greedy = temperature 0); `logprobs` asks
+    for the log-probability of every generated token (`Choice.logprobs`)."""
     rt = decoding.repeat_terminate
     return RequestConfig(
         n=1,
@@ -55,6 +57,7 @@ def build_request_config(
         repetition_penalty=decoding.repetition_penalty,
         repeat_terminate=RepeatTerminateConfig(**rt.model_dump()) if rt.enabled else None,
         adapter=adapter,
+        logprobs=logprobs,
     )
 
 
@@ -258,18 +261,40 @@ class StepPlanner:
         batch_size: int,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
+        logprobs: bool = False,
+        on_sample: Callable[[int, InferResult, RolloutEval], None] | None = None,
     ) -> dict[str, float]:
-        """Rollout → parse → match only (§18); returns summed counts (the caller reduces and rates them)."""
+        """Rollout → parse → match only (§18); returns summed counts (the caller reduces and rates them).
+
+        Request `i` of `samples` has index `i` and seed `request_seed(seed, 0, 0, i)` whatever `batch_size`
+        is, so the chunking changes no token.
+
+        Args:
+            samples: held-out sample dicts.
+            batch_size: requests per `RolloutSource.infer` call.
+            max_new_tokens, temperature: `stage2.eval` overrides (None: `rollout.decoding`'s).
+            logprobs: ask for per-token log-probabilities (`python -m learner.evaluate` scores objects
+                with them); the tokens are the same either way.
+            on_sample: called as `on_sample(i, result, evaluation)` for every sample, in order (the
+                evaluation command records predictions; the trainer draws its gallery).
+        """
         sums: dict[str, float] = {}
         request_config = build_request_config(
-            self.decoding, max_new_tokens=max_new_tokens, temperature=temperature, adapter=self.adapter_name()
+            self.decoding,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            adapter=self.adapter_name(),
+            logprobs=logprobs,
         )
         for start in range(0, len(samples), batch_size):
             chunk = list(samples[start : start + batch_size])
             seeds = [request_seed(self.seed, 0, 0, start + i) for i in range(len(chunk))]
             results, _ = self.rollout(chunk, seeds, request_config, first_index=start)
-            for sample, result in zip(chunk, results, strict=True):
-                _accumulate(sums, score_rollout(sample, result, self.ctx))
+            for i, (sample, result) in enumerate(zip(chunk, results, strict=True)):
+                evaluation = evaluate_rollout(sample, result, self.ctx)
+                _accumulate(sums, evaluation.counts)
+                if on_sample is not None:
+                    on_sample(start + i, result, evaluation)
         return sums
 
 

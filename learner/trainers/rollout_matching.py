@@ -33,6 +33,7 @@ from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
 from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
 from learner.trainers.callbacks import OverlapCallback
+from learner.trainers.eval_gallery import EvalGallery
 from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
 from learner.trainers.packed_attention import packed_attention
 from learner.trainers.planner import StepPlanner
@@ -52,6 +53,8 @@ class RolloutMatchingTrainer(Trainer):
         rollout_buffer: E/M-step state machine.
         run_cfg: the validated `RunConfig` (stage2 knobs, eval decoding overrides).
         eval_samples: held-out sample dicts for the rollout-only evaluation.
+        gallery: draws the fixed held-out images at every evaluation (`stage2.eval.gallery_images`); None:
+            no pictures.
         overlap: where each step's rollouts come from (background or now; `rollout.async`);
             synchronous by default.
         **kwargs: passed to `Trainer` (model, args, train_dataset, data_collator, callbacks, ...).
@@ -68,6 +71,7 @@ class RolloutMatchingTrainer(Trainer):
         run_cfg: Any,
         eval_samples: list[dict[str, Any]] | None = None,
         overlap: RolloutOverlap | None = None,
+        gallery: EvalGallery | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -79,6 +83,7 @@ class RolloutMatchingTrainer(Trainer):
         self.rollout_buffer = rollout_buffer
         self.run_cfg = run_cfg
         self.eval_samples = eval_samples or []
+        self.gallery = gallery if gallery is not None and gallery.enabled else None
         self.coord_ids = torch.tensor(planner.ctx.coord_vocab.ids, dtype=torch.long)
         self._last_forward_s = 0.0
         self.step_metrics = StepMetrics(reduce_fn=self._reduce_metrics if self.args.world_size > 1 else None)
@@ -258,10 +263,14 @@ class RolloutMatchingTrainer(Trainer):
     def evaluate(
         self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        """Rollout-only evaluation on the held-out samples (§18): precision / recall / F1 and counts."""
+        """Rollout-only evaluation on the held-out samples (§18): precision / recall / F1 (gate and maskIoU
+        thresholds), duplicates, counts; on the run's own held-out list also the gallery of fixed images."""
         samples = list(eval_dataset) if eval_dataset is not None else self.eval_samples
         if not samples:
             return {}
+        gallery = self.gallery if eval_dataset is None else None
+        if gallery is not None:
+            gallery.begin()
         t0 = time.perf_counter()
         self._sync_now()
         eval_cfg = self.run_cfg.stage2.eval
@@ -273,11 +282,14 @@ class RolloutMatchingTrainer(Trainer):
                 batch_size=max(len(samples), 1),
                 max_new_tokens=eval_cfg.max_new_tokens,
                 temperature=eval_cfg.temperature,
+                on_sample=gallery.on_sample if gallery is not None else None,
             )
         finally:
             self.model.train(was_training)
         runtime = time.perf_counter() - t0
         metrics = eval_metrics(sums, n_samples=len(samples), runtime_s=runtime, prefix=metric_key_prefix)
+        if gallery is not None and self.is_world_process_zero():
+            gallery.write(self.state.global_step, metrics.get(f"{metric_key_prefix}_rollout_f1"))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -7,7 +7,7 @@ import pytest
 from learner.config import RunConfig
 from learner.metrics import StepMetrics
 from learner.rollout.seeds import request_seed
-from learner.trainers.build import _sample_context
+from learner.trainers.build import sample_context
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from shared_schemas.infer import Choice, InferResult
@@ -86,7 +86,7 @@ def planner_parts(tiny_model_dir, tiny_tokenizer):
         source = RecordingSource(tiny_tokenizer, answer)
         planner = StepPlanner(
             source=source,
-            ctx=_sample_context(cfg, tiny_tokenizer),
+            ctx=sample_context(cfg, tiny_tokenizer),
             stage2=cfg.stage2,
             decoding=cfg.rollout.decoding,
             seed=17,

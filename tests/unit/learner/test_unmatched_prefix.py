@@ -15,7 +15,7 @@ from learner.config import RunConfig
 from learner.stage2.format import serialize_entry, serialize_objects
 from learner.stage2.gt import extract_gt
 from learner.stage2.pipeline import prepare_segment
-from learner.trainers.build import _sample_context
+from learner.trainers.build import sample_context
 from shared_schemas.infer import Choice, InferResult
 
 CAT = ("cat", "bbox_2d", [100, 100, 300, 300])
@@ -39,7 +39,7 @@ def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty: bo
             "stage2": {"targets": {"unmatched_prefix": policy}},
         }
     )
-    ctx = _sample_context(cfg, tokenizer)
+    ctx = sample_context(cfg, tokenizer)
     sample = {
         "messages": [{"role": "user", "content": [{"type": "text", "text": "scene"}]}],
         "gt_objects": [_raw(o) for o in gt],
