@@ -273,7 +273,8 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         evals,
         out,
         cfg.stage2.eval.gallery_images if args.process_index == 0 else 0,
-        tensorboard_dir=args.logging_dir if "tensorboard" in report_to else None,
+        # beside HF's own event files (output_dir/runs/<date>_<host>): `tensorboard --logdir output_dir`
+        tensorboard_dir=str(out / "runs" / "eval_gallery") if "tensorboard" in report_to else None,
     )
     strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = RolloutMatchingTrainer(
