@@ -38,6 +38,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -54,8 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _step_profile import compare_varlen, compile_blocks, matmul_ceiling_tflops, profile_step  # noqa: E402
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
+from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -182,6 +185,34 @@ def build_model(smoke: bool, attn: str, device: torch.device, dtype: torch.dtype
     return model
 
 
+def learner_step(
+    model,
+    b,
+    coord_ids,
+    eos_id: int,
+    compact: bool | None,
+    packed_kwargs: bool = False,
+    *,
+    varlen: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward + loss + backward of one batch on the device, as the trainer's ``training_step``: forward and
+    backward (checkpointing recomputes) under one attention set-up. Returns ``(loss, logit columns)``;
+    ``compact=None`` calls the model directly with full logits (the text bench as first recorded)."""
+    columns = None
+    with packed_attention(model, enabled=compact is not None, varlen=varlen):
+        if compact is None:
+            logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
+        else:
+            outputs, columns = forward_for_loss(model, b, compact=compact)
+            logits = outputs.logits
+        sums = step_loss_sums(
+            logits, b, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=eos_id, columns=columns
+        )
+        loss = micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1)
+        loss.backward()
+    return loss.detach(), columns
+
+
 def train_tokens_per_s(
     model,
     batches,
@@ -192,42 +223,45 @@ def train_tokens_per_s(
     *,
     eos_id: int = 2,
     compact: bool | None = None,
+    varlen: bool = True,
+    flop_model: FlopModel | None = None,
 ) -> tuple[float, dict]:
     """Real tokens / s of fwd + loss + bwd over ``batches`` (the first ``warmup`` untimed).
 
     ``compact=None``: the model called directly with full logits (the text bench as first recorded);
-    else the learner's ``forward_for_loss`` with ``compact`` logits.
+    else the learner's ``forward_for_loss`` with ``compact`` logits. ``varlen``: packed rows attend through
+    the varlen kernel where it runs (else the per-segment loop). With ``flop_model`` the info also holds the
+    timed steps' model and attention FLOPs (``learner.flops``); on CUDA it holds the peak allocated memory.
     """
-    cfg = CoordLossConfig()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     tokens = 0
     slots = 0
     elapsed = 0.0
+    model_flops = attn_flops = 0.0
     for i, batch in enumerate(batches):
         b = batch.to(device)
         sync()
         start = time.perf_counter()
-        columns = None
-        # As the trainer's training_step: forward and backward (checkpointing recomputes) under one
-        # attention set-up.
-        with packed_attention(model, enabled=compact is not None):
-            if compact is None:
-                logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
-            else:
-                outputs, columns = forward_for_loss(model, b, compact=compact)
-                logits = outputs.logits
-            sums = step_loss_sums(
-                logits, b, coord_ids=coord_ids, coord_cfg=cfg, eos_id=eos_id, columns=columns
-            )
-            micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1).backward()
+        _, columns = learner_step(model, b, coord_ids, eos_id, compact, packed_kwargs, varlen=varlen)
         model.zero_grad(set_to_none=True)
-        del logits, sums
         sync()
         if i >= warmup:
             elapsed += time.perf_counter() - start
             tokens += b.num_tokens
             slots += int(b.input_ids.numel())
-    return tokens / elapsed, {"tokens": tokens, "slots": slots, "seconds": round(elapsed, 3)}
+            if flop_model is not None:
+                step = flop_model.batch_step(b, columns)
+                model_flops += step.model
+                attn_flops += step.attention
+    info: dict = {"tokens": tokens, "slots": slots, "seconds": round(elapsed, 3)}
+    if flop_model is not None:
+        info |= {"model_flops": model_flops, "attn_flops": attn_flops}
+    if cuda:
+        info["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return tokens / elapsed, info
 
 
 def pack_stream(new_segment: Callable[[], Segment], cap: int, packing_buffer: int, n_packs: int):
@@ -328,17 +362,46 @@ def run_gpu(args: argparse.Namespace) -> None:
                      image_tokens_max=max(image_tokens),
                      image_tokens_mean=round(statistics.fmean(image_tokens)))  # fmt: skip
     flash = attn.startswith("flash")
-    run = dict(eos_id=setup["eos_id"], compact=setup["compact"])
+    cuda = device.type == "cuda"
+    flop_model = FlopModel.from_model(model)
+    peak = peak_tflops(base["device"], args.peak_tflops)
+    ceiling = matmul_ceiling_tflops() if cuda else None
+    params = sum(p.numel() for p in model.parameters())
+
+    def perf(info: dict) -> dict:
+        """MFU and friends of one timed run (`learner.flops`); ``mfu_6n_total`` is the issue's first
+        estimate (6 × every parameter × language tokens); ``mfu_bound`` the card's matmul ceiling."""
+        sums = {"perf/tokens": info["tokens"], "perf/model_flops": info.pop("model_flops"),
+                "perf/attn_flops": info.pop("attn_flops")}  # fmt: skip
+        out = {
+            k.removeprefix("perf/"): round(v, 4)
+            for k, v in utilization(sums, info["seconds"], 1, peak).items()
+            if k != "perf/tokens_per_s"  # printed as the run's own tokens_per_s
+        }
+        if peak:
+            out["mfu_6n_total"] = round(6 * params * info["tokens"] / info["seconds"] / 1e12 / peak, 4)
+            out["peak_tflops"] = peak
+            if ceiling:
+                out["mfu_bound"] = round(ceiling / peak, 4)
+        return out
+
+    if args.compile:
+        base["compiled_blocks"] = compile_blocks(model)
+    run = dict(eos_id=setup["eos_id"], compact=setup["compact"], flop_model=flop_model)
+    varlen = not args.attn_loop
     padded_tps, padded_info = train_tokens_per_s(
-        model, padded_batches, coord_ids, device, pad_warmup, False, **run
+        model, padded_batches, coord_ids, device, pad_warmup, False, varlen=varlen, **run
     )
     emit(**base, mode="padded", batch=args.padded_batch, tokens_per_s=round(padded_tps, 1),
-         pad_fraction=round(1 - padded_info["tokens"] / padded_info["slots"], 4), **padded_info)  # fmt: skip
+         pad_fraction=round(1 - padded_info["tokens"] / padded_info["slots"], 4), **perf(padded_info),
+         **padded_info)  # fmt: skip
     packed_tps, packed_info = train_tokens_per_s(
-        model, packed_batches, coord_ids, device, warmup, flash, **run
+        model, packed_batches, coord_ids, device, warmup, flash, varlen=varlen, **run
     )
+    packed_perf = perf(packed_info)
     emit(**base, mode="packed", packing_length=cap, tokens_per_s=round(packed_tps, 1),
-         fill_mean=round(statistics.fmean(fills), 4), **packed_info)  # fmt: skip
+         fill_mean=round(statistics.fmean(fills), 4), varlen=varlen and _varlen_ran(model, packed_batches[0],
+         device), **packed_perf, **packed_info)  # fmt: skip
     ratio = packed_tps / padded_tps
     if args.vlm:  # ≥ 2x, or ≥ 90 % of the padding-free bound where the bound is below 2
         target = 2.0 if bound >= 2.0 else round(0.9 * bound, 3)
@@ -352,6 +415,70 @@ def run_gpu(args: argparse.Namespace) -> None:
             padding_free_bound=round(bound, 3),
             target=1.9,
         )
+    if not args.vlm:
+        return
+    step_args = (coord_ids, setup["eos_id"], setup["compact"])
+
+    def step(batch, varlen: bool = True) -> torch.Tensor:
+        return learner_step(model, batch.to(device), *step_args, varlen=varlen)[0]
+
+    if args.compare_loop and varlen:  # the same packed rows through the per-segment loop: the "before"
+        loop_tps, loop_info = train_tokens_per_s(
+            model, packed_batches, coord_ids, device, warmup, flash, varlen=False, **run
+        )
+        loop_perf = perf(loop_info)
+        emit(**base, mode="packed_loop", tokens_per_s=round(loop_tps, 1), **loop_perf, **loop_info)
+        speedup_bound = (loop_perf.get("mfu_bound") or 0) / loop_perf["mfu"] if loop_perf.get("mfu") else None
+        emit(**base, mode="varlen_over_loop", speedup=round(packed_tps / loop_tps, 3),
+             bound=round(speedup_bound, 3) if speedup_bound else None,
+             bound_is="matmul-ceiling MFU / loop MFU")  # fmt: skip
+        _guarded("varlen_check", base, lambda: compare_varlen(model, packed_batches[0], step))
+    if args.profile:  # the step as run above, and the per-segment loop (the "before") where compared
+        kernels = ("varlen", "loop") if varlen and args.compare_loop else ("varlen" if varlen else "loop",)
+        for kernel in kernels:
+            table = f"{args.profile_table}.{kernel}.txt" if args.profile_table else None
+            path = functools.partial(step, varlen=kernel == "varlen")
+            _guarded("profile", base, lambda p=path, t=table: profile_step(p, packed_batches[1], model, t),
+                     attention=kernel)  # fmt: skip
+    for length in args.memory_sweep:
+        rows = pack_stream(setup["new_segment"], length, args.packing_buffer, 2)[0]
+        for checkpointing in (False, True):
+            measure = lambda rows=rows, c=checkpointing: _memory(model, rows, c, device, coord_ids, run)  # noqa: E731
+            _guarded("memory", base, measure, packing_length=length, gradient_checkpointing=checkpointing)
+
+
+def _varlen_ran(model, batch, device) -> bool:
+    """Whether a packed row of this model attends through the varlen kernel here (`varlen_available`)."""
+    from learner.trainers.packed_attention import varlen_available
+
+    dtype = next(model.parameters()).dtype
+    return varlen_available(torch.empty(1, 1, 1, 128, device=device, dtype=dtype)) and batch.packed
+
+
+def _memory(model, rows, checkpointing: bool, device, coord_ids, run: dict) -> dict:
+    """Peak allocated memory (GiB) and tokens/s of the second of two packed rows, checkpointing on or off."""
+    was = model.is_gradient_checkpointing
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    try:
+        tps, info = train_tokens_per_s(model, rows, coord_ids, device, 1, False, **run)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"oom": True}
+    finally:
+        (model.gradient_checkpointing_enable if was else model.gradient_checkpointing_disable)()
+    return {"tokens": info["tokens"], "tokens_per_s": round(tps, 1), "peak_mem_gib": info.get("peak_mem_gib")}
+
+
+def _guarded(mode: str, base: dict, fn: Callable[[], dict], **extra: object) -> None:
+    """Emits ``fn()``'s record as ``mode``; an exception is emitted as the record's ``error`` (a diagnostic
+    phase must not cost the run's other figures)."""
+    try:
+        emit(**(base | extra | {"mode": mode} | fn()))
+    except Exception as err:  # noqa: BLE001 - reported, the bench goes on
+        emit(**(base | extra | {"mode": mode, "error": f"{type(err).__name__}: {str(err)[:400]}"}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -372,6 +499,32 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="diagnostic: disable PyTorch's cuDNN SDPA backend (it builds one graph per new sequence length)",
     )
+    p.add_argument(
+        "--attn-loop",
+        action="store_true",
+        help="--vlm: packed rows attend per segment in a Python loop (the attention before varlen)",
+    )
+    p.add_argument(
+        "--no-compare-loop",
+        dest="compare_loop",
+        action="store_false",
+        help="--vlm: skip timing the same packed rows through the per-segment loop (and the varlen check)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="--vlm: torch.profiler breakdown of one packed step"
+    )
+    p.add_argument("--profile-table", default=None, help="--profile: op tables to PREFIX.{varlen,loop}.txt")
+    p.add_argument(
+        "--memory-sweep",
+        type=int,
+        nargs="*",
+        default=[],
+        help="--vlm: packing lengths whose peak step memory to measure, checkpointing off / on",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="regional torch.compile of decoder layers and ViT blocks"
+    )
+    p.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak (default: table)")
     p.add_argument("--answer-min", type=int, default=50, help="--vlm: shortest answer (tokens)")
     p.add_argument("--answer-max", type=int, default=600, help="--vlm: longest answer (tokens)")
     p.add_argument("--cpu", action="store_true", help="force the throughput benchmark onto the CPU")

@@ -1,0 +1,168 @@
+"""What `bench_packing.py --gpu --vlm` measures beside tokens/s: the varlen-vs-loop check of one packed step,
+a torch.profiler breakdown of one packed step, the matmul ceiling of the card, and regional compilation.
+
+Every function takes ``step(batch)``: one learner step (``forward_for_loss`` + ``step_loss_sums`` + backward,
+attention set up as the trainer does) returning the loss tensor, so the numbers are those of the learner's own
+path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["compare_varlen", "compile_blocks", "matmul_ceiling_tflops", "profile_step"]
+
+Step = Callable[..., torch.Tensor]
+
+
+def compare_varlen(model: torch.nn.Module, batch: Any, step: Step) -> dict[str, float]:
+    """One packed row through the varlen kernel and through the per-segment loop: relative differences.
+
+    Returns:
+        ``loss_varlen``, ``loss_loop``, ``loss_rel_diff`` and ``grad_rel_diff``
+        (‖g_varlen − g_loop‖ / ‖g_loop‖ over all parameter gradients, in float32).
+    """
+    out: dict[str, float] = {}
+    grads = []
+    for varlen in (True, False):
+        model.zero_grad(set_to_none=True)
+        loss = step(batch, varlen=varlen)
+        out[f"loss_{'varlen' if varlen else 'loop'}"] = float(loss)
+        grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    out["loss_rel_diff"] = abs(out["loss_varlen"] - out["loss_loop"]) / max(abs(out["loss_loop"]), 1e-12)
+    out["grad_rel_diff"] = float((grads[0] - grads[1]).norm() / grads[1].norm())
+    return out
+
+
+_FORWARD_PARTS = {
+    "vision_tower": lambda n: n.endswith("visual"),
+    "lm_attention": lambda n: ".language_model.layers." in f".{n}" and n.endswith("self_attn"),
+    "lm_mlp": lambda n: ".language_model.layers." in f".{n}" and n.endswith("mlp"),
+    "lm_norms": lambda n: ".language_model." in f".{n}" and n.endswith("layernorm"),
+    "lm_head": lambda n: n == "lm_head",
+}
+"""Module-name tests of the forward parts whose GPU time the profile reports (Qwen3-VL naming)."""
+
+_KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "matmul", "xmma", "cublas")),
+    ("norm/softmax/reduce", ("norm", "softmax", "reduce", "cross_entropy", "logsumexp")),
+    ("elementwise/copy", ("elementwise", "vectorized", "copy", "cat", "index", "fill", "unrolled")),
+)
+
+
+def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str | None) -> dict[str, Any]:
+    """torch.profiler of one packed step (after the caller's warm-up).
+
+    Returns (all times in ms): ``wall_ms`` (host clock, synchronised), ``gpu_busy_ms`` (sum of kernel times),
+    ``gpu_idle_ms`` (wall − busy: launch gaps and host-bound stretches), ``kernels`` (launches),
+    ``forward_ms`` by part (GPU time of the kernels each part's forward launched; backward not split),
+    ``forward_host_ms`` by part (host time inside each part's forward: Python, dispatch, launches),
+    ``kernels_ms`` by kind (name patterns of `_KERNEL_KINDS`, forward + backward), ``host_ops_ms`` (CPU time
+    inside aten ops, a lower bound on host time). The full op table goes to ``out_path``.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    handles = []
+    names = {}
+    for name, module in model.named_modules():
+        part = next((p for p, test in _FORWARD_PARTS.items() if test(name)), None)
+        if part is None:
+            continue
+        names[module] = part
+
+        def pre(mod, args, _part=part):  # noqa: ANN001, ANN202 - hook signature
+            mod._rm_range = record_function(f"fwd::{_part}")
+            mod._rm_range.__enter__()
+
+        def post(mod, args, output):  # noqa: ANN001, ANN202 - hook signature
+            mod._rm_range.__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    cuda = next(model.parameters()).is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    try:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            step(batch)
+            sync()
+            wall = (time.perf_counter() - start) * 1e3
+    finally:
+        for h in handles:
+            h.remove()
+    events = prof.key_averages()
+    kernels = _kernels(prof)
+    busy = sum(us for _, us in kernels) / 1e3
+    kinds: dict[str, float] = {}
+    for name, us in kernels:
+        low = name.lower()
+        kind = next((k for k, pats in _KERNEL_KINDS if any(p in low for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+    forward: dict[str, float] = {}
+    forward_host: dict[str, float] = {}
+    for e in events:
+        if e.key.startswith("fwd::"):
+            part = e.key.removeprefix("fwd::")
+            forward[part] = max(forward.get(part, 0.0), round(e.device_time_total / 1e3, 2))
+            forward_host[part] = max(forward_host.get(part, 0.0), round(e.cpu_time_total / 1e3, 2))
+    host = sum(e.self_cpu_time_total for e in events if not e.key.startswith(("fwd::", "cuda"))) / 1e3
+    if out_path:
+        with open(out_path, "w") as fh:
+            fh.write(events.table(sort_by="self_cuda_time_total", row_limit=60))
+    return {
+        "wall_ms": round(wall, 1),
+        "gpu_busy_ms": round(busy, 1),
+        "gpu_idle_ms": round(wall - busy, 1),
+        "kernels": len(kernels),
+        "forward_ms": forward,
+        "forward_host_ms": forward_host,
+        "kernels_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "host_ops_ms": round(host, 1),
+    }
+
+
+def _kernels(prof: Any) -> list[tuple[str, float]]:
+    """`(name, µs)` of every GPU kernel of a profile: the device-side events where the profiler lists them,
+    else the kernels attached to the host events (older layouts)."""
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if device:
+        return [(e.name, float(e.time_range.elapsed_us())) for e in device]
+    return [(k.name, float(k.duration)) for e in prof.events() for k in getattr(e, "kernels", [])]
+
+
+def matmul_ceiling_tflops(n: int = 8192, reps: int = 10) -> float:
+    """bf16 TFLOP/s of an n×n×n matrix product on random data (median of ``reps`` timed products after 3
+    warm-ups), the practical ceiling that an MFU is judged against."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2] / 1e12
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Regional ``torch.compile`` of every language-model decoder layer and vision block (``dynamic=True``:
+    packed rows of every length share one graph); returns how many modules were compiled."""
+    n = 0
+    for name, module in model.named_modules():
+        if name.endswith(("language_model.layers", "visual.blocks")):
+            for block in module:
+                block.compile(dynamic=True)
+                n += 1
+    return n
