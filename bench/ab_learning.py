@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -48,14 +49,27 @@ GT for ``--base-steps`` (identical across arms for a seed: the runs are determin
 on the plain GT and the others roll out."""
 
 TASKS: dict[str, dict[str, Any]] = {
-    name: {"config": f"configs/demo_{kind}_cpu.yaml", "kind": kind, "ordering": ordering, "model": model}
-    for kind, model in (
-        ("tiny", ".cache/models/tiny-qwen2-copy"),
-        ("vlm", ".cache/models/tiny-qwen3-vl-demo"),
-    )
-    for ordering in ("sorted", "random")
-    for name in [f"{'text' if kind == 'tiny' else 'image'}-{ordering}"]
+    **{
+        name: {"config": f"configs/demo_{kind}_cpu.yaml", "kind": kind, "ordering": ordering, "model": model}
+        for kind, model in (
+            ("tiny", ".cache/models/tiny-qwen2-copy"),
+            ("vlm", ".cache/models/tiny-qwen3-vl-demo"),
+        )
+        for ordering in ("sorted", "random")
+        for name in [f"{'text' if kind == 'tiny' else 'image'}-{ordering}"]
+    },
+    **{
+        f"crowded-{ordering}": {
+            "config": "configs/crowded_vlm_gpu.yaml",
+            "kind": "crowded",
+            "ordering": ordering,
+            "model": ".cache/models/tiny-qwen3-vl-crowded" + ("" if ordering == "random" else "-sorted"),
+        }
+        for ordering in ("sorted", "random")
+    },
 }
+"""Task name → config, kind (``tiny`` text demo, ``vlm`` image demo, ``crowded`` crowded images), object order
+and the base model. The crowded tasks' base is a stage-1 trained here (:func:`build_crowded_stage1`)."""
 
 
 SHM_DIR = f"/dev/shm/rollmatch-ab-{os.getpid()}"
@@ -68,14 +82,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_model(task: dict[str, Any]) -> None:
-    """The task's starting model, as ``scripts/demo.sh`` builds it (idempotent)."""
+def build_model(task: dict[str, Any], data: Path, stage1: dict[str, Any]) -> None:
+    """The task's starting model, as ``scripts/demo.sh`` builds it, or the crowded stage-1 (idempotent)."""
+    if task["kind"] == "crowded":
+        build_crowded_stage1(Path(task["model"]), data, task["ordering"], **stage1)
+        return
     script = (
         ["scripts/build_tiny_models.py", "--out", ".cache/models"]
         if task["kind"] == "tiny"
         else ["scripts/build_tiny_vlm.py", "--out", ".cache/models", "--preset", "tiny-qwen3-vl-demo"]
     )
     subprocess.run([PY, *script], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
+def build_crowded_stage1(
+    model: Path,
+    data: Path,
+    ordering: str,
+    *,
+    steps: int,
+    every: int,
+    target_f1: float,
+    device: str,
+    n_eval: int = 64,
+    max_new_tokens: int = 1024,
+    batch: int = 32,
+) -> None:
+    """Stage-1 of the crowded model, trained here and cached in ``model`` (``REPO``-relative).
+
+    ``scripts/vlm_pretrain.py`` trains the random-init ``tiny-qwen3-vl-crowded-init`` on ``data``'s train
+    split in ``ordering`` for ``steps`` (``batch`` rows, lr 1e-3), scoring ``n_eval`` held-out images and
+    saving a snapshot every ``every`` steps. The base is the FIRST snapshot whose held-out F1 reaches
+    ``target_f1`` (else the best), so that every arm has room above it. The choice is written to
+    ``stage1_choice.json``; a model folder holding one is reused. Deterministic on one device kind
+    (vlm_pretrain's own seeding).
+    """
+    model = REPO / model
+    if (model / "stage1_choice.json").exists():
+        return
+    init = REPO / ".cache/models/tiny-qwen3-vl-crowded-init"
+    subprocess.run(
+        [PY, "scripts/build_tiny_vlm.py", "--out", str(init.parent), "--preset", init.name],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    tmp, snapshots = model.with_name(model.name + ".build"), model.with_name(model.name + ".snapshots")
+    marks = ",".join(str(k) for k in range(every, steps + 1, every))
+    t0 = time.time()
+    subprocess.run(
+        [PY, "scripts/vlm_pretrain.py", "--model-dir", str(init), "--data", str(data), "--out", str(tmp)]
+        + ["--device", device, "--steps", str(steps), "--batch", str(batch), "--lr", "1e-3"]
+        + ["--n-eval", str(n_eval)]
+        + ["--max-new-tokens", str(max_new_tokens), "--object-ordering", ordering, "--eval-at", marks]
+        + ["--snapshot-at", marks, "--snapshot-dir", str(snapshots)],
+        cwd=REPO,
+        check=True,
+    )
+    curve = json.loads((tmp / "pretrain_info.json").read_text())["curve"]
+    reached = [p for p in curve if p["f1"] >= target_f1]
+    chosen = reached[0] if reached else max(curve, key=lambda p: p["f1"])
+    snapshot = snapshots / f"{tmp.name}.step_{chosen['step']}.safetensors"
+    if chosen["step"] != steps:
+        shutil.copyfile(snapshot, tmp / "model.safetensors")
+    choice = {"step": chosen["step"], "f1": chosen["f1"], "target_f1": target_f1, "curve": curve}
+    choice["build_seconds"] = round(time.time() - t0, 1)
+    (tmp / "stage1_choice.json").write_text(json.dumps(choice, indent=1) + "\n")
+    shutil.rmtree(model, ignore_errors=True)
+    tmp.rename(model)
+    shutil.rmtree(snapshots, ignore_errors=True)
+    print(f"[ab] crowded stage-1: step {chosen['step']} (held-out F1 {chosen['f1']}) in {model}", flush=True)
 
 
 def build_data(task: dict[str, Any], out: Path, n_eval: int, smoke: bool) -> tuple[Path, Path]:
@@ -86,9 +162,10 @@ def build_data(task: dict[str, Any], out: Path, n_eval: int, smoke: bool) -> tup
 
         train, held_out = write_demo_dataset(out, 64 if smoke else 4000, n_eval, 0, DemoDataConfig())
     else:
-        from learner.demo_data.images import write_image_dataset
+        from learner.demo_data.images import CROWDED_CONFIG, ImageDemoConfig, write_image_dataset
 
-        train, held_out = write_image_dataset(out, 64 if smoke else 6000, n_eval, 0)
+        cfg, n_train = (CROWDED_CONFIG, 4000) if task["kind"] == "crowded" else (ImageDemoConfig(), 6000)
+        train, held_out = write_image_dataset(out, 64 if smoke else n_train, n_eval, 0, cfg)
     return Path(train), Path(held_out)
 
 
@@ -165,9 +242,20 @@ def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def eval_curve(metrics: Path) -> list[dict[str, float]]:
+    """Per evaluation: the step, ``f1`` (gate F1), ``pred`` (predicted objects) and every other
+    ``eval_rollout_*`` figure of the breakdown (precision, recall, F1 at maskIoU 0.5 / 0.75, duplicates,
+    predicted ÷ GT, …) under its name without the prefix."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    prefix = "eval_rollout_"
     return [
-        {"step": int(r["step"]), "f1": r["eval_rollout_f1"], "pred": r["eval_rollout_pred_objects"]}
+        {
+            "step": int(r["step"]),
+            "f1": r["eval_rollout_f1"],
+            "pred": r["eval_rollout_pred_objects"],
+            **{
+                k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix) and k != f"{prefix}f1"
+            },
+        }
         for r in rows
         if "eval_rollout_f1" in r
     ]
@@ -191,8 +279,26 @@ def finished(run_dir: Path, cfg: dict[str, Any], total: int) -> bool:
     return comparable(yaml.safe_load(path.read_text())) == comparable(cfg)
 
 
-def summarize(task: str, curves: dict[tuple[str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
-    """One line per arm: final F1 mean/sd over seeds, and the paired difference to the sft arm."""
+BREAKDOWN = ("precision", "recall", "f1_iou50", "f1_iou75", "duplicates", "duplicate_rate", "pred_gt_ratio")
+"""``eval_rollout_*`` figures whose per-arm mean over seeds the summary carries beside the gate F1."""
+
+
+def train_seconds(metrics: Path) -> float | None:
+    """The run's ``train_runtime`` (HF's wall seconds of ``train()``, evaluations included), if logged."""
+    for line in reversed(metrics.read_text().splitlines()):
+        row = json.loads(line)
+        if "train_runtime" in row:
+            return float(row["train_runtime"])
+    return None
+
+
+def summarize(
+    task: str,
+    curves: dict[tuple[str, int], list[dict[str, float]]],
+    seconds: dict[tuple[str, int], float | None] | None = None,
+) -> list[dict[str, Any]]:
+    """One line per arm: final F1 mean/sd over seeds, the breakdown's means, wall seconds per run, and the
+    paired difference to the sft arm."""
     arms = sorted({a for a, _ in curves})
     lines = []
     for arm in arms:
@@ -206,7 +312,14 @@ def summarize(task: str, curves: dict[tuple[str, int], list[dict[str, float]]]) 
             "mean": statistics.fmean(finals),
             "sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "final_pred_objects": [curves[(arm, s)][-1]["pred"] for s in seeds],
+            "start_f1": statistics.fmean(curves[(arm, s)][0]["f1"] for s in seeds),
         }
+        for key in BREAKDOWN:
+            values = [curves[(arm, s)][-1][key] for s in seeds if key in curves[(arm, s)][-1]]
+            if values:
+                line[f"mean_{key}"] = statistics.fmean(values)
+        if seconds:
+            line["train_seconds"] = [seconds.get((arm, s)) for s in seeds]
         if arm != "sft" and all(("sft", s) in curves for s in seeds):
             diffs = [curves[(arm, s)][-1]["f1"] - curves[("sft", s)][-1]["f1"] for s in seeds]
             line.update(
@@ -261,6 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         help="roll out in-process (HF engine) instead of a server: GPU machines",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
+    parser.add_argument("--stage1-steps", type=int, default=3000, help="crowded tasks: stage-1 steps")
+    parser.add_argument("--stage1-every", type=int, default=250, help="crowded: stage-1 eval/snapshot period")
+    parser.add_argument("--stage1-target-f1", type=float, default=0.45, help="crowded: the base's F1")
+    parser.add_argument("--stage1-device", default="cuda", help="crowded: where stage-1 trains")
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="build the data and the base model, then stop"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.seeds, args.base_steps, args.steps = "0", 2, 2
@@ -272,8 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    build_model(task)
     train, held_out = build_data(task, out / "data", args.eval_samples, args.smoke)
+    stage1 = {"steps": args.stage1_steps, "every": args.stage1_every, "target_f1": args.stage1_target_f1}
+    stage1["device"] = args.stage1_device
+    if args.smoke:  # a throw-away stage-1 of its own, never the cached real one
+        stage1 |= {"n_eval": 2, "max_new_tokens": 32, "batch": 2}
+        task = {**task, "model": task["model"] + "-smoke"}
+    build_model(task, out / "data", stage1)
+    if args.prepare_only:
+        return 0
     task_config = REPO / task["config"]
     batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if args.smoke else {}
     smoke_decoding = {"decoding": {"max_new_tokens": 48}} if args.smoke else {}
@@ -288,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         "training": {"report_to": [], **batch},
         "rollout": smoke_decoding,
     }
+    if task["kind"] == "crowded":  # the stage-1 built above
+        common["model"] = {"path": str(REPO / task["model"])}
 
     server = None
     url = args.server_url
@@ -302,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         else {"servers": [{"base_url": url}], "sync": {"transport": "http"}}  # another host's staging dir
     )
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
+    seconds: dict[tuple[str, int], float | None] = {}
     results = out / "ab.jsonl"
     try:
         with results.open("a") as fh:
@@ -314,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                     training["eval_steps"] = args.eval_every
                     if args.learning_rate is not None:
                         training["learning_rate"] = args.learning_rate
-                    stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": False}})
+                    # the base's F1 once it is the stage-1 itself (no shared plain-GT phase)
+                    stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": args.base_steps == 0}})
                     # every arm: plain GT for the base steps (the same run for a seed), then its recipe
                     stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
                     cfg = deep_merge(
@@ -334,10 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
                     curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
                     curves[(arm, seed)] = curve
+                    seconds[(arm, seed)] = train_seconds(metrics)
                     for point in curve:
                         fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
                         fh.flush()
-            summary = summarize(args.task, curves)
+            summary = summarize(args.task, curves, seconds)
             for line in summary:
                 fh.write(json.dumps({"summary": True, **line}) + "\n")
                 print(json.dumps(line), flush=True)

@@ -90,6 +90,8 @@ class VlmPreset:
 DEMO_MODEL_NAME = "tiny-qwen3-vl-demo"
 DEMO_INIT_NAME = DEMO_MODEL_NAME + "-init"
 """The random-init demo model; ``DEMO_MODEL_NAME`` is the stage-1 model built from the shipped asset."""
+CROWDED_MODEL_NAME = "tiny-qwen3-vl-crowded-init"
+"""The random-init crowded-task model (its stage-1 is trained on a GPU, not shipped)."""
 PRESETS: dict[str, VlmPreset] = {
     # The image-path test model: ~1M parameters, 64x64 -> 4 image tokens.
     # Tests pin its shape and token counts.
@@ -116,6 +118,30 @@ PRESETS: dict[str, VlmPreset] = {
             "deepstack_visual_indexes": [1],
         },
         image_processor=IMAGE_PROCESSOR,
+    ),
+    # The crowded task's model (``learner.demo_data.images.CROWDED_CONFIG``: 384x384 -> 24x24 patches -> 144
+    # image tokens): 6 text layers of width 384 and a 6-block vision tower of width 256 whose blocks 1 and 3
+    # feed text layers 0 and 1 (deepstack); ~17M parameters, so that localisation is not the limit. Its
+    # stage-1 is trained on a GPU by ``bench/crowded_stage1.sh`` (too large to ship: ~34 MB in bf16).
+    CROWDED_MODEL_NAME: VlmPreset(
+        text={
+            **TEXT_CONFIG,
+            "hidden_size": 384,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+        },
+        vision={
+            **VISION_CONFIG,
+            "depth": 6,
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_heads": 4,
+            "out_hidden_size": 384,
+            "deepstack_visual_indexes": [1, 3],
+        },
+        image_processor={**IMAGE_PROCESSOR, "size": {"shortest_edge": 32 * 32, "longest_edge": 448 * 448}},
     ),
 }
 
@@ -317,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.preset == MODEL_NAME:
-        built = {MODEL_NAME: build_tiny_vlm(args.out / MODEL_NAME, seed=args.seed)}
+    if args.preset in (MODEL_NAME, CROWDED_MODEL_NAME):
+        built = {args.preset: build_tiny_vlm(args.out / args.preset, seed=args.seed, preset=args.preset)}
     else:
         built = build_demo_vlm(args.out, seed=args.seed, rebuild=args.rebuild_stage1)
     for name, path in built.items():

@@ -133,6 +133,8 @@ def load_split(
     *,
     system_prompt: str = DEMO_SYSTEM_PROMPT,
     user_prompt: str = DEMO_USER_PROMPT,
+    ordering: str = "sorted",
+    seed: int = 0,
 ) -> EncodedSet:
     """Encode one JSONL split with the processor (the learner's prompt layout, §3, with these prompts).
 
@@ -152,6 +154,8 @@ def load_split(
             dataset_namespace=0,
             system_prompt=system_prompt,
             user_prompt=user_prompt,
+            ordering=ordering,  # type: ignore[arg-type]
+            seed=seed,
             include_assistant=True,
         )
         answer = sample["messages"][-1]["content"]
@@ -350,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-prompt", default=PretrainConfig.system_prompt, help="prompts.system")
     parser.add_argument("--user-prompt", default=PretrainConfig.user_prompt, help="prompts.user")
     parser.add_argument("--n-eval", type=int, default=64, help="held-out rows scored")
+    parser.add_argument(
+        "--object-ordering",
+        choices=("sorted", "random"),
+        default="sorted",
+        help="data.object_ordering of the answers trained on (random: seeded by --seed, as the learner does)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=PretrainConfig.max_new_tokens, help="held-out decoding budget"
+    )
     parser.add_argument("--eval-at", default="", help="comma-separated steps at which to log held-out F1")
     parser.add_argument(
         "--snapshot-at", default="", help="comma-separated steps at which to save OUT.step_K.safetensors"
@@ -369,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         lr=args.lr,
         seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
         system_prompt=args.system_prompt,
         user_prompt=args.user_prompt,
     )
@@ -376,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     model = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32).to(args.device)
     t0 = time.perf_counter()
-    prompts = {"system_prompt": cfg.system_prompt, "user_prompt": cfg.user_prompt}
+    prompts = {
+        "system_prompt": cfg.system_prompt,
+        "user_prompt": cfg.user_prompt,
+        "ordering": args.object_ordering,
+        "seed": cfg.seed,
+    }
     train = load_split(processor, args.data / "train.jsonl", limit=None if args.steps else 0, **prompts)
     held_out = load_split(processor, args.data / "eval.jsonl", limit=args.n_eval, **prompts)
     logger.info(
@@ -392,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[float] = []
     info: dict[str, Any] = {
         "config": asdict(cfg),
+        "object_ordering": args.object_ordering,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
     }

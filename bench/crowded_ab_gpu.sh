@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The crowded-task A/B on one multi-GPU host (bench/RESULTS.md "Crowded scenes"): data and the stage-1 base once
+# (bench/ab_learning.py --prepare-only: scripts/vlm_pretrain.py on GPU 0, cached in .cache/models), then one
+# learner process per (seed, arm), all side by side, spread round-robin over the GPUs, then the summary over all
+# runs (every run is reused) into runs/ab/<task>/ab.jsonl and ab.png.
+#
+#   SEEDS=0,1,2,3,4,5,6,7 ARMS=sft,rm-reorder bash bench/crowded_ab_gpu.sh
+#
+# Knobs (environment): TASK (crowded-random), SEEDS, ARMS, STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128),
+# STAGE1_STEPS (3000), STAGE1_EVERY (500), PREPARE_ONLY (1: stop after the base).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TASK=${TASK:-crowded-random}
+SEEDS=${SEEDS:-0,1,2,3,4,5,6,7}
+ARMS=${ARMS:-sft,rm-reorder}
+STEPS=${STEPS:-30}
+EVAL_EVERY=${EVAL_EVERY:-15}
+EVAL_SAMPLES=${EVAL_SAMPLES:-128}
+PY=${PY:-python3}
+NGPU=$(nvidia-smi -L | wc -l)
+common=(--task "$TASK" --colocate --base-steps 0 --steps "$STEPS" --eval-every "$EVAL_EVERY"
+        --eval-samples "$EVAL_SAMPLES" --stage1-steps "${STAGE1_STEPS:-3000}" --stage1-every "${STAGE1_EVERY:-500}")
+out=runs/ab/$TASK
+mkdir -p "$out/logs"
+t0=$(date +%s)
+CUDA_VISIBLE_DEVICES=0 $PY bench/ab_learning.py "${common[@]}" --prepare-only
+echo "[crowded_ab] base ready after $(( $(date +%s) - t0 )) s: $(cat .cache/models/tiny-qwen3-vl-crowded*/stage1_choice.json | head -c 300)"
+[ "${PREPARE_ONLY:-0}" = 1 ] && exit 0
+i=0
+for seed in ${SEEDS//,/ }; do
+  for arm in ${ARMS//,/ }; do
+    gpu=$(( i % NGPU )); i=$(( i + 1 ))
+    CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 $PY bench/ab_learning.py "${common[@]}" --seeds "$seed" --arms "$arm" \
+      > "$out/logs/$arm-s$seed.log" 2>&1 &
+  done
+done
+fail=0
+for job in $(jobs -p); do wait "$job" || fail=1; done
+echo "[crowded_ab] $i runs done after $(( $(date +%s) - t0 )) s (failures: $fail)"
+rm -f "$out/ab.jsonl"
+$PY bench/ab_learning.py "${common[@]}" --seeds "$SEEDS" --arms "$ARMS"
