@@ -72,15 +72,15 @@ forward that gradient checkpointing re-runs in it) runs on autograd's own thread
 _varlen_checked: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _varlen_op() -> tuple[Callable[..., torch.Tensor], bool] | None:
-    """`(torch.nn.attention.varlen.varlen_attn, keyword API?)`, or None where this torch lacks it. The keyword
-    API (torch ≥ 2.12: `scale`, `window_size`, `enable_gqa`) differs from the first one (`is_causal` only)."""
+def _varlen_op() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
+    """`(torch.nn.attention.varlen.varlen_attn, its keyword parameters)`, or None where this torch lacks it.
+    Its API moved between releases: causality as `is_causal` (first) or `window_size` (later), `scale` and
+    `enable_gqa` only in later ones; `_varlen_call` adapts to what is there."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn, all(k in params for k in ("window_size", "enable_gqa", "scale"))
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _varlen_call(
@@ -107,21 +107,26 @@ def _varlen_call(
     """
     op = _varlen_op()
     assert op is not None
-    fn, keyword_api = op
+    fn, params = op
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu = cu.to(device=q.device, dtype=torch.int32)
-    gqa = k.shape[1] != q.shape[1]
-    if keyword_api:
-        window = (-1, 0) if causal else (-1, -1)
-        out = fn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window, enable_gqa=gqa)
+    kw: dict[str, Any] = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0) if causal else (-1, -1)
     else:
-        if gqa:  # SDPA's enable_gqa grouping: query head h reads kv head h // (H / H_kv)
+        kw["is_causal"] = causal
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # SDPA's enable_gqa grouping: query head h reads kv head h // (H / H_kv)
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if scaling is not None and abs(scaling * q.shape[-1] ** 0.5 - 1.0) > 1e-6:
-            q = q * (scaling * q.shape[-1] ** 0.5)
-        out = fn(q, k, v, cu, cu, max_len, max_len, is_causal=causal)
+    if "scale" in params:
+        kw["scale"] = scaling
+    elif scaling is not None and abs(scaling * q.shape[-1] ** 0.5 - 1.0) > 1e-6:
+        q = q * (scaling * q.shape[-1] ** 0.5)
+    out = fn(q, k, v, cu, cu, max_len, max_len, **kw)
     return out.unsqueeze(0)
 
 
@@ -156,6 +161,7 @@ def _segment_loop(
     return out.transpose(1, 2).contiguous()
 
 
+@torch.compiler.disable
 def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the varlen kernel runs on `device` in `dtype` and matches the fallback (values and gradients,
     causal with GQA and full), checked once per (device, dtype); a failure is logged once and the fallback
@@ -288,6 +294,21 @@ def _configs(model: torch.nn.Module) -> tuple[Any, Any | None]:
     return (text if text is not None else base.config), getattr(base.config, "vision_config", None)
 
 
+_ROW_BOUNDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _drop_row_bounds(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Vision-tower pre-hook: drops the packed row's segment bounds from the tower's keyword arguments. They
+    belong to the language model, but some transformers releases (5.17) pass the whole model's keyword
+    arguments on into the tower, whose varlen branch then gets `cu_seq_lens_q` twice (its own images' too)."""
+    return args, {k: v for k, v in kwargs.items() if k not in _ROW_BOUNDS}
+
+
+def _vision_tower(model: torch.nn.Module, vision_config: Any) -> torch.nn.Module | None:
+    """The module whose config is `vision_config` (a VL model's vision tower)."""
+    return next((m for m in model.modules() if getattr(m, "config", None) is vision_config), None)
+
+
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """SDPA kernels allowed on CUDA: every backend but cuDNN, which builds (and caches) one execution graph per
 new sequence length — a packed row calls attention once per segment, nearly every one a new length. Measured
@@ -318,6 +339,8 @@ def packed_attention(model: torch.nn.Module, *, enabled: bool = True, varlen: bo
         yield
         return
     _register()
+    tower = _vision_tower(model, vision) if any(c is vision for c, _ in switch) else None
+    hook = tower.register_forward_pre_hook(_drop_row_bounds, with_kwargs=True) if tower is not None else None
     cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))
     kernels = sdpa_kernel(_CUDA_BACKENDS) if cuda else contextlib.nullcontext()
     saved, _use_varlen[0] = _use_varlen[0], varlen
@@ -329,4 +352,6 @@ def packed_attention(model: torch.nn.Module, *, enabled: bool = True, varlen: bo
     finally:
         for config, _ in switch:
             config._attn_implementation = "sdpa"
+        if hook is not None:
+            hook.remove()
         _use_varlen[0] = saved

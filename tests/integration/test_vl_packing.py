@@ -253,11 +253,11 @@ def test_varlen_attention_equals_segment_loop(vl_parts, monkeypatch, checkpointi
     the per-segment loop's logits and gradients. The flash kernel is CUDA-only, so a dense stand-in takes its
     place on CPU (`tests/unit/learner/varlen_reference.py`); its call counts show both towers used it."""
     from learner.trainers import packed_attention as pa
-    from tests.unit.learner.varlen_reference import ReferenceVarlen
+    from tests.unit.learner.varlen_reference import API_FULL, ReferenceVarlen
 
     model, segments, coord_ids, ctx = vl_parts
     ref = ReferenceVarlen()
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, True))
+    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
     monkeypatch.setattr(pa, "varlen_available", lambda q: pa._use_varlen[0])
     batch = pack_segments(segments)
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -289,3 +289,27 @@ def test_varlen_attention_equals_segment_loop(vl_parts, monkeypatch, checkpointi
     assert ref_grads.keys() == var_grads.keys() and any("visual" in n for n in ref_grads)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(var_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_vision_tower_ignores_the_rows_bounds(vl_parts, monkeypatch) -> None:
+    """Some transformers releases (5.17) pass the whole model's keyword arguments, the language model's
+    `cu_seq_lens_q` / `max_length_q` among them, on into the vision tower, whose varlen branch names its own
+    `cu_seq_lens_q`: under `packed_attention` the tower drops the row's bounds and attends per image."""
+    from learner.trainers import packed_attention as pa
+    from tests.unit.learner.varlen_reference import API_FULL, ReferenceVarlen
+
+    model, segments, _, _ = vl_parts
+    ref = ReferenceVarlen()
+    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
+    monkeypatch.setattr(pa, "varlen_available", lambda q: True)
+    batch = pack_segments(segments)
+    tower = model.model.visual
+    pixels, grid = batch.mm_inputs["pixel_values"], batch.mm_inputs["image_grid_thw"]
+    with torch.no_grad():
+        plain = tower(pixels, grid_thw=grid).pooler_output
+        with pa.packed_attention(model):
+            leaked = tower(
+                pixels, grid_thw=grid, cu_seq_lens_q=batch.cu_seqlens, max_length_q=batch.max_seqlen
+            )
+    assert ref.calls == model.config.vision_config.depth and ref.causal_calls == 0
+    torch.testing.assert_close(leaked.pooler_output, plain, rtol=1e-5, atol=1e-5)

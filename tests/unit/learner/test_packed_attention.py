@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from learner.trainers import packed_attention as pa
-from tests.unit.learner.varlen_reference import ReferenceVarlen
+from tests.unit.learner.varlen_reference import API_FULL, APIS, ReferenceVarlen
 
 CU = torch.tensor([0, 3, 17, 18, 40], dtype=torch.int32)
 
@@ -22,14 +22,14 @@ def _qkv(heads_kv: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=gen, dtype=torch.float64).requires_grad_(True) for s in shapes]
 
 
-@pytest.mark.parametrize("keyword", [True, False], ids=["keyword_api", "first_api"])
+@pytest.mark.parametrize("api", sorted(APIS))
 @pytest.mark.parametrize(
     ("causal", "heads_kv"), [(True, 2), (True, 4), (False, 4)], ids=["lm_gqa", "lm", "vit"]
 )
 @pytest.mark.parametrize("scaling", [None, 0.3])
-def test_varlen_call_equals_segment_loop(monkeypatch, keyword, causal, heads_kv, scaling) -> None:
-    ref = ReferenceVarlen(keyword=keyword)
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, keyword))
+def test_varlen_call_equals_segment_loop(monkeypatch, api, causal, heads_kv, scaling) -> None:
+    ref = ReferenceVarlen(APIS[api])
+    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, APIS[api]))
     results = []
     for fn in (pa._varlen_call, pa._segment_loop):
         q, k, v = _qkv(heads_kv, seed=7)
@@ -50,7 +50,7 @@ def test_segment_attention_dispatch(monkeypatch) -> None:
     """`segment_sdpa` takes the varlen path for a packed row where `varlen_available`, the loop otherwise,
     plain SDPA for a padded batch, and `packed_attention(varlen=False)` forces the loop."""
     ref = ReferenceVarlen()
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, True))
+    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
     monkeypatch.setattr(pa, "varlen_available", lambda q: pa._use_varlen[0])
     module = torch.nn.Module()
     q, k, v = _qkv(2, seed=1)

@@ -6,29 +6,35 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ReferenceVarlen"]
+__all__ = ["APIS", "API_FULL", "ReferenceVarlen"]
+
+
+API_FIRST = frozenset({"is_causal"})
+API_WINDOW = frozenset({"window_size"})
+API_FULL = frozenset({"window_size", "scale", "enable_gqa"})
+APIS = {"first": API_FIRST, "window": API_WINDOW, "full": API_FULL}
+"""Keyword parameters of the releases of `varlen_attn` that `packed_attention` adapts to."""
 
 
 class ReferenceVarlen:
-    """Callable with either API of `varlen_attn` (`keyword=True`: torch ≥ 2.12's `scale` / `window_size` /
-    `enable_gqa`; False: the first API, `is_causal` only and equal head counts); counts its calls."""
+    """Callable with one API of `varlen_attn` (its keyword parameters `params`: causality as `is_causal` or
+    `window_size`, optionally `scale` and `enable_gqa`; without the latter, equal head counts); counts its
+    calls."""
 
-    def __init__(self, keyword: bool = True) -> None:
-        self.keyword = keyword
+    def __init__(self, params: frozenset[str] = API_FULL) -> None:
+        self.params = params
         self.calls = 0
         self.causal_calls = 0
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # noqa: ANN001, ANN204 - mirrors torch
-        if self.keyword:
-            assert set(kw) <= {"scale", "window_size", "enable_gqa"}, kw
+        assert set(kw) <= self.params, (sorted(kw), sorted(self.params))
+        if "window_size" in self.params:
             causal = tuple(kw.get("window_size", (-1, -1))) == (-1, 0)
-            scale = kw.get("scale")
-            if k.shape[1] != q.shape[1]:
-                assert kw.get("enable_gqa"), "GQA shapes without enable_gqa"
         else:
-            assert set(kw) <= {"is_causal"}, kw
-            assert k.shape[1] == q.shape[1], "the first varlen API takes equal head counts"
-            causal, scale = bool(kw.get("is_causal", False)), None
+            causal = bool(kw.get("is_causal", False))
+        scale = kw.get("scale")
+        if k.shape[1] != q.shape[1]:
+            assert kw.get("enable_gqa"), "GQA shapes without enable_gqa"
         assert q.dim() == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
         lengths = cu_q[1:] - cu_q[:-1]
         assert int(lengths.max()) == max_q == max_k
