@@ -17,7 +17,9 @@ if [ -d .whl ] && [ -z "${SMOKE:-}" ]; then
 fi
 smoke=(); [ -n "${SMOKE:-}" ] && smoke=(--smoke)
 mem=(--memory-sweep 8192 16384); [ -n "${SMOKE:-}" ] && mem=(--memory-sweep 512)
-date -u; nvidia-smi -L 2>/dev/null; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'
+date -u; nvidia-smi -L 2>/dev/null
+$PY -c 'import inspect, torch, transformers; print(torch.__version__, transformers.__version__)
+from torch.nn.attention.varlen import varlen_attn; print("varlen_attn", inspect.signature(varlen_attn))'
 timeout "${T1:-300}" $PY bench/bench_packing.py --gpu --vlm "${smoke[@]}" --profile --profile-table "$out/profile" \
   "${mem[@]}" 2>"$out/packing.err" | tee "$out/packing.jsonl"
 tail -3 "$out/packing.err"
