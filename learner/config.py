@@ -366,6 +366,9 @@ class RunConfig(_Section):
     """GRPO section (validated by learner.grpo.config when the GRPO trainer runs)."""
     output_dir: str = "runs/default"
     """Where metrics.jsonl, TensorBoard events, checkpoints and the report go."""
+    gpu_peak_tflops: float | None = Field(default=None, gt=0)
+    """Dense bf16 peak of one GPU in TFLOP/s, the denominator of the logged `perf/mfu`; null: looked up by
+    the device's name in `learner.flops.PEAK_TFLOPS` (H100/H200 SXM 989), no MFU for an unknown device."""
     save_final_model: bool = True
     """Write the trained policy to `output_dir/model` after the last step (HF `save_model`: full weights with
     config and tokenizer/processor, or the adapter for PEFT runs; gathered under ZeRO-3). It loads as

@@ -120,6 +120,10 @@ _STALENESS_SUMS = ("staleness_sum", "staleness_count", "prefetched", "regenerate
 """Overlapped rollouts (`rollout.async`): per trained rollout, optimizer steps between its weights and the
 update (summed and counted), rollouts that came from a background request, and stale ones regenerated."""
 
+_PERF_SUMS = ("tokens", "model_flops", "attn_flops")
+"""Language-model tokens, model FLOPs and attention FLOPs of the step's micro-batches (`learner.flops`),
+emitted as global sums under ``perf/``; the trainer derives tokens/s and MFU from them."""
+
 TIME_KEYS: tuple[str, ...] = tuple(
     f"time/{k}"
     for k in (
@@ -153,6 +157,7 @@ SUM_KEYS: frozenset[str] = frozenset(
     + [f"loss/{k}" for k in _LOSS_SUMS]
     + [f"packing/{k}" for k in _PACKING_SUMS]
     + ["train/micro_steps"]
+    + [f"perf/{k}" for k in _PERF_SUMS]
     + [f"rollout/{k}" for k in _STALENESS_SUMS]
 )
 MAX_KEYS: frozenset[str] = frozenset([*TIME_KEYS, "packing/segment_staleness_max", "rollout/staleness_max"])
@@ -297,6 +302,8 @@ class StepMetrics:
         out["train/micro_steps"] = s["train/micro_steps"]
         out["train/supervised_ce_tokens"] = s["loss/count_ce"]
         out["train/supervised_coord_slots"] = s["loss/count_coord"]
+        if s["perf/tokens"] > 0:
+            out.update({f"perf/{k}": s[f"perf/{k}"] for k in _PERF_SUMS})
         for key in self._extra_keys:
             out[key] = s[key]
         self.reset()

@@ -1,4 +1,5 @@
-"""PNG report of a run's `metrics.jsonl`: loss, rollout F1, parse-valid rate, step-time split, packing fill.
+"""PNG report of a run's `metrics.jsonl`: loss, rollout F1, parse-valid rate, step-time split, packing fill,
+learner throughput (tokens/s, MFU).
 
 Usage: `python -m learner.report runs/demo/metrics.jsonl [-o runs/demo/report.png]`.
 """
@@ -37,7 +38,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 
 def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -> Path:
-    """Draws the five panels into a PNG next to the metrics file (or at `out_path`); returns its path."""
+    """Draws the six panels into a PNG next to the metrics file (or at `out_path`); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +46,7 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
 
     records = load_metrics(metrics_path)
     out = Path(out_path) if out_path else Path(metrics_path).with_name("report.png")
-    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
+    fig, axes = plt.subplots(1, 6, figsize=(26, 4))
 
     ax = axes[0]
     ax.plot(*_series(records, "loss"), label="loss/total")
@@ -90,6 +91,8 @@ def write_report(metrics_path: str | Path, out_path: str | Path | None = None) -
         ax.text(0.5, 0.5, "packing disabled", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("packing fill")
 
+    _throughput_panel(axes[5], records)
+
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)
@@ -122,6 +125,31 @@ def _step_time_panel(ax: Any, records: list[dict[str, Any]]) -> None:
         "step-time split (s)" + (": rollouts overlap training (rollout.async)" if overlapped else "")
     )
     ax.legend(fontsize=7)
+
+
+def _throughput_panel(ax: Any, records: list[dict[str, Any]]) -> None:
+    """The learner's tokens/s (left) and MFU with and without attention FLOPs (right, % of the GPU's dense
+    peak; `learner.flops`), per logged step, over its forward + backward."""
+    xs, ys = _series(records, "perf/tokens_per_s")
+    if not xs:
+        ax.text(0.5, 0.5, "no perf/* metrics", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("learner throughput")
+        return
+    ax.plot(xs, ys, "b-", label="tokens/s (all GPUs)")
+    ax.set_ylabel("tokens/s")
+    ax.set_xlabel("optimizer step")
+    twin = ax.twinx()
+    for key, style in (("perf/mfu", "g-"), ("perf/mfu_with_attn", "g:")):
+        mx, my = _series(records, key)
+        if mx:
+            twin.plot(mx, [100 * v for v in my], style, label=key.removeprefix("perf/"))
+    twin.set_ylabel("MFU (% of dense peak)")
+    twin.set_ylim(bottom=0)
+    last = _series(records, "perf/mfu")[1]
+    ax.set_title("learner throughput" + (f": MFU {100 * last[-1]:.1f} %" if last else ""))
+    lines = ax.get_legend_handles_labels()
+    twin_lines = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + twin_lines[0], lines[1] + twin_lines[1], fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:

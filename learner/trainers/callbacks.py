@@ -54,7 +54,8 @@ class MetricsJsonlCallback(TrainerCallback):
 
 
 class LiveProgressCallback(TrainerCallback):
-    """A tqdm bar over optimizer steps whose postfix shows loss, last eval F1 and the step-time split.
+    """A tqdm bar over optimizer steps whose postfix shows loss, last eval F1, the step-time split and the
+    learner's tokens/s and MFU.
 
     Replaces HF's own progress callback (remove `ProgressCallback` when adding this one).
     """
@@ -88,6 +89,10 @@ class LiveProgressCallback(TrainerCallback):
                 self.postfix["stale"] = f"{logs.get('rollout/staleness_max') or 0:.0f}"
             if "rollout/f1" in logs:
                 self.postfix["train_f1"] = f"{logs['rollout/f1']:.2f}"
+            if "perf/tokens_per_s" in logs:  # the learner's forward + backward (learner.flops)
+                self.postfix["tok/s"] = f"{logs['perf/tokens_per_s']:.0f}"
+                if "perf/mfu" in logs:
+                    self.postfix["mfu"] = f"{100 * logs['perf/mfu']:.1f}%"
         if "eval_rollout_f1" in logs:
             self.postfix["eval_f1"] = f"{logs['eval_rollout_f1']:.3f}"
         if self.bar is not None:

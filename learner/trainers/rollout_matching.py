@@ -26,6 +26,7 @@ import torch
 from transformers import Trainer
 
 from learner.device_memory import peak_memory_metrics
+from learner.flops import FlopModel, peak_tflops, utilization
 from learner.metrics import StepMetrics
 from learner.rollout.offload import offload_context
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
@@ -86,6 +87,8 @@ class RolloutMatchingTrainer(Trainer):
         self.gallery = gallery if gallery is not None and gallery.enabled else None
         self.coord_ids = torch.tensor(planner.ctx.coord_vocab.ids, dtype=torch.long)
         self._last_forward_s = 0.0
+        self._flop_model: FlopModel | None = None
+        self._peak_tflops: float | None = None
         self.step_metrics = StepMetrics(reduce_fn=self._reduce_metrics if self.args.world_size > 1 else None)
         self.over_prediction = OverPredictionAlarm(planner.ctx.targets.unmatched_prefix)
 
@@ -255,9 +258,39 @@ class RolloutMatchingTrainer(Trainer):
             gas,
         )
         self.step_metrics.add(sums.metric_sums())
+        self.step_metrics.add(self._step_flops(model, inputs["batch"], columns))
         self._last_forward_s = time.perf_counter() - t0
         self.step_metrics.add_time("time/forward_s", self._last_forward_s)
         return (loss, outputs) if return_outputs else loss
+
+    def _step_flops(
+        self, model: torch.nn.Module, batch: Any, columns: torch.Tensor | None
+    ) -> dict[str, float]:
+        """`perf/*` sums of one micro-batch (`learner.flops`; the parameter split is read at the first step,
+        after freezing and adapters)."""
+        if self._flop_model is None:
+            self._flop_model = FlopModel.from_model(model)
+        flops = self._flop_model.batch_step(batch, columns)
+        return {
+            "perf/tokens": flops.tokens,
+            "perf/model_flops": flops.model,
+            "perf/attn_flops": flops.attention,
+        }
+
+    def _throughput(self, logs: dict[str, float]) -> dict[str, float]:
+        """Tokens/s and MFU of the logged step (`learner.flops.utilization`) over its forward + backward."""
+        if self._peak_tflops is None and self.args.device.type == "cuda":
+            self._peak_tflops = peak_tflops(
+                torch.cuda.get_device_name(self.args.device), self.run_cfg.gpu_peak_tflops
+            )
+        elif self._peak_tflops is None:
+            self._peak_tflops = self.run_cfg.gpu_peak_tflops
+        seconds = logs.get("time/forward_s", 0.0) + logs.get("time/backward_s", 0.0)
+        return (
+            utilization(logs, seconds, self.args.world_size, self._peak_tflops)
+            if "perf/tokens" in logs
+            else {}
+        )
 
     # -- evaluation ---------------------------------------------------------------------------------
     def evaluate(
@@ -299,6 +332,7 @@ class RolloutMatchingTrainer(Trainer):
         """Adds the aggregated per-step metrics to training logs, then defers to HF."""
         if "loss" in logs:
             logs.update(self.step_metrics.finalize())
+            logs.update(self._throughput(logs))
             logs.update(peak_memory_metrics(self.args.device))
             warning = self.over_prediction.observe(logs)
             if warning and self.is_world_process_zero():

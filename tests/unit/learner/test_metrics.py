@@ -223,3 +223,13 @@ def test_loss_sums_names_are_registered() -> None:
     assert out["loss/ce"] == pytest.approx(float(torch.log(torch.tensor(float(VOCAB_SIZE)))), rel=1e-5)
     assert out["loss/coord_gate"] == pytest.approx(math.log(VOCAB_SIZE / 1000), rel=1e-5)  # uniform logits
     assert out["loss/coord_softce"] == pytest.approx(math.log(1000), rel=1e-5)
+
+
+def test_perf_sums_are_global_and_only_when_counted() -> None:
+    """`perf/*` (learner.flops) add up over micro-steps and ranks; a step that trained nothing has none."""
+    m = StepMetrics(reduce_fn=lambda values, op: [2 * v for v in values] if op == "sum" else values)
+    for _ in range(2):
+        m.add({"perf/tokens": 100, "perf/model_flops": 1e12, "perf/attn_flops": 1e11})
+    out = m.finalize()
+    assert out["perf/tokens"] == 400 and out["perf/model_flops"] == 4e12 and out["perf/attn_flops"] == 4e11
+    assert not any(k.startswith("perf/") for k in StepMetrics().finalize())
