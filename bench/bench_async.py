@@ -1,9 +1,12 @@
 """Overlapped rollouts (`rollout.async`): steps/s with async on ÷ off, on a set-up where rollout ≈ train.
 
 Starts ONE rollout server (the demo's tiny model and `server:` section, `scripts/start_rollout_server.sh`) and
-runs `python -m learner` twice against it with generated configs extending `configs/demo_tiny_cpu.yaml` (same
+runs `python -m learner` against it with generated configs extending `configs/demo_tiny_cpu.yaml` (same
 data, batch, seed and decoding; no evaluation, no stage-1 warm-up, `--max-steps` steps):
-`rollout.async.enabled: false`, then `true` (`max_staleness: 1`). On a CPU host the server runs under `taskset
+`rollout.async.enabled: false` and `true` (`max_staleness: 1`), in `--rounds` interleaved rounds (default 5)
+against the same server, the order alternating (sync first in even rounds, async first in odd ones), so that
+drift of the machine falls on both modes alike. One ratio per round; the summary gives their median, min and
+max (one run of each mode moved 1.46–1.86× on 2 × H200). On a CPU host the server runs under `taskset
 -c <--server-cpus>` and each learner under `taskset -c <--learner-cpus>` with one intra-op thread, so that
 rollout and training do not compete for cores (the output states the pinning); `--no-pin` shares every core.
 
@@ -14,13 +17,14 @@ From each run's `metrics.jsonl` (steady state: the first `--skip` steps are left
 - the async run's `wait_s` (`time/rollout_wait_s`: how long a step still blocked on its rollouts) and
   staleness.
 
-The ratio line compares the async step time with `max(rollout, train) + sync` (perfect overlap) and with
-`rollout + train + sync` (none), from the synchronous run's split and from the async run's own phases
+Each round's ratio line compares the async step time with `max(rollout, train) + sync` (perfect overlap) and
+with `rollout + train + sync` (none), from the synchronous run's split and from the async run's own phases
 (`async_own_*`: the machine is shared, so phases drift between the two runs), and gives `ratio` = async
 steps/s ÷ sync steps/s (target ≥ 1.6 where rollout ≈ train). Tune `--max-new-tokens` / `--batch` until
-`rollout_over_train` is near 1.
+`rollout_over_train` is near 1. The last line (`async_summary`) holds the median ratio with min / max over
+the rounds, beside the median of the rounds' perfect-overlap bounds (`ideal_ratio`).
 
-    python bench/bench_async.py [--max-steps 16] [--skip 3] [--max-new-tokens 96] [--batch 16]
+    python bench/bench_async.py [--rounds 5] [--max-steps 16] [--skip 3] [--max-new-tokens 96] [--batch 16]
                                 [--server-cpus 0 --learner-cpus 1 | --no-pin] [--first sync|async]
     # GPU (one H100/H200: an HF-backend server process and the learner on the same GPU, a ~0.4B model):
     python bench/bench_async.py --no-pin --server-backend hf --build-model-layers 32 --dtype bfloat16 ...
@@ -37,6 +41,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +127,7 @@ def summarize(name: str, steps: list[dict[str, Any]], skip: int) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of both modes (≥ 1)")
     parser.add_argument("--max-steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the steady state")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     exit_on_signals()  # unwinds through the finally below, which stops the server
     launcher: subprocess.Popen[str] | None = None
-    results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, Any]] = []
     try:
         with (out / "server_launcher.log").open("w") as fh:
             launcher = subprocess.Popen(
@@ -205,58 +211,82 @@ def main(argv: list[str] | None = None) -> int:
                 cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True, env=server_env,
             )  # fmt: skip
         wait_ready(launcher, out / "server_launcher.log", args.server_timeout)
-        for name in ("sync", "async") if args.first == "sync" else ("async", "sync"):
-            paths = run_learner(configs[name], out / name, prefix=learner_prefix, env=learner_env)
-            results[name] = summarize(name, read_metrics(paths["metrics"])[0], args.skip)
-            print(json.dumps({**results[name], **pinning}), flush=True)
+        for r in range(args.rounds):
+            order = ["sync", "async"] if args.first == "sync" else ["async", "sync"]
+            results: dict[str, dict[str, Any]] = {}
+            for name in order if r % 2 == 0 else order[::-1]:
+                run_out = out / f"round{r}" / name
+                run_out.parent.mkdir(parents=True, exist_ok=True)
+                run_config = configs[name].with_name(f"{name}_round{r}.yaml")
+                run_config.write_text(
+                    configs[name].read_text().replace(f"output_dir: {out / name}", f"output_dir: {run_out}")
+                )
+                paths = run_learner(run_config, run_out, prefix=learner_prefix, env=learner_env)
+                results[name] = summarize(name, read_metrics(paths["metrics"])[0], args.skip)
+                print(json.dumps({**results[name], "round": r, **pinning}), flush=True)
+            first = "sync" if (r % 2 == 0) == (args.first == "sync") else "async"
+            rounds.append(ratio_record(results["sync"], results["async"]) | {"round": r, "first": first})
+            print(json.dumps({**rounds[-1], "loadavg": [round(x, 2) for x in os.getloadavg()], **pinning}),
+                  flush=True)  # fmt: skip
     except RuntimeError as exc:
         print(f"bench_async: {exc}", file=sys.stderr)
         return 1
     finally:
         stop(launcher)
-    sync, overlapped = results["sync"], results["async"]
+    print(json.dumps(summary_record(rounds) | {
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], **pinning}), flush=True)  # fmt: skip
+    return 0
+
+
+def ratio_record(sync: dict[str, Any], overlapped: dict[str, Any]) -> dict[str, Any]:
+    """One round: async steps/s ÷ sync steps/s, with the perfect-overlap and no-overlap bounds from the sync
+    run's split and from the async run's own phases."""
     rollout, sync_s = sync["rollout_s"], sync["sync_s"]
     train = max(sync["step_s"] - rollout - sync_s, 0.0)
-    print(
-        json.dumps(
-            {
-                "bench": "async_ratio",
-                "ratio": round(overlapped["steps_per_s"] / sync["steps_per_s"], 3),
-                "target": TARGET_RATIO,
-                "sync_step_s": sync["step_s"],
-                "async_step_s": overlapped["step_s"],
-                "rollout_s": rollout,
-                "train_s": round(train, 4),
-                "weight_sync_s": sync_s,
-                "rollout_over_train": round(rollout / train, 3) if train else None,
-                "max_rollout_train_plus_sync_s": round(max(rollout, train) + sync_s, 4),
-                "rollout_plus_train_plus_sync_s": round(rollout + train + sync_s, 4),
-                "async_over_max_bound": round(overlapped["step_s"] / (max(rollout, train) + sync_s), 3),
-                "ideal_ratio": round((rollout + train + sync_s) / (max(rollout, train) + sync_s), 3),
-                "async_wait_s": overlapped["wait_s"],
-                # The same bounds from the async run's own phases (the machine is shared: phases drift
-                # between runs).
-                "async_own_max_bound_s": round(
-                    max(overlapped["rollout_s"], overlapped["train_phases_s"]) + overlapped["sync_s"], 4
-                ),
-                "async_own_sum_s": round(
-                    overlapped["rollout_s"] + overlapped["train_phases_s"] + overlapped["sync_s"], 4
-                ),
-                "async_speedup_over_own_sum": round(
-                    (overlapped["rollout_s"] + overlapped["train_phases_s"] + overlapped["sync_s"])
-                    / overlapped["step_s"],
-                    3,
-                ),
-                "async_staleness_max": overlapped["staleness_max"],
-                "first": args.first,
-                "loadavg_start": [round(x, 2) for x in load_start],
-                "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-                **pinning,
-            }
+    own_sum = overlapped["rollout_s"] + overlapped["train_phases_s"] + overlapped["sync_s"]
+    return {
+        "bench": "async_ratio",
+        "ratio": round(overlapped["steps_per_s"] / sync["steps_per_s"], 3),
+        "target": TARGET_RATIO,
+        "sync_step_s": sync["step_s"],
+        "async_step_s": overlapped["step_s"],
+        "rollout_s": rollout,
+        "train_s": round(train, 4),
+        "weight_sync_s": sync_s,
+        "rollout_over_train": round(rollout / train, 3) if train else None,
+        "max_rollout_train_plus_sync_s": round(max(rollout, train) + sync_s, 4),
+        "rollout_plus_train_plus_sync_s": round(rollout + train + sync_s, 4),
+        "async_over_max_bound": round(overlapped["step_s"] / (max(rollout, train) + sync_s), 3),
+        "ideal_ratio": round((rollout + train + sync_s) / (max(rollout, train) + sync_s), 3),
+        "async_wait_s": overlapped["wait_s"],
+        # The same bounds from the async run's own phases (the machine is shared: phases drift between runs).
+        "async_own_max_bound_s": round(
+            max(overlapped["rollout_s"], overlapped["train_phases_s"]) + overlapped["sync_s"], 4
         ),
-        flush=True,
-    )
-    return 0
+        "async_own_sum_s": round(own_sum, 4),
+        "async_speedup_over_own_sum": round(own_sum / overlapped["step_s"], 3),
+        "async_staleness_max": overlapped["staleness_max"],
+    }
+
+
+def summary_record(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median ratio over the rounds with its min and max, beside the median perfect-overlap bound."""
+    ratios = [r["ratio"] for r in rounds]
+    ideal = [r["ideal_ratio"] for r in rounds]
+    return {
+        "bench": "async_summary",
+        "rounds": len(rounds),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratios": ratios,
+        "bound_ideal_ratio_median": round(statistics.median(ideal), 3),
+        "ratio_over_bound": round(statistics.median(ratios) / statistics.median(ideal), 3),
+        "sync_step_s_median": round(statistics.median(r["sync_step_s"] for r in rounds), 4),
+        "async_step_s_median": round(statistics.median(r["async_step_s"] for r in rounds), 4),
+        "target": TARGET_RATIO,
+    }
 
 
 if __name__ == "__main__":
