@@ -43,6 +43,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -447,6 +448,48 @@ def run_gpu(args: argparse.Namespace) -> None:
             _guarded("memory", base, measure, packing_length=length, gradient_checkpointing=checkpointing)
 
 
+def run_ddp(args: argparse.Namespace) -> None:
+    """Data-parallel scaling of packed training (``torchrun --nproc_per_node N ... --ddp``): every rank builds
+    the same model and its own segment stream (seed + rank); rank 0 first times its packed rows ALONE (the
+    others wait), then all ranks time theirs under DistributedDataParallel. Prints the 1-GPU and the N-GPU
+    tokens/s (all ranks) and their ratio beside its bound N (target ≥ 0.9 N)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    setup = (vlm_setup if args.vlm else text_setup)(args, device, random.Random(args.seed + rank))
+    model = setup["model"]
+    coord_ids = torch.tensor(setup["coord_ids"], device=device)
+    cap = 1024 if args.smoke else args.packing_length
+    steps, warmup = (3 if args.smoke else args.steps), 2
+    rows = pack_stream(setup["new_segment"], cap, args.packing_buffer, steps + warmup)[0]
+    run = dict(eos_id=setup["eos_id"], compact=setup["compact"], flop_model=FlopModel.from_model(model))
+    single = None
+    if rank == 0:
+        single = train_tokens_per_s(model, rows, coord_ids, device, warmup, False, **run)[0]
+    dist.barrier()
+    ddp = DistributedDataParallel(model, device_ids=[local] if cuda else None)
+    tps, info = train_tokens_per_s(ddp, rows, coord_ids, device, warmup, False, **run)
+    totals = torch.tensor([info["tokens"], info["seconds"]], dtype=torch.float64, device=device)
+    seconds = totals[1:].clone()
+    dist.all_reduce(totals[:1])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        aggregate = float(totals[0]) / float(seconds[0])
+        emit(bench="packing_ddp", device=torch.cuda.get_device_name() if cuda else "cpu", ranks=world,
+             vlm=args.vlm, smoke=args.smoke, packing_length=cap, single_tokens_per_s=round(single, 1),
+             ddp_tokens_per_s=round(aggregate, 1), rank0_tokens_per_s=round(tps, 1),
+             scaling=round(aggregate / single, 3), bound=world, target=round(0.9 * world, 2),
+             met=aggregate / single >= 0.9 * world)  # fmt: skip
+    dist.destroy_process_group()
+
+
 def _varlen_ran(model, batch, device) -> bool:
     """Whether a packed row of this model attends through the varlen kernel here (`varlen_available`)."""
     from learner.trainers.packed_attention import varlen_available
@@ -525,6 +568,11 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", action="store_true", help="regional torch.compile of decoder layers and ViT blocks"
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak (default: table)")
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="under torchrun: packed rows on every rank, alone on rank 0 then under DDP (scaling)",
+    )
     p.add_argument("--answer-min", type=int, default=50, help="--vlm: shortest answer (tokens)")
     p.add_argument("--answer-max", type=int, default=600, help="--vlm: longest answer (tokens)")
     p.add_argument("--cpu", action="store_true", help="force the throughput benchmark onto the CPU")
@@ -551,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--vlm goes with --gpu (the fill benchmark does not depend on the model)")
     if args.gpu:
         args.steps = args.steps or 20
-        run_gpu(args)
+        (run_ddp if args.ddp else run_gpu)(args)
     else:
         args.steps = args.steps or 2000
         run_fill(args)
