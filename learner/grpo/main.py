@@ -24,11 +24,13 @@ from transformers import TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from learner.config import RunConfig, check_runtime_guards
+from learner.data.dataset import SampleListDataset
 from learner.data.errors import DataRecordError
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
 from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import GenerationSlots, PromptSet, load_prompt_rows
+from learner.grpo.evaluation import build_heldout_eval
 from learner.grpo.generation import GroupGenerator, ResamplePool
 from learner.grpo.overlap import GrpoPrefetch
 from learner.grpo.progress import GrpoProgressCallback
@@ -40,7 +42,7 @@ from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.trainers.build import all_ranks_ok
+from learner.trainers.build import all_ranks_ok, build_rollout_source
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.trainers.strategy import StrategyCallback
 from learner.weights.sync import WeightSyncPolicy
@@ -152,14 +154,6 @@ def _sync_dtype(resolved: ResolvedGrpoRun) -> torch.dtype | None:
     """The server's dtype (full syncs are cast to it; the server rejects a mismatch); None for ``auto``."""
     name = resolved.server.dtype
     return None if name == "auto" else getattr(torch, name)
-
-
-def _build_source(cfg: RunConfig) -> RolloutSource:
-    from learner.rollout.server_source import ServerRolloutSource
-
-    source = ServerRolloutSource.from_config(cfg.rollout)
-    source.wait_healthy()
-    return source
 
 
 def check_reward_rows(weights: dict[str, float], prompts: PromptSet) -> None:
@@ -281,7 +275,10 @@ def build_grpo_trainer(
     prompts_per_step = resolved.prompts_per_step
     num_steps = _num_steps(cfg, len(prompts.rows), prompts_per_step)
     args = _training_args(cfg, resolved.output_dir, num_steps)
-    source = source if source is not None else _build_source(cfg)
+    evaluates = _evaluates(cfg, args)
+    # server mode: the configured server, waited for; colocate: the HF engine on this very model (the
+    # rollout-matching builder either way)
+    source = source if source is not None else build_rollout_source(cfg, model, tokenizer, encoder)
     health = source.health()
     check_runtime_guards(
         cfg,
@@ -289,9 +286,11 @@ def build_grpo_trainer(
         server_max_model_len=health.max_model_len,
         longest_prompt_tokens=max(len(r.prompt_ids) for r in prompts.rows),
     )
+    # a colocated HF engine records the version on its own rank (nothing moves: it IS the policy)
+    sends = getattr(source, "sends_weights", args.process_index == 0)
     sync = WeightSyncPolicy(
         cfg.rollout.sync,
-        is_rank0=lambda: args.process_index == 0,
+        is_rank0=lambda: bool(sends),
         all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
         dtype=_sync_dtype(resolved),
         seed=args.seed,
@@ -306,6 +305,7 @@ def build_grpo_trainer(
         num_steps=num_steps,
         seed=args.seed,
     )
+    heldout = build_heldout_eval(cfg, source, tokenizer, encoder, seed=args.seed) if evaluates else None
     strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = GrpoTrainer(
         grpo=grpo,
@@ -318,9 +318,11 @@ def build_grpo_trainer(
         encoder=encoder if any(r.has_images for r in prompts.rows) else None,
         prefetch=_prefetch(cfg, source),
         tis_mode=_tis_mode(grpo, cfg),
+        heldout=heldout,
         model=model,
         args=args,
         train_dataset=dataset,
+        eval_dataset=SampleListDataset(list(heldout.samples)) if heldout and heldout.samples else None,
         data_collator=_identity_collator,
         processing_class=policy.processing_class,
         callbacks=[
@@ -345,6 +347,23 @@ def build_grpo_trainer(
         reference.kind if reference else "none (beta 0)",
     )
     return GrpoRun(trainer=trainer, source=source, resolved=resolved, output_dir=resolved.output_dir)
+
+
+def _evaluates(cfg: RunConfig, args: TrainingArguments) -> bool:
+    """Whether the run evaluates on held-out data: `training.eval_strategy` other than `no`, which needs
+    `data.eval` (detection records, scored by the rollout-matching evaluator: `learner.grpo.evaluation`).
+
+    Raises:
+        ConfigError: an evaluation strategy without `data.eval`.
+    """
+    if args.eval_strategy == "no":
+        return False
+    if not cfg.data.eval:
+        raise ConfigError(
+            f"training.eval_strategy: {args.eval_strategy.value} but data.eval lists no file; point data.eval"
+            " at held-out detection records or set training.eval_strategy: 'no'"
+        )
+    return True
 
 
 def _prefetch(cfg: Any, source: RolloutSource) -> GrpoPrefetch | None:
@@ -381,6 +400,24 @@ def _first_last(metrics_path: Path, key: str) -> tuple[float | None, float | Non
     return (values[0], values[-1]) if values else (None, None)
 
 
+def train_with_evaluation(trainer: GrpoTrainer, cfg: RunConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """Trains; a run with a held-out evaluation is also evaluated before the first step
+    (`stage2.eval.at_start`) and after the last one when `training.eval_steps` did not land on it, as
+    `python -m learner` does. Returns the first and the last evaluation's metrics (`{}` without evaluation).
+    """
+    evaluates = trainer.heldout is not None
+    first = trainer.evaluate() if evaluates and cfg.stage2.eval.at_start else {}
+    trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
+    if not evaluates:
+        return first, {}
+    step, every = trainer.state.global_step, max(int(trainer.args.eval_steps or 1), 1)
+    if trainer.args.eval_strategy == "steps" and step % every == 0:
+        for record in reversed(trainer.state.log_history):  # HF evaluated the final weights already
+            if "eval_rollout_f1" in record:
+                return first, record
+    return first, trainer.evaluate()
+
+
 def run_grpo(config_path: str | Path) -> int:
     """Runs GRPO for the YAML at ``config_path``; returns the process exit code (0 on success).
 
@@ -391,7 +428,7 @@ def run_grpo(config_path: str | Path) -> int:
     run = build_grpo_trainer(resolved, cfg)
     trainer = run.trainer
     try:
-        trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
+        f1_first, f1_last = train_with_evaluation(trainer, cfg)
     finally:
         run.source.close()
     if trainer.is_world_process_zero():
@@ -401,6 +438,8 @@ def run_grpo(config_path: str | Path) -> int:
             "steps": trainer.state.global_step,
             "reward_first_round_start": first,
             "reward_first_round_end": last,
+            "eval_rollout_f1_start": f1_first.get("eval_rollout_f1"),
+            "eval_rollout_f1_end": f1_last.get("eval_rollout_f1"),
             "metrics": str(metrics_path),
         }
         (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -9,6 +9,9 @@ Extension points used, and why:
   micro-batches and DDP averages the ranks, so the step's loss is the mean over all its completions.
 - ``log`` — merges the §7 metrics of the steps since the last log (micro-batch values all-reduced), then
   ``super().log``.
+- ``evaluate`` — the held-out evaluation of the rollout-matching trainer (``learner.grpo.evaluation``: same
+  samples, planner, parser, matcher and ``eval_rollout_*`` metrics), after syncing the current weights; rank 0
+  rolls out, every rank gets its metrics.
 
 One optimizer step (``global_step = k``):
 
@@ -47,6 +50,7 @@ from learner.grpo.advantages import compute_advantages, sequence_kl
 from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
 from learner.grpo.config.sections import GrpoConfig
 from learner.grpo.data import PromptRow
+from learner.grpo.evaluation import HeldOutEval
 from learner.grpo.generation import GroupGenerator, StepRollout
 from learner.grpo.loss import grpo_loss, tis_weights
 from learner.grpo.metrics import (
@@ -86,6 +90,7 @@ class GrpoTrainer(Trainer):
         encoder: the run's prompt encoder (vision tensors of image prompts); None for text-only prompts.
         prefetch: overlapped generation (`rollout.async`); None = every step generates when it starts.
         tis_mode: the resolved `grpo.tis_mode` (`off`, `token` or `sequence`).
+        heldout: the held-out evaluation (`data.eval`); None = `evaluate` returns `{}`.
         **kwargs: passed to ``Trainer`` (model, args, train_dataset, data_collator, callbacks, ...).
     """
 
@@ -104,6 +109,7 @@ class GrpoTrainer(Trainer):
         encoder: PromptEncoder | None = None,
         prefetch: GrpoPrefetch | None = None,
         tis_mode: str = "off",
+        heldout: HeldOutEval | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -123,6 +129,7 @@ class GrpoTrainer(Trainer):
         self.encoder = encoder
         self.prefetch = prefetch
         self.tis_mode = tis_mode
+        self.heldout = heldout
         self.lookahead = WindowLookahead()
         if prefetch is not None:
             self.add_callback(OverlapCallback(prefetch))
@@ -382,6 +389,31 @@ class GrpoTrainer(Trainer):
         )
         record_tis(self.metric_window, weights, mask, self.grpo.tis_cap)
         return weights
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Held-out rollout F1 of the current weights (``learner.grpo.evaluation``): every rank syncs (the
+        lazy once-per-step sync; a colocated HF engine only records the version), rank 0 rolls out the
+        held-out samples greedily and scores them, the metrics are broadcast, logged (``metrics.jsonl``) and
+        returned.
+        ``eval_dataset`` is ignored: the samples are the run's ``data.eval``."""
+        if self.heldout is None or not self.heldout.samples:
+            return {}
+        self._sync(self.state.global_step)
+        metrics: dict[str, float] | None = None
+        if self.args.process_index == 0:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                metrics = self.heldout.evaluate(prefix=metric_key_prefix)
+            finally:
+                self.model.train(was_training)
+        metrics = self._broadcast(metrics)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     # -- logging ------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -126,9 +126,55 @@ def check_tp_dp(server: GrpoServerConfig) -> None:
         )
 
 
-def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig) -> None:
-    """Rule 5: ``max_model_len >= global_max_length > max_completion_length``."""
-    if server.vllm.max_model_len < grpo.global_max_length:
+def rollout_mode(rollout: Mapping[str, Any]) -> str:
+    """Rule 1: ``rollout.mode`` is ``server`` or ``colocate``; returns it."""
+    mode = rollout.get("mode")
+    if mode not in ("server", "colocate"):
+        raise fail(
+            "rollout.mode",
+            f"{mode!r} is neither 'server' nor 'colocate'",
+            "rule 1",
+            "set rollout.mode: server (a rollout server process) or colocate (rollouts by the learner's own"
+            " model, rollout.backend: hf)",
+        )
+    return str(mode)
+
+
+def check_colocate(rollout: Mapping[str, Any]) -> None:
+    """Colocate mode: the HF engine (the policy generates itself, so a sync moves nothing) and no overlap."""
+    backend = rollout.get("backend", "vllm")
+    if backend != "hf":
+        raise fail(
+            "rollout.backend",
+            f"{backend!r} in colocate mode: GRPO colocates only the HF engine",
+            "rule 1",
+            "set rollout.backend: hf, or rollout.mode: server with a vLLM rollout server",
+        )
+    overlap = rollout.get("async") if isinstance(rollout.get("async"), Mapping) else {}
+    if overlap.get("enabled"):
+        raise fail(
+            "rollout.async.enabled",
+            "true in colocate mode (the policy cannot generate the next step while it trains)",
+            "rule 1",
+            "set rollout.async.enabled: false, or use rollout.mode: server",
+        )
+
+
+def check_colocate_world(train_gpus: tuple[int, ...]) -> None:
+    """Colocate mode runs ONE learner process (several ranks would each need their own engine: not built)."""
+    if len(train_gpus) != 1:
+        raise fail(
+            "train_gpus",
+            f"{list(train_gpus)} lists {len(train_gpus)} learners in colocate mode, which runs one",
+            "rule 7",
+            "set train_gpus: [0] (one process), or use rollout.mode: server for several learners",
+        )
+
+
+def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig, *, colocate: bool = False) -> None:
+    """Rule 5: ``max_model_len >= global_max_length > max_completion_length`` (colocate mode: the second
+    inequality only; the in-process engine checks every prompt + completion against the model's length)."""
+    if not colocate and server.vllm.max_model_len < grpo.global_max_length:
         raise fail(
             "server.vllm.max_model_len",
             f"{server.vllm.max_model_len} < grpo.global_max_length {grpo.global_max_length}",
@@ -300,12 +346,13 @@ _DECODING_FROM_GRPO = {
 
 
 def decoding(rollout: Mapping[str, Any], grpo: GrpoConfig) -> dict[str, Any]:
-    """``rollout.decoding`` with the sampling knobs taken from ``grpo`` (one source of truth)."""
+    """``rollout.decoding`` with the sampling knobs taken from ``grpo`` (one source of truth). A key set to
+    null counts as unset: a GRPO config extending a rollout-matching one clears that one's decoding so."""
     out = dict(rollout.get("decoding") or {})
     for key, grpo_key in _DECODING_FROM_GRPO.items():
         value = getattr(grpo, grpo_key)
         value = -1 if key == "top_k" and value is None else value
-        if key in out and out[key] != value:
+        if out.get(key) is not None and out[key] != value:
             raise fail(
                 f"rollout.decoding.{key}",
                 f"{out[key]!r} differs from grpo.{grpo_key} {value!r}",

@@ -6,9 +6,13 @@ result.
 :class:`ConfigError` with ONE line naming the dotted key, the rule and the fix. It is pure apart from
 checking that the model directories (and the reward schema file) exist.
 
-Top-level keys read here besides the sections: ``train_gpus`` (learner GPU list, default ``6,7``) and
-``batch_plan`` (§2.4). Both are consumed: :attr:`ResolvedGrpoRun.learner_config` no longer has them, so it can
-be passed to ``learner.config.RunConfig``.
+Two topologies (``rollout.mode``): ``server`` (the §2 rules: one rollout server process, disjoint GPU
+sets) and ``colocate`` (one learner process that also generates, with the HF engine in-process: no
+``server:`` section is read and the server rules do not apply; docs/GRPO.md "Colocated rollouts").
+
+Top-level keys read here besides the sections: ``train_gpus`` (learner GPU list, default ``6,7``; ``0`` in
+colocate mode) and ``batch_plan`` (§2.4). Both are consumed: :attr:`ResolvedGrpoRun.learner_config` no longer
+has them, so it can be passed to ``learner.config.RunConfig``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ __all__ = [
 ]
 
 DEFAULT_TRAIN_GPUS = (6, 7)
+COLOCATE_TRAIN_GPUS = (0,)
+"""``train_gpus`` of a colocated run when the YAML sets none: one learner, which also generates."""
 DEFAULT_LEARNING_RATE = 5e-6
 
 
@@ -45,11 +51,11 @@ class ResolvedGrpoRun:
 
     Attributes:
         grpo: the ``grpo`` knobs, ``generation_batch_size`` resolved.
-        server: the ``server`` section, ``model`` absolute.
+        server: the ``server`` section, ``model`` absolute (colocate mode: the defaults; nothing reads it).
         train_gpus: learner GPU indices; ``world_size == len(train_gpus)``.
         per_device_batch_size, gradient_accumulation_steps, effective_batch_size: in completions.
         model_path: absolute learner model directory.
-        base_url: the one rollout server URL of ``rollout.servers``.
+        base_url: the one rollout server URL of ``rollout.servers``; ``""`` in colocate mode.
         timeout_s, infer_timeout_s: health wait and generate read timeout.
         reward_weights: resolved reward name → weight.
         reward_schema_path: absolute schema file, or None.
@@ -102,15 +108,8 @@ def validate_grpo_run(
     """
     base_dir = Path(base_dir).resolve()
     data = {k: v for k, v in raw.items() if k != "extends"}
-    rollout = rules.mapping(data, "rollout", "rule 1")
-    if rollout.get("mode") != "server":
-        raise rules.fail(
-            "rollout.mode",
-            f"{rollout.get('mode')!r} is not 'server'",
-            "rule 1",
-            "set rollout.mode: server for the rollout-server topology",
-        )
-    if not isinstance(data.get("server"), Mapping):
+    colocate = rules.rollout_mode(rules.mapping(data, "rollout", "rule 1")) == "colocate"
+    if not colocate and not isinstance(data.get("server"), Mapping):
         raise rules.fail("server", "section is missing", "rule 1", "add the server: section (§2.2)")
     data = apply_batch_plan(
         data, rules.validate_section(BatchPlan, data.pop("batch_plan", None) or {}, "batch_plan")
@@ -118,24 +117,32 @@ def validate_grpo_run(
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     rollout = rules.mapping(data, "rollout", "rule 1")
-    rules.check_lora(data["server"])
-    server = rules.validate_section(GrpoServerConfig, data["server"], "server")
-    rules.check_host(server)
+    if colocate:  # no server process: its section (an inherited one, say) is read for nothing but defaults
+        rules.check_colocate(rollout)
+        server = GrpoServerConfig()
+    else:
+        rules.check_lora(data["server"])
+        server = rules.validate_section(GrpoServerConfig, data["server"], "server")
+        rules.check_host(server)
+    default_gpus = COLOCATE_TRAIN_GPUS if colocate else DEFAULT_TRAIN_GPUS
     try:
-        train_gpus = TypeAdapter(GpuList).validate_python(data.get("train_gpus", DEFAULT_TRAIN_GPUS))
+        train_gpus = TypeAdapter(GpuList).validate_python(data.get("train_gpus", default_gpus))
     except ValidationError as exc:
         raise rules.fail(
             "train_gpus", exc.errors()[0]["msg"], "rule 7", "list GPU indices, e.g. 6,7"
         ) from None
-    rules.check_gpu_sets(server.gpus, train_gpus)
-    rules.check_tp_dp(server)
+    if colocate:
+        rules.check_colocate_world(train_gpus)
+    else:
+        rules.check_gpu_sets(server.gpus, train_gpus)
+        rules.check_tp_dp(server)
     grpo = rules.validate_section(GrpoConfig, data.get("grpo") or {}, "grpo")
-    rules.check_lengths(server, grpo)
+    rules.check_lengths(server, grpo, colocate=colocate)
     training = rules.mapping(data, "training", "§3.3")
     per_device, gas, effective, generation = rules.batch_sizes(training, len(train_gpus), grpo)
     grpo = grpo.model_copy(update={"generation_batch_size": generation})
     timeout_s, infer_timeout_s = rules.timeouts(rollout)
-    base_url = rules.check_servers(rollout, server)
+    base_url = "" if colocate else rules.check_servers(rollout, server)
     rules.check_sync(rollout)
     model = rules.mapping(data, "model", "rule 10")
     model_path = rules.existing_dir("model.path", model.get("path"), base_dir)
@@ -146,7 +153,8 @@ def validate_grpo_run(
     learner_config = copy.deepcopy(data)
     learner_config.pop("train_gpus", None)
     learner_config["model"] = {**model, "path": str(model_path)}
-    learner_config["server"] = {**data["server"], "model": str(server_model)}
+    if not colocate:
+        learner_config["server"] = {**data["server"], "model": str(server_model)}
     learner_config["grpo"] = grpo.model_dump(mode="json")
     sync = dict(rollout.get("sync") or {})
     learner_config["rollout"] = {

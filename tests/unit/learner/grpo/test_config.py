@@ -55,7 +55,24 @@ def _chain(*edits: Edit) -> Edit:
 
 
 FAILING = [
-    ("rule1-mode", _set("rollout.mode", "colocate"), "rollout.mode", "rule 1"),
+    ("rule1-mode", _set("rollout.mode", "remote"), "rollout.mode", "rule 1"),
+    ("rule1-colocate-vllm", _set("rollout.mode", "colocate"), "rollout.backend", "rule 1"),
+    (
+        "rule1-colocate-async",
+        _chain(
+            _set("rollout.mode", "colocate"),
+            _set("rollout.backend", "hf"),
+            _set("rollout.async.enabled", True),
+        ),
+        "rollout.async.enabled",
+        "rule 1",
+    ),
+    (
+        "rule7-colocate-two-learners",
+        _chain(_set("rollout.mode", "colocate"), _set("rollout.backend", "hf")),
+        "train_gpus",
+        "rule 7",
+    ),
     ("rule1-no-server", _delete("server"), "server", "rule 1"),
     ("rule2-host-0.0.0.0", _set("server.host", "0.0.0.0"), "server.host", "rule 2"),
     ("rule2-host-lan", _set("server.host", "10.0.0.5"), "server.host", "rule 2"),
@@ -352,3 +369,34 @@ def test_async_rollouts_and_tis_knobs_resolve(server_raw: dict[str, Any]) -> Non
     server_raw["grpo"]["tis_cap"] = 0.5
     with pytest.raises(ConfigError, match=r"grpo\.tis_cap"):
         validate_grpo_run(server_raw, REPO_ROOT)
+
+
+def test_colocate_mode_needs_no_server(server_raw: dict[str, Any], model_dir: Path) -> None:
+    """`rollout.mode: colocate` (HF engine in the learner): no server section, no server rules, one learner;
+    the sampling knobs still come from `grpo`, and a null decoding key (a config extending a rollout-matching
+    one) counts as unset."""
+    del server_raw["server"], server_raw["batch_plan"]
+    server_raw["rollout"] = {
+        "mode": "colocate",
+        "backend": "hf",
+        "decoding": {"temperature": None, "max_new_tokens": None, "rollout_generate_batch_size": 16},
+    }
+    server_raw["training"].update(per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    run = validate_grpo_run(server_raw, REPO_ROOT)
+    assert run.train_gpus == (0,) and run.world_size == 1 and run.base_url == ""
+    assert run.effective_batch_size == 16 and run.prompts_per_step == 4
+    assert "server" not in run.learner_config and run.learner_config["rollout"]["mode"] == "colocate"
+    decoding = run.learner_config["rollout"]["decoding"]
+    assert decoding["temperature"] == 0.7 and decoding["max_new_tokens"] == 4096
+    assert decoding["rollout_generate_batch_size"] == 16
+
+
+def test_shipped_colocate_config_resolves() -> None:
+    tree = load_yaml_with_extends(REPO_ROOT / "configs" / "grpo_detection_vlm_colocate.yaml")
+    tree["model"]["path"] = str(REPO_ROOT / "configs")  # any existing directory: the model is not read here
+    run = validate_grpo_run(tree, REPO_ROOT)
+    assert run.learner_config["rollout"]["mode"] == "colocate" and run.world_size == 1
+    assert run.prompts_per_step == 4 and run.reward_weights == dict(PRESETS["detection"])
+    # the evaluation decodes like the rollout-matching demo it extends (greedy there, same length/penalty)
+    decoding = run.learner_config["rollout"]["decoding"]
+    assert (decoding["max_new_tokens"], decoding["repetition_penalty"]) == (200, 1.0)

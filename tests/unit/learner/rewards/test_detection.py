@@ -169,3 +169,21 @@ def test_registry_names_and_errors(scorer: DetectionScorer) -> None:
         total_reward(["{}"], [ROW], {"detection.f1": 1.0})
     with pytest.raises(ValueError, match="token id lists"):
         total_reward(["{}"], [ROW], {"detection.f1": 1.0}, token_ids=[], detection=scorer)
+
+
+def test_duplicates_and_unmatched_predictions_lower_the_reward(scorer: DetectionScorer) -> None:
+    """Issue 33: a duplicate (a second prediction of an object already predicted: the one-to-one matcher
+    leaves it unmatched) and a prediction matching nothing count as false positives: F1 and the preset's total
+    drop; the mean maskIoU of the matches and the format term do not see them."""
+    weights = PRESETS["detection"]
+    exact = answer(GT)
+    duplicate = answer([*GT, GT[0]])
+    stray = answer([*GT, {"desc": "x", "bbox_2d": [10, 950, 40, 990]}])
+    totals, _ = total_reward([exact, duplicate, stray], [ROW] * 3, weights, detection=scorer)
+    for text in (duplicate, stray):
+        got = score(scorer, text)
+        assert got["f1"] == pytest.approx(2 * 4 / (5 + 4)) and got["precision"] == pytest.approx(4 / 5)
+        assert (got["recall"], got["maskiou"], got["format"]) == (1.0, 1.0, 1.0)
+    assert totals[0] == pytest.approx(1.75)
+    assert totals[1] == totals[2] == pytest.approx(1.0 * 8 / 9 + 0.5 + 0.25)
+    assert totals[1] < totals[0]
