@@ -12,6 +12,19 @@ in YAML). ``sft`` is the control: plain GT for the same steps and samples. The h
 every ``--eval-every`` steps on ``--eval-samples`` rows (greedy; 64 rows move F1 by about +-0.05 between
 equivalent runs, so 256 and three seeds are the minimum for a 0.03 claim).
 
+GRPO arms (``GRPO_ARMS``, ``--colocate`` only: e.g. ``grpo-detection``, GRPO with ``grpo.reward_preset:
+detection``) start from the same base: the sft run of the seed saves its weights at ``--base-steps``
+(``checkpoint-<base>``, the plain-GT phase every arm shares; with ``--base-steps 0`` the task's model), and
+GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF engine in-process; constant
+``--grpo-learning-rate``, a fresh optimizer), evaluated by the rollout-matching evaluator on the same held-out
+rows with the same greedy decoding (``learner.grpo.evaluation``); its steps are shifted by the base steps in
+``ab.jsonl``. Trained samples: a plain-GT or rollout-matching step trains ``per_device_train_batch_size x
+gradient_accumulation_steps`` samples; a GRPO step trains ``prompts x num_generations`` completions, and the
+arm uses ``(that batch) / GRPO_GENERATIONS`` prompts per step, so every arm trains the same number of samples
+per step (``trained_samples`` in the summary counts the steps after the base). ``train_seconds`` is HF's
+``train_runtime`` of the run: base + arm steps for the stage-2 arms, the GRPO steps alone for a GRPO arm
+(its base is the sft run's).
+
 Writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation; then per arm: the final F1 per seed, mean, sd and
 the PAIRED difference to ``sft`` of the same seed, with its min and max) and ``ab.png`` (F1 by step: mean line
 and min-max band per arm). One rollout server (the task config's ``server:`` section) serves every run unless
@@ -48,6 +61,11 @@ ARMS: dict[str, dict[str, Any]] = {
 GT for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues
 on the plain GT and the others roll out."""
 
+GRPO_ARMS: dict[str, dict[str, Any]] = {"grpo-detection": {"reward_preset": "detection"}}
+"""Arm name → ``grpo`` override of a GRPO run from the seed's base checkpoint (:func:`grpo_run_config`)."""
+GRPO_GENERATIONS = 4
+"""Completions per prompt of the GRPO arms."""
+
 TASKS: dict[str, dict[str, Any]] = {
     **{
         name: {"config": f"configs/demo_{kind}_cpu.yaml", "kind": kind, "ordering": ordering, "model": model}
@@ -74,6 +92,30 @@ and the base model. The crowded tasks' base is a stage-1 trained here (:func:`bu
 
 SHM_DIR = f"/dev/shm/rollmatch-ab-{os.getpid()}"
 """The harness's server and learners share this staging dir (shm syncs), apart from any other server's."""
+
+
+def base_model(task_config: Path, common: dict[str, Any]) -> str:
+    """The task's starting model (``common``'s ``model.path``, else the task config's), absolute."""
+    from learner.yaml_loader import load_yaml_with_extends
+
+    path = common.get("model", {}).get("path") or load_yaml_with_extends(task_config)["model"]["path"]
+    return str(Path(path) if Path(path).is_absolute() else REPO / path)
+
+
+def samples_per_step(cfg: dict[str, Any]) -> int:
+    """Samples one optimizer step of the run ``cfg`` trains (its ``extends`` resolved): per-device batch x
+    gradient accumulation (one process); a GRPO step's completions, ``prompts x num_generations``."""
+    from learner.yaml_loader import load_yaml_with_extends
+
+    tree = cfg
+    if "extends" in cfg:
+        tree = deep_merge(
+            load_yaml_with_extends(cfg["extends"]), {k: v for k, v in cfg.items() if k != "extends"}
+        )
+    training = tree.get("training", {})
+    return int(training.get("per_device_train_batch_size", 8)) * int(
+        training.get("gradient_accumulation_steps", 1)
+    )
 
 
 def free_port() -> int:
@@ -296,6 +338,7 @@ def summarize(
     task: str,
     curves: dict[tuple[str, int], list[dict[str, float]]],
     seconds: dict[tuple[str, int], float | None] | None = None,
+    samples: dict[tuple[str, int], int] | None = None,
 ) -> list[dict[str, Any]]:
     """One line per arm: final F1 mean/sd over seeds, the breakdown's means, wall seconds per run, and the
     paired difference to the sft arm."""
@@ -320,6 +363,8 @@ def summarize(
                 line[f"mean_{key}"] = statistics.fmean(values)
         if seconds:
             line["train_seconds"] = [seconds.get((arm, s)) for s in seeds]
+        if samples:
+            line["trained_samples"] = [samples.get((arm, s)) for s in seeds]
         if arm != "sft" and all(("sft", s) in curves for s in seeds):
             diffs = [curves[(arm, s)][-1]["f1"] - curves[("sft", s)][-1]["f1"] for s in seeds]
             line.update(
@@ -356,16 +401,99 @@ def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path:
     plt.close(fig)
 
 
+def grpo_run_config(
+    task_config: Path,
+    common: dict[str, Any],
+    *,
+    grpo: dict[str, Any],
+    model: str,
+    run_dir: Path,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    learning_rate: float,
+) -> dict[str, Any]:
+    """The YAML of a GRPO arm (``learner.grpo``, colocated HF rollouts) from ``model``: the task config with
+    the harness's data and batch (``common``), the server section dropped, and GRPO's sampling knobs in place
+    of the task's decoding, which still sets the held-out evaluation: greedy, the task's ``max_new_tokens``
+    and ``repetition_penalty`` (so the evaluation decodes as the other arms' does). The step's completions
+    are the task's samples per step (``GRPO_GENERATIONS`` per prompt).
+
+    Raises:
+        SystemExit: the task's samples per step are not a multiple of ``GRPO_GENERATIONS``.
+    """
+    from learner.yaml_loader import load_yaml_with_extends
+
+    base = deep_merge(
+        load_yaml_with_extends(task_config), {k: v for k, v in common.items() if k != "extends"}
+    )
+    base.pop("server", None)
+    decoding = dict(base.get("rollout", {}).get("decoding") or {})
+    training = base.get("training", {})
+    completions = int(training.get("per_device_train_batch_size", 8)) * int(
+        training.get("gradient_accumulation_steps", 1)
+    )
+    if completions % GRPO_GENERATIONS:
+        raise SystemExit(
+            f"GRPO arm: {completions} samples per step is not a multiple of {GRPO_GENERATIONS} generations"
+        )
+    eval_cfg = base.get("stage2", {}).get("eval", {})
+    sampling = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty")
+    return deep_merge(
+        base,
+        {
+            "output_dir": str(run_dir),
+            "model": {"path": model, "freeze_vision": None},  # grpo.freeze_vision_tower decides
+            "train_gpus": [0],
+            "rollout": {
+                "mode": "colocate",
+                "backend": "hf",
+                "async": {"enabled": False},
+                # GRPO's sampling knobs come from grpo.*: null clears the task's
+                "decoding": {**dict.fromkeys(sampling), "rollout_generate_batch_size": completions},
+            },
+            "training": {
+                "max_steps": steps,
+                "seed": seed,
+                "eval_strategy": "steps",
+                "eval_steps": eval_every,
+                "learning_rate": learning_rate,
+                "lr_scheduler_type": "constant",
+                "lr_scheduler_kwargs": {},
+                "warmup_steps": 0,
+            },
+            "stage2": {
+                "eval": {
+                    "at_start": True,  # the base checkpoint's F1: the other arms' at the base step
+                    "temperature": eval_cfg.get("temperature") or decoding.get("temperature", 0.0),
+                },
+            },
+            "grpo": {
+                "num_generations": GRPO_GENERATIONS,
+                "temperature": 1.0,
+                "max_completion_length": int(decoding.get("max_new_tokens", 512)),
+                "repetition_penalty": float(decoding.get("repetition_penalty", 1.0)),
+                "global_max_length": int(
+                    base.get("stage2", {}).get("encode", {}).get("global_max_length", 4096)
+                ),
+                **grpo,
+            },
+            "save_final_model": False,
+        },
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="text-random")
-    parser.add_argument("--arms", default="sft,rm-keep,rm-drop")
+    parser.add_argument("--arms", default=None, help="default sft,rm-keep,rm-drop (--smoke: sft,rm-reorder)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--base-steps", type=int, default=150)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-samples", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=None, help="constant; default: the config's")
+    parser.add_argument("--grpo-learning-rate", type=float, default=1e-4, help="GRPO arms (constant)")
     parser.add_argument("--out", type=Path, default=None, help="default runs/ab/<task>")
     parser.add_argument("--server-url", default=None, help="use this running server instead of starting one")
     parser.add_argument(
@@ -385,10 +513,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.seeds, args.base_steps, args.steps = "0", 2, 2
         args.eval_every, args.eval_samples = 2, 8
-        args.arms = "sft,rm-reorder"
-    unknown = sorted(set(args.arms.split(",")) - set(ARMS))
+        args.arms = args.arms or "sft,rm-reorder"
+    args.arms = args.arms or "sft,rm-keep,rm-drop"
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS) - set(GRPO_ARMS))
     if unknown:
-        parser.error(f"unknown arm(s) {unknown}; known: {sorted(ARMS)}")
+        parser.error(f"unknown arm(s) {unknown}; known: {sorted([*ARMS, *GRPO_ARMS])}")
+    arms = args.arms.split(",")
+    grpo_arms = [a for a in arms if a in GRPO_ARMS]
+    if grpo_arms and not args.colocate:
+        parser.error(
+            f"{grpo_arms} run with --colocate only (GRPO rolls out with its own HF engine in-process)"
+        )
+    if grpo_arms:  # the sft run is their base checkpoint (and their paired control): it runs first
+        arms = ["sft", *[a for a in arms if a != "sft"]]
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -432,14 +569,43 @@ def main(argv: list[str] | None = None) -> int:
     )
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
     seconds: dict[tuple[str, int], float | None] = {}
+    samples: dict[tuple[str, int], int] = {}
     results = out / "ab.jsonl"
     try:
         with results.open("a") as fh:
             for seed in [int(s) for s in args.seeds.split(",")]:
-                for arm in args.arms.split(","):
+                for arm in arms:
                     run_dir = out / f"{arm}-s{seed}-{args.steps}"
                     metrics = run_dir / "metrics.jsonl"
                     total = args.base_steps + args.steps
+                    if arm in GRPO_ARMS:
+                        base = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
+                        cfg = grpo_run_config(
+                            task_config,
+                            common,
+                            grpo=GRPO_ARMS[arm],
+                            model=str(base) if args.base_steps > 0 else base_model(task_config, common),
+                            run_dir=run_dir,
+                            seed=seed,
+                            steps=args.steps,
+                            eval_every=args.eval_every,
+                            learning_rate=args.grpo_learning_rate,
+                        )
+                        if not finished(run_dir, cfg, args.steps):
+                            t0 = time.time()
+                            metrics.unlink(missing_ok=True)
+                            run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
+                            print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
+                        curve = [{**p, "step": p["step"] + args.base_steps} for p in eval_curve(metrics)]
+                        samples[(arm, seed)] = args.steps * samples_per_step(cfg)
+                        curves[(arm, seed)] = curve
+                        seconds[(arm, seed)] = train_seconds(metrics)
+                        for point in curve:
+                            fh.write(
+                                json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n"
+                            )
+                            fh.flush()
+                        continue
                     training = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
                     training["eval_steps"] = args.eval_every
                     if args.learning_rate is not None:
@@ -448,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
                     stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": args.base_steps == 0}})
                     # every arm: plain GT for the base steps (the same run for a seed), then its recipe
                     stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
+                    if arm == "sft" and grpo_arms and args.base_steps > 0:  # the GRPO arms' base checkpoint
+                        training |= {"save_strategy": "steps", "save_steps": args.base_steps}
+                        training["save_only_model"] = True
                     cfg = deep_merge(
                         common,
                         {
@@ -466,10 +635,11 @@ def main(argv: list[str] | None = None) -> int:
                     curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
                     curves[(arm, seed)] = curve
                     seconds[(arm, seed)] = train_seconds(metrics)
+                    samples[(arm, seed)] = args.steps * samples_per_step(cfg)
                     for point in curve:
                         fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
                         fh.flush()
-            summary = summarize(args.task, curves, seconds)
+            summary = summarize(args.task, curves, seconds, samples)
             for line in summary:
                 fh.write(json.dumps({"summary": True, **line}) + "\n")
                 print(json.dumps(line), flush=True)
