@@ -131,7 +131,12 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
 def _kernels(prof: Any) -> list[tuple[str, float]]:
     """`(name, µs)` of every GPU kernel of a profile: the device-side events where the profiler lists them,
     else the kernels attached to the host events (older layouts)."""
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # The device timeline also holds the `fwd::` ranges (GPU user annotations): not kernels.
+    device = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("fwd::")
+    ]
     if device:
         return [(e.name, float(e.time_range.elapsed_us())) for e in device]
     return [(k.name, float(k.duration)) for e in prof.events() for k in getattr(e, "kernels", [])]
