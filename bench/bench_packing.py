@@ -21,10 +21,18 @@ ids, ``pixel_values``, ``image_grid_thw``, M-RoPE positions), answers of 50–60
 and every step ``forward_for_loss`` + ``step_loss_sums`` (compact logits unless ``--logits full``). Attention
 is the learner's: ``sdpa`` as configured (flash-attn is not on the device image, Qwen3-VL takes no
 flex-attention), which ``forward_for_loss`` runs per packed segment where it does so (``attn`` prints
-``segment_sdpa``), else densely under transformers' block-diagonal mask (``sdpa``). The ratio line also prints
+``segment_sdpa``; on CUDA one varlen flash call per row, ``varlen: true``), else densely under transformers'
+block-diagonal mask (``sdpa``). The ratio line also prints
 the padding-free bound of the mix (padded slots / real tokens of the padded batches); target ≥ 2×, or ≥ 0.9 ×
 the bound where the bound is below 2 (the vision tower's work is never padded, so the bound is not fully
-reachable).
+reachable). With ``--vlm`` it also prints the MFU of every run (``learner.flops``, with the card's matmul
+ceiling as ``mfu_bound``), peak memory, the same packed rows through the per-segment SDPA loop
+(``packed_loop``, the attention before the varlen kernel) with the speed-up beside its bound and a loss /
+gradient check of varlen vs loop (``--no-compare-loop`` skips them); ``--profile`` a torch.profiler breakdown
+of one packed step each way (``bench/_step_profile.py``); ``--memory-sweep 8192 16384`` the peak memory of
+such rows with and without gradient checkpointing; ``--compile`` regional torch.compile. ``--ddp`` under
+torchrun: the data-parallel scaling of packed rows (1 GPU vs N, bound N). ``bench/mfu_gpu.sh`` runs the
+device set.
 
 Examples::
 
@@ -33,6 +41,7 @@ Examples::
     python bench/bench_packing.py --gpu --smoke        # tiny model, runs on CPU in seconds
     python bench/bench_packing.py --gpu --vlm          # Qwen3-VL-2B shapes, image segments (CUDA)
     python bench/bench_packing.py --gpu --vlm --smoke  # tiny Qwen3-VL on CPU
+    torchrun --nproc_per_node 2 bench/bench_packing.py --gpu --vlm --ddp  # 2-GPU scaling
 """
 
 from __future__ import annotations
