@@ -378,26 +378,75 @@ def summarize(
     return lines
 
 
+PANELS = (
+    ("f1", "F1 at the matching gate"),
+    ("precision", "precision (gate)"),
+    ("recall", "recall (gate)"),
+    ("f1_iou50", "F1 at maskIoU 0.5"),
+    ("duplicates", "duplicate predictions"),
+    ("pred_gt_ratio", "predicted / GT objects"),
+)
+"""The held-out figures ``ab.png`` plots per arm (mean line, min-max band over seeds)."""
+
+
 def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path: Path) -> None:
+    """``ab.png``: one panel per :data:`PANELS` figure the runs logged, by step, per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for arm in sorted({a for a, _ in curves}):
-        runs = [c for (a, _), c in sorted(curves.items()) if a == arm]
-        steps = [p["step"] for p in runs[0]]
-        by_step = [[r[i]["f1"] for r in runs if i < len(r)] for i in range(len(steps))]
-        mean = [statistics.fmean(v) for v in by_step]
-        ax.plot(steps, mean, label=f"{arm} (n={len(runs)})")
-        ax.fill_between(steps, [min(v) for v in by_step], [max(v) for v in by_step], alpha=0.2)
-    ax.set_xlabel("step (from the base checkpoint)")
-    ax.set_ylabel("held-out rollout F1")
-    ax.set_title(f"{task}: mean and min-max over seeds")
-    ax.legend()
+    panels = [(k, t) for k, t in PANELS if any(k in p for c in curves.values() for p in c)]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+        for arm in sorted({a for a, _ in curves}):
+            runs = [c for (a, _), c in sorted(curves.items()) if a == arm]
+            steps = [p["step"] for p in runs[0]]
+            by_step = [[r[i][key] for r in runs if i < len(r) and key in r[i]] for i in range(len(steps))]
+            kept = [(st, v) for st, v in zip(steps, by_step, strict=True) if v]
+            if not kept:
+                continue
+            xs = [st for st, _ in kept]
+            ax.plot(xs, [statistics.fmean(v) for _, v in kept], marker="o", label=f"{arm} (n={len(runs)})")
+            ax.fill_between(xs, [min(v) for _, v in kept], [max(v) for _, v in kept], alpha=0.2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"{task}: held-out figures, mean and min-max over seeds")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_grpo(run_dirs: dict[int, Path], path: Path) -> None:
+    """``grpo.png``: per GRPO run (seed), the training reward, the KL to the reference and the mean completion
+    length by step, from its ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = (
+        ("reward/total_mean", "reward (total, mean over completions)"),
+        ("kl/mean", "KL to the reference"),
+        ("completions/mean_length", "completion length (tokens)"),
+    )
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.4))
+    for seed, run_dir in sorted(run_dirs.items()):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for ax, (key, title) in zip(axes, keys, strict=True):
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=f"seed {seed}", alpha=0.8)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("GRPO step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -647,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             stop_server(server)
     plot(args.task, curves, out / "ab.png")
+    grpo_runs = {seed: out / f"{arm}-s{seed}-{args.steps}" for arm, seed in curves if arm.startswith("grpo")}
+    if grpo_runs:
+        plot_grpo(grpo_runs, out / "grpo.png")
     print(f"[ab] {results} and {out / 'ab.png'}", flush=True)
     return 0
 
