@@ -123,7 +123,7 @@ class VlmParts:
         return int(self.model.config.image_token_id)
 
 
-def _tiny_dir() -> Path:
+def tiny_vlm_dir() -> Path:
     from build_tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(REPO / ".cache" / "models" / "tiny-qwen3-vl", seed=0)
@@ -167,7 +167,7 @@ def build_vlm(
     from build_tiny_vlm import PRESETS
     from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    tiny = _tiny_dir()
+    tiny = tiny_vlm_dir()
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     if smoke:
         processor = _processor(tokenizer, PRESETS["tiny-qwen3-vl"].image_processor)
@@ -213,7 +213,7 @@ def save_vlm_2b(folder: Path, device: str | torch.device = "cpu") -> Path:
 def vlm_model_dir(smoke: bool, folder: Path, device: str | torch.device = "cpu") -> Path:
     """A model directory a rollout server loads: the tiny Qwen3-VL's own (``smoke``; `folder` unused), else
     the random-init Qwen3-VL-2B-shaped model written to `folder` (`save_vlm_2b`, built on `device`)."""
-    return _tiny_dir() if smoke else save_vlm_2b(folder, device)
+    return tiny_vlm_dir() if smoke else save_vlm_2b(folder, device)
 
 
 def forward_attention(model: torch.nn.Module) -> str:

@@ -472,6 +472,11 @@ def run_ddp(args: argparse.Namespace) -> None:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    if args.vlm and rank == 0:  # ranks building the shared tiny model folder side by side race
+        from _vlm import tiny_vlm_dir
+
+        tiny_vlm_dir()
+    dist.barrier()
     setup = (vlm_setup if args.vlm else text_setup)(args, device, random.Random(args.seed + rank))
     model = setup["model"]
     coord_ids = torch.tensor(setup["coord_ids"], device=device)
