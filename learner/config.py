@@ -2,9 +2,9 @@
 
 Knob names and defaults follow docs/ALGORITHM.md and docs/ARCHITECTURE.md#configuration. Every section
 forbids unknown keys; `load_run_config` turns validation errors into one-line `ConfigError`s naming the
-file and the dotted key. The `server:` section belongs to the rollout server and its launcher: the learner
-keeps it as an opaque mapping (a demo or compose file carries both). The `grpo:` section is validated by
-`learner.grpo.config` when the GRPO trainer runs.
+file and the dotted key. The `server:` section belongs to the rollout server and its launcher: `RunConfig`
+keeps it as an opaque mapping (a demo or compose file carries both); GRPO runs check it with the server's own
+schema (`shared_schemas.server_config`) in `learner.grpo.config`, which also validates the `grpo:` section.
 
 Cross-section guards (docs/ALGORITHM.md#seeds, §14.1, §16; issue "Learner loop" item 4) are checked by
 `RunConfig` and by `check_runtime_guards` (those that need the world size or the server's `/health`).
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from learner.batching.packing import PackingConfig
 from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
@@ -28,6 +28,7 @@ from learner.stage2.rollout_reuse import RolloutBufferConfig
 from learner.stage2.targets.y_train import TargetsConfig
 from learner.weights.sync import SyncConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
+from shared_schemas.config import REPO_ROOT, ConfigSection
 
 __all__ = [
     "REPO_ROOT",
@@ -44,8 +45,6 @@ __all__ = [
     "resolve_path",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 def resolve_path(path: str) -> str:
     """A relative path in a config resolves against the repository root (so configs work from any cwd)."""
@@ -53,11 +52,7 @@ def resolve_path(path: str) -> str:
     return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(ConfigSection):
     """`model:` — the checkpoint to train and its adapters."""
 
     path: str
@@ -100,7 +95,7 @@ class ModelConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(ConfigSection):
     """`data:` — dataset files (the record format and the converter from pixel annotations: docs/DATA.md)."""
 
     train: list[str]
@@ -117,7 +112,7 @@ class DataConfig(_Section):
     """Evaluate on the first N held-out samples only."""
 
 
-class PromptsConfig(_Section):
+class PromptsConfig(ConfigSection):
     """`prompts:` — the texts used for rollout and teacher forcing alike (§3.2)."""
 
     system: str = DEFAULT_SYSTEM_PROMPT
@@ -126,14 +121,14 @@ class PromptsConfig(_Section):
     """User prompt; a record's `metadata.scene` text (synthetic demo data) is appended on a new line."""
 
 
-class ChatConfig(_Section):
+class ChatConfig(ConfigSection):
     """`chat:` — template tokens."""
 
     end_of_turn_token: str = "<|im_end|>"
     """Assistant terminator; supervised after the closing brace (§12)."""
 
 
-class DecodingConfig(_Section):
+class DecodingConfig(ConfigSection):
     """`rollout.decoding:` — decoding knobs shared by rollout-matching SFT and GRPO (§5.2)."""
 
     decode_mode: Literal["greedy", "beam"] = "greedy"
@@ -157,7 +152,7 @@ class DecodingConfig(_Section):
     """Degenerate-rollout guard (§5.4)."""
 
 
-class ServerEntry(_Section):
+class ServerEntry(ConfigSection):
     """One rollout server process (a DP server is ONE entry)."""
 
     base_url: str
@@ -174,7 +169,7 @@ class ServerEntry(_Section):
         return value
 
 
-class ColocateVllmConfig(_Section):
+class ColocateVllmConfig(ConfigSection):
     """`rollout.vllm:` — colocate mode's in-process engine (§16); ignored (with a warning) in server mode."""
 
     gpu_memory_utilization: float = Field(default=0.45, gt=0.0, le=1.0)
@@ -201,7 +196,7 @@ class ColocateVllmConfig(_Section):
     """vLLM-CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
 
 
-class AsyncRolloutConfig(_Section):
+class AsyncRolloutConfig(ConfigSection):
     """`rollout.async:` — overlapped rollouts (server mode): the servers generate the next window while the
     learner trains on this one, from weights at most `max_staleness` optimizer steps old."""
 
@@ -216,7 +211,7 @@ class AsyncRolloutConfig(_Section):
     """Longest wait for a background rollout once the step needs it (default: 4 x rollout.infer_timeout_s)."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(ConfigSection):
     """`rollout:` — where rollouts come from and how weights reach them (docs/ARCHITECTURE.md#rollout-source,
     #weight-sync; docs/ALGORITHM.md#rollout)."""
 
@@ -276,14 +271,14 @@ class RolloutConfig(_Section):
         return wait if wait is not None else 4.0 * self.read_timeout_s
 
 
-class ParseConfig(_Section):
+class ParseConfig(ConfigSection):
     """`stage2.parse:`."""
 
     stop_markers: list[str] = Field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     """Hard stops (§6.2)."""
 
 
-class GtConfig(_Section):
+class GtConfig(ConfigSection):
     """`stage2.gt:`."""
 
     malformed_policy: Literal["skip", "raise"] = "skip"
@@ -292,7 +287,7 @@ class GtConfig(_Section):
     """Individually logged malformed objects per process."""
 
 
-class EncodeConfig(_Section):
+class EncodeConfig(ConfigSection):
     """`stage2.encode:`."""
 
     on_prompt_mismatch: Literal["drop", "raise"] = "drop"
@@ -303,7 +298,7 @@ class EncodeConfig(_Section):
     """Longest teacher-forced segment (= packing_length by default)."""
 
 
-class OffloadConfig(_Section):
+class OffloadConfig(ConfigSection):
     """`stage2.offload:` (§16) — colocated vLLM only."""
 
     enabled: bool = False
@@ -314,7 +309,7 @@ class OffloadConfig(_Section):
     """Move optimizer states to CPU while the engine generates."""
 
 
-class EvalConfig(_Section):
+class EvalConfig(ConfigSection):
     """`stage2.eval:` — decoding overrides for evaluation (default: inherit rollout.decoding)."""
 
     max_new_tokens: int | None = Field(default=None, ge=1)
@@ -329,7 +324,7 @@ class EvalConfig(_Section):
     same images every time. 0: none; text-only records draw nothing."""
 
 
-class Stage2Config(_Section):
+class Stage2Config(ConfigSection):
     """`stage2:` — everything of docs/ALGORITHM.md between the rollout and the optimizer."""
 
     parse: ParseConfig = Field(default_factory=ParseConfig)
@@ -349,7 +344,7 @@ class Stage2Config(_Section):
     the spec's behaviour for a stage-1 SFT checkpoint."""
 
 
-class RunConfig(_Section):
+class RunConfig(ConfigSection):
     """A whole learner run."""
 
     model: ModelConfig

@@ -2,10 +2,10 @@
 """Markdown knob tables generated from the config models, so docs/RUNBOOK.md cannot drift from the code.
 
 One table per YAML section: every field of `learner.config.RunConfig` (learner process),
-`rollout_server.config.ServerConfig` (rollout server process) and the GRPO sections
-(`learner.grpo.config.sections.GrpoConfig`, `learner.grpo.config.batch_plan.BatchPlan`), with its type and
-constraints, its default and its docstring. Nested pydantic sections become their own tables; opaque mappings
-are rows.
+`shared_schemas.server_config.ServerConfig` (the one `server:` schema: rollout server process and GRPO
+resolver) and the GRPO sections (`learner.grpo.config.sections.GrpoConfig`,
+`learner.grpo.config.batch_plan.BatchPlan`), with its type and constraints, its default and its docstring.
+Nested pydantic sections become their own tables; opaque mappings are rows.
 
     python scripts/gen_knob_tables.py                         # print the tables
     python scripts/gen_knob_tables.py --write docs/RUNBOOK.md # replace the generated block in place
@@ -201,7 +201,7 @@ def render_all() -> str:
     from learner.config import RunConfig
     from learner.grpo.config.batch_plan import BatchPlan
     from learner.grpo.config.sections import GrpoConfig
-    from rollout_server.config import ServerConfig
+    from shared_schemas.server_config import ServerConfig
 
     groups = [
         (
@@ -210,15 +210,16 @@ def render_all() -> str:
             iter_sections(RunConfig, "", "Top-level keys of a run YAML."),
         ),
         (
-            "Rollout server (`python -m rollout_server`): `rollout_server.config.ServerConfig`",
-            "Only the `server:` section of a run YAML (or a server-only YAML).",
+            "Rollout server (`python -m rollout_server`): `shared_schemas.server_config.ServerConfig`",
+            "Only the `server:` section of a run YAML (or a server-only YAML); a GRPO run's resolver"
+            " validates the same section with the same models.",
             iter_sections(ServerConfig, "server"),
         ),
         (
             "GRPO runs: `learner.grpo.config.sections.GrpoConfig`"
             " and `learner.grpo.config.batch_plan.BatchPlan`",
-            "Read by `learner.grpo.config.validate_grpo_run` (docs/ALGORITHM.md#grpo-config); the GRPO"
-            " resolver also checks a narrower view of `server:` (GRPO §2.2).",
+            "Read by `learner.grpo.config.validate_grpo_run` (docs/ALGORITHM.md#grpo-config), which checks"
+            " `server:` with the server's `ServerConfig` above, limited to the keys of GRPO §2.2.",
             (*iter_sections(GrpoConfig, "grpo"), *iter_sections(BatchPlan, "batch_plan")),
         ),
     ]

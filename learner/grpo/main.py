@@ -47,6 +47,7 @@ from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.trainers.strategy import StrategyCallback
 from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
+from shared_schemas.config import REPO_ROOT
 
 __all__ = [
     "TRAIN_GPUS_ENV",
@@ -59,7 +60,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_GPUS_ENV = "ROLLMATCH_TRAIN_GPUS"
 """Set by ``scripts/start_learner.sh`` when ``--gpus``/``--nproc`` override ``train_gpus``."""
 

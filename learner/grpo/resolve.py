@@ -21,17 +21,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from learner.grpo.config import ResolvedGrpoRun, validate_grpo_run
-from learner.yaml_loader import ConfigError, load_yaml_with_extends
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-"""Relative model/schema/output paths resolve against the repository root (as the rollout server does)."""
+from shared_schemas.config import REPO_ROOT, ConfigError, load_yaml_with_extends
 
 KEY_VALUE_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=(.*)$")
 EXIT_CONFIG_INVALID = 2
 
 
-def _csv(gpus: Sequence[int]) -> str:
-    return ",".join(str(gpu) for gpu in gpus)
+def _csv(gpus: Sequence[int] | None) -> str:
+    return ",".join(str(gpu) for gpu in gpus or ())
 
 
 def resolved_env(run: ResolvedGrpoRun, config_path: Path) -> dict[str, str]:

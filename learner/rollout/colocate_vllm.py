@@ -41,6 +41,7 @@ from learner.rollout.colocate_weights import encode_full_update, encode_tensors
 from learner.rollout.loop_thread import LoopThread
 from learner.yaml_loader import ConfigError
 from shared_schemas.infer import InferBatch, InferResult
+from shared_schemas.server_config import ServerConfig, VllmServerConfig
 
 if TYPE_CHECKING:
     from learner.config import RunConfig
@@ -62,7 +63,6 @@ def server_config_for(cfg: RunConfig) -> Any:
     """
     from learner.config import resolve_path
     from learner.policy import ensure_vl_imports, is_vl_checkpoint
-    from rollout_server.config import ServerConfig, VllmServerConfig
 
     v = cfg.rollout.vllm
     is_vl = is_vl_checkpoint(resolve_path(cfg.model.path))

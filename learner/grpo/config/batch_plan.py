@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import Field
 
-from learner.yaml_loader import ConfigError
+from shared_schemas.config import ConfigError, ConfigSection, GpuList, parse_gpu_list
+
+__all__ = ["HF_DEFAULT_PER_DEVICE_BATCH", "BatchPlan", "apply_batch_plan", "parse_gpu_list", "set_dotted"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,35 +25,16 @@ HF_DEFAULT_PER_DEVICE_BATCH = 8
 """Default ``TrainingArguments.per_device_train_batch_size``, used when neither plan nor training sets it."""
 
 
-def parse_gpu_list(value: Any) -> Any:
-    """Accepts ``"0,1,2"``, a single int or a list; other shapes are left to the type check."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, str):
-        parts = [part.strip() for part in value.split(",") if part.strip()]
-        try:
-            return tuple(int(part) for part in parts)
-        except ValueError as exc:
-            raise ValueError(f"{value!r} is not a comma-separated list of GPU indices") from exc
-    return value
-
-
-GpuList = Annotated[tuple[Annotated[int, Field(ge=0)], ...], BeforeValidator(parse_gpu_list)]
-"""GPU indices for ``CUDA_VISIBLE_DEVICES`` (``"0,1"``, ``[0, 1]`` or ``0``)."""
-
-
-class BatchPlan(BaseModel):
+class BatchPlan(ConfigSection):
     """``batch_plan:`` — one place for the batch sizes and the GPU topology."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     effective_batch_size: int | None = Field(default=None, ge=1)
     """Completions per optimizer step (= generation batch size)."""
     per_device_batch_size: int | None = Field(default=None, ge=1)
     """Completions per learner rank per micro-step."""
-    server_gpus: GpuList | None = None
+    server_gpus: GpuList = None
     """Overrides ``server.gpus``."""
-    train_gpus: GpuList | None = None
+    train_gpus: GpuList = None
     """Overrides ``train_gpus``."""
     server_tp: int | None = Field(default=None, ge=1)
     """Overrides ``server.vllm.tensor_parallel_size``."""

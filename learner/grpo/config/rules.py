@@ -10,12 +10,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 
-from learner.grpo.config.sections import GrpoConfig, GrpoServerConfig
+from learner.grpo.config.sections import GrpoConfig
 from learner.rewards.registry import PRESETS, REWARD_NAMES, SCHEMA_TREE
 from learner.rewards.summary_schema import load_schemas
-from learner.yaml_loader import ConfigError
+from shared_schemas.config import ConfigError, is_loopback
+from shared_schemas.server_config import SERVER_RULE, ServerConfig, VllmServerConfig
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -35,7 +35,50 @@ _RULE_BY_KEY = {
     "grpo.generation_batch_size": "rule 8",
     "grpo.num_generations": "rule 8",
 }
+_SERVER_RULE_BY_KEY = {"host": "rule 2", "auth_token": "rule 2", "gpus": "rule 4", "health_port": "rule 3"}
+"""The §2.3 rule of each cross-field rule of ``ServerConfig`` (keyed by the field its error names)."""
 _SCALARS = (int, float, bool)
+
+GRPO_SERVER_KEYS = frozenset(
+    {
+        "host",
+        "port",
+        "gpus",
+        "allow_non_loopback",
+        "auth_token",
+        "allow_unauthenticated",
+        "model",
+        "backend",
+        "dtype",
+        "seed",
+        "max_body_mb",
+        "shm_dir",
+        "sync_timeout_s",
+        "vllm",
+        "hf",
+    }
+)
+"""The ``server:`` keys a GRPO run may set (§2.2); their schema is the server's own (``ServerConfig``)."""
+GRPO_VLLM_KEYS = frozenset(
+    {
+        "tensor_parallel_size",
+        "data_parallel_size",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "enable_lora",
+        "enable_prefix_caching",
+        "max_num_seqs",
+        "enforce_eager",
+        "limit_mm_per_prompt",
+        "disable_custom_all_reduce",
+        "engine_kwargs",
+        "mm_processor_cache_gb",
+        "disable_cascade_attn",
+        "quantization",
+        "mm_processor_kwargs",
+    }
+)
+"""The ``server.vllm`` keys a GRPO run may set (§2.2: the core knobs plus the allow-listed engine keys)."""
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -58,6 +101,12 @@ def validate_section(model: type[M], data: Any, prefix: str) -> M:
         err = exc.errors()[0]
         key = ".".join([prefix, *(str(part) for part in err["loc"])])
         section_rule = {"server": "§2.2", "grpo": "§3", "batch_plan": "§2.4"}.get(prefix, "§2")
+        if err["type"] == SERVER_RULE:  # a cross-field rule of ServerConfig: "<problem>; <fix>"
+            problem, _, fix = err["ctx"]["reason"].rpartition("; ")
+            rule = _SERVER_RULE_BY_KEY.get(err["ctx"]["key"], section_rule)
+            raise fail(
+                f"{key}.{err['ctx']['key']}", problem or fix, rule, fix if problem else "fix it"
+            ) from None
         if err["type"] == "extra_forbidden":
             if prefix == "server":
                 raise fail(
@@ -89,41 +138,24 @@ def check_lora(server_raw: Mapping[str, Any]) -> None:
         )
 
 
-def check_host(server: GrpoServerConfig) -> None:
-    """Rule 2: loopback bind unless ``allow_non_loopback``, and then a token unless ``allow_unauthenticated``
-    (the server process applies the same rule to its own copy: ``rollout_server.config.ServerConfig``)."""
-    if server.host in LOOPBACK_HOSTS:
-        return
-    if not server.allow_non_loopback:
-        raise fail(
-            "server.host",
-            f"{server.host!r} is not loopback (127.0.0.1, localhost, ::1)",
-            "rule 2",
-            "bind loopback or set server.allow_non_loopback: true",
-        )
-    if server.auth_token is None and not server.allow_unauthenticated:
-        raise fail(
-            "server.auth_token",
-            f"missing while server.host {server.host!r} is reachable from other hosts (anyone who reaches the"
-            " port could replace the served weights)",
-            "rule 2",
-            "set server.auth_token and the same rollout.auth_token, or on a trusted network only"
-            " server.allow_unauthenticated: true",
-        )
-
-
-def check_tp_dp(server: GrpoServerConfig) -> None:
-    """Rule 4: ``TP × DP == len(server.gpus)``."""
-    vllm = server.vllm
-    need = vllm.tensor_parallel_size * vllm.data_parallel_size
-    if need != len(server.gpus):
-        raise fail(
-            "server.gpus",
-            f"{len(server.gpus)} GPUs {list(server.gpus)} but tensor_parallel_size "
-            f"{vllm.tensor_parallel_size} × data_parallel_size {vllm.data_parallel_size} = {need}",
-            "rule 4",
-            f"list {need} GPUs or change server.vllm TP/DP",
-        )
+def check_server_keys(server_raw: Mapping[str, Any]) -> None:
+    """Rule 9: ``server`` and ``server.vllm`` hold only the §2.2 keys (a server knob outside the allow-list is
+    refused too; the values are checked by the server's own ``ServerConfig``)."""
+    vllm = server_raw.get("vllm") if isinstance(server_raw.get("vllm"), Mapping) else {}
+    sections = (
+        ("server", server_raw, GRPO_SERVER_KEYS, ServerConfig),
+        ("server.vllm", vllm, GRPO_VLLM_KEYS, VllmServerConfig),
+    )
+    for prefix, section, allowed, model in sections:
+        for key in section:
+            if key not in allowed:
+                problem = "not in the GRPO allow-list" if key in model.model_fields else "unknown key"
+                raise fail(
+                    f"{prefix}.{key}",
+                    problem,
+                    "rule 9",
+                    "remove it; server and server.vllm take only the §2.2 keys",
+                )
 
 
 def rollout_mode(rollout: Mapping[str, Any]) -> str:
@@ -171,7 +203,7 @@ def check_colocate_world(train_gpus: tuple[int, ...]) -> None:
         )
 
 
-def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig, *, colocate: bool = False) -> None:
+def check_lengths(server: ServerConfig, grpo: GrpoConfig, *, colocate: bool = False) -> None:
     """Rule 5: ``max_model_len >= global_max_length > max_completion_length`` (colocate mode: the second
     inequality only; the in-process engine checks every prompt + completion against the model's length)."""
     if not colocate and server.vllm.max_model_len < grpo.global_max_length:
@@ -190,11 +222,12 @@ def check_lengths(server: GrpoServerConfig, grpo: GrpoConfig, *, colocate: bool 
         )
 
 
-def check_gpu_sets(server_gpus: tuple[int, ...], train_gpus: tuple[int, ...]) -> None:
-    """Rule 7: both GPU lists non-empty, without repeats, and disjoint."""
+def check_gpu_sets(server_gpus: tuple[int, ...] | None, train_gpus: tuple[int, ...] | None) -> None:
+    """Rule 7: both GPU lists set, non-empty, without repeats, and disjoint."""
+    server_gpus, train_gpus = server_gpus or (), train_gpus or ()
     for key, gpus in (("server.gpus", server_gpus), ("train_gpus", train_gpus)):
         if not gpus:
-            raise fail(key, "is empty", "rule 7", "list at least one GPU")
+            raise fail(key, "is empty or unset", "rule 7", "list at least one GPU")
         if len(set(gpus)) != len(gpus):
             raise fail(key, f"{list(gpus)} repeats a GPU", "rule 7", "list each GPU once")
     shared = sorted(set(server_gpus) & set(train_gpus))
@@ -244,7 +277,7 @@ def timeouts(rollout: Mapping[str, Any]) -> tuple[float, float]:
     return float(timeout), float(infer)
 
 
-def check_servers(rollout: Mapping[str, Any], server: GrpoServerConfig) -> str:
+def check_servers(rollout: Mapping[str, Any], server: ServerConfig) -> str:
     """Rule 2: the one ``rollout.servers`` entry points at the server's host and port; returns its base_url.
 
     Loopback names are interchangeable; a wildcard bind (``0.0.0.0``, ``::``) accepts any host name.
@@ -267,7 +300,7 @@ def check_servers(rollout: Mapping[str, Any], server: GrpoServerConfig) -> str:
     host_ok = (
         server.host in WILDCARD_HOSTS
         or host == server.host.lower()
-        or (host in LOOPBACK_HOSTS and server.host in LOOPBACK_HOSTS)
+        or (is_loopback(host) and is_loopback(server.host))
     )
     if not host_ok or port != server.port:
         raise fail(

@@ -1,77 +1,19 @@
-"""GRPO configuration sections (docs/ALGORITHM.md#grpo-config, GRPO §2.2, §3): the ``grpo:`` knobs and the
-GRPO view of ``server:`` (the server process validates its own copy with ``rollout_server.config``)."""
+"""The ``grpo:`` section (docs/ALGORITHM.md#grpo-config, GRPO §3). ``server:`` has one schema,
+``shared_schemas.server_config.ServerConfig``, which GRPO validates with the server's own models
+(``learner.grpo.config.rules`` adds only the cross-section rules)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from learner.grpo.config.batch_plan import GpuList
+from shared_schemas.config import ConfigSection
 
-__all__ = ["GrpoConfig", "GrpoServerConfig", "GrpoServerVllmConfig"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+__all__ = ["GrpoConfig"]
 
 
-class GrpoServerVllmConfig(_Section):
-    """``server.vllm`` as GRPO allows it: the §2.2 knobs plus the allow-listed optional engine keys."""
-
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    """GPUs per engine replica."""
-    data_parallel_size: int = Field(default=6, ge=1)
-    """Engine replicas behind the one endpoint."""
-    gpu_memory_utilization: float = Field(default=0.6, gt=0.0, le=1.0)
-    """Fraction of each GPU vLLM may use; raise once stable."""
-    max_model_len: int = Field(default=12000, ge=1)
-    """Prompt + completion limit; >= grpo.global_max_length."""
-    enable_lora: bool = False
-    """MUST be false: weights are synced as full merged weights."""
-    enable_prefix_caching: bool = True
-    """Reset after every weight sync."""
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    enforce_eager: bool | None = None
-    limit_mm_per_prompt: dict[str, int] | None = None
-    disable_custom_all_reduce: bool | None = None
-    engine_kwargs: dict[str, Any] | None = None
-    mm_processor_cache_gb: float | None = Field(default=None, ge=0.0)
-    disable_cascade_attn: bool | None = None
-    quantization: str | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    """e.g. ``{do_resize: false}`` keeps image-token counts identical to the learner."""
-
-
-class GrpoServerConfig(_Section):
-    """``server:`` as the GRPO resolver checks it (the server process validates its own copy)."""
-
-    host: str = "127.0.0.1"
-    """Bind address; loopback unless ``allow_non_loopback``."""
-    port: int = Field(default=8080, ge=1, le=65535)
-    """HTTP port."""
-    gpus: GpuList = (0, 1, 2, 3, 4, 5)
-    """Rollout GPUs (``CUDA_VISIBLE_DEVICES`` of the server)."""
-    allow_non_loopback: bool = False
-    """Allow an address reachable from other hosts (then ``auth_token`` or ``allow_unauthenticated``)."""
-    auth_token: str | None = Field(default=None, min_length=1)
-    """Bearer token (passed through, never printed); required with a non-loopback ``host``."""
-    allow_unauthenticated: bool = False
-    """Serve a non-loopback ``host`` without ``auth_token`` (trusted networks only; the server warns)."""
-    model: str | None = None
-    """Model directory the server loads (default: ``model.path``); made absolute."""
-    backend: Literal["vllm", "hf"] = "vllm"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int = Field(default=0, ge=0)
-    max_body_mb: float = Field(default=1024.0, gt=0.0)
-    shm_dir: str | None = None
-    sync_timeout_s: float = Field(default=600.0, gt=0.0)
-    vllm: GrpoServerVllmConfig = Field(default_factory=GrpoServerVllmConfig)
-    hf: dict[str, Any] | None = None
-    """HF backend knobs (passed through to the server)."""
-
-
-class GrpoConfig(_Section):
+class GrpoConfig(ConfigSection):
     """``grpo:`` — the knobs of docs/ALGORITHM.md#grpo-knobs with their defaults."""
 
     num_generations: int = Field(default=4, ge=2)

@@ -26,18 +26,12 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from learner.grpo.config import rules
-from learner.grpo.config.batch_plan import BatchPlan, GpuList, apply_batch_plan, set_dotted
-from learner.grpo.config.sections import GrpoConfig, GrpoServerConfig, GrpoServerVllmConfig
-from learner.yaml_loader import ConfigError
+from learner.grpo.config.batch_plan import BatchPlan, apply_batch_plan, set_dotted
+from learner.grpo.config.sections import GrpoConfig
+from shared_schemas.config import ConfigError, GpuList
+from shared_schemas.server_config import ServerConfig
 
-__all__ = [
-    "ConfigError",
-    "GrpoConfig",
-    "GrpoServerConfig",
-    "GrpoServerVllmConfig",
-    "ResolvedGrpoRun",
-    "validate_grpo_run",
-]
+__all__ = ["ConfigError", "GrpoConfig", "ResolvedGrpoRun", "validate_grpo_run"]
 
 DEFAULT_TRAIN_GPUS = (6, 7)
 COLOCATE_TRAIN_GPUS = (0,)
@@ -51,7 +45,9 @@ class ResolvedGrpoRun:
 
     Attributes:
         grpo: the ``grpo`` knobs, ``generation_batch_size`` resolved.
-        server: the ``server`` section, ``model`` absolute (colocate mode: the defaults; nothing reads it).
+        server: the ``server`` section, validated by the server's own ``ServerConfig`` (its defaults are the
+            ones the server runs with), ``model`` absolute (default ``model.path``; colocate mode: the
+            defaults, nothing reads it).
         train_gpus: learner GPU indices; ``world_size == len(train_gpus)``.
         per_device_batch_size, gradient_accumulation_steps, effective_batch_size: in completions.
         model_path: absolute learner model directory.
@@ -66,7 +62,7 @@ class ResolvedGrpoRun:
     """
 
     grpo: GrpoConfig
-    server: GrpoServerConfig
+    server: ServerConfig
     train_gpus: tuple[int, ...]
     per_device_batch_size: int
     gradient_accumulation_steps: int
@@ -119,14 +115,18 @@ def validate_grpo_run(
     rollout = rules.mapping(data, "rollout", "rule 1")
     if colocate:  # no server process: its section (an inherited one, say) is read for nothing but defaults
         rules.check_colocate(rollout)
-        server = GrpoServerConfig()
+        server_raw: dict[str, Any] = {}
     else:
-        rules.check_lora(data["server"])
-        server = rules.validate_section(GrpoServerConfig, data["server"], "server")
-        rules.check_host(server)
+        server_raw = dict(data["server"])
+        rules.check_lora(server_raw)
+        rules.check_server_keys(server_raw)
+    # One schema: the server's own models (rule 2's host/token, rule 3, rule 4's TP x DP = GPUs, the defaults
+    # the server runs with); `model` is filled from `model.path` below when the section leaves it out.
+    given_model = server_raw.get("model")
+    server = rules.validate_section(ServerConfig, {**server_raw, "model": given_model or ""}, "server")
     default_gpus = COLOCATE_TRAIN_GPUS if colocate else DEFAULT_TRAIN_GPUS
     try:
-        train_gpus = TypeAdapter(GpuList).validate_python(data.get("train_gpus", default_gpus))
+        train_gpus = TypeAdapter(GpuList).validate_python(data.get("train_gpus", default_gpus)) or ()
     except ValidationError as exc:
         raise rules.fail(
             "train_gpus", exc.errors()[0]["msg"], "rule 7", "list GPU indices, e.g. 6,7"
@@ -135,7 +135,6 @@ def validate_grpo_run(
         rules.check_colocate_world(train_gpus)
     else:
         rules.check_gpu_sets(server.gpus, train_gpus)
-        rules.check_tp_dp(server)
     grpo = rules.validate_section(GrpoConfig, data.get("grpo") or {}, "grpo")
     rules.check_lengths(server, grpo, colocate=colocate)
     training = rules.mapping(data, "training", "§3.3")
@@ -146,7 +145,7 @@ def validate_grpo_run(
     rules.check_sync(rollout)
     model = rules.mapping(data, "model", "rule 10")
     model_path = rules.existing_dir("model.path", model.get("path"), base_dir)
-    server_model = rules.existing_dir("server.model", server.model, base_dir) if server.model else model_path
+    server_model = rules.existing_dir("server.model", given_model, base_dir) if given_model else model_path
     server = server.model_copy(update={"model": str(server_model)})
     weights, schema_path = rules.reward_weights(grpo, base_dir)
 

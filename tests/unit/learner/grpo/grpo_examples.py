@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
+from shared_schemas.config import REPO_ROOT
+
+__all__ = ["ATTR_KEY_PRESET", "REPO_ROOT", "SERVER_PRESET", "with_model"]
+
 SERVER_PRESET = REPO_ROOT / "configs" / "grpo_summary_1024_server.yaml"
 ATTR_KEY_PRESET = REPO_ROOT / "configs" / "grpo_summary_1024_attr_key_recall_server.yaml"
 
