@@ -22,6 +22,7 @@ from shared_schemas.images import ImageRefError, local_image_path
 __all__ = [
     "DataRecordError",
     "build_sample",
+    "iter_jsonl",
     "iter_records",
     "load_records",
     "make_sample_id",
@@ -108,6 +109,25 @@ def validate_record(
     return out
 
 
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_no, parsed JSON value)`` for every non-blank line of a JSONL file: the one JSONL reader
+    of the record loaders (stage-2 records, GRPO prompt rows).
+
+    Raises:
+        DataRecordError: a line is not valid JSON (names the file, the line and the column).
+    """
+    p = str(path)
+    with open(p, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataRecordError(p, line_no, f"invalid JSON: {exc.msg} at column {exc.colno}") from exc
+            yield line_no, obj
+
+
 def iter_records(
     path: str | Path,
     *,
@@ -120,24 +140,17 @@ def iter_records(
         DataRecordError: a line is not valid JSON or violates §1.1.
     """
     p = str(path)
-    with open(p, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataRecordError(p, line_no, f"invalid JSON: {exc.msg} at column {exc.colno}") from exc
-            yield (
-                line_no,
-                validate_record(
-                    obj,
-                    path=p,
-                    line_no=line_no,
-                    image_root=image_root,
-                    max_images_per_sample=max_images_per_sample,
-                ),
-            )
+    for line_no, obj in iter_jsonl(p):
+        yield (
+            line_no,
+            validate_record(
+                obj,
+                path=p,
+                line_no=line_no,
+                image_root=image_root,
+                max_images_per_sample=max_images_per_sample,
+            ),
+        )
 
 
 def load_records(

@@ -41,7 +41,6 @@ trainer re-assembles the full window from the slot tags (never from positions).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from torch.utils.data import Dataset
 
 from learner.data.errors import DataRecordError
 from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
-from learner.data.records import build_sample, record_user_text, resolve_image, validate_record
+from learner.data.records import build_sample, iter_jsonl, record_user_text, resolve_image, validate_record
 from learner.rewards.detection import DETECTION_TASK
 from shared_schemas.infer import iter_image_refs
 
@@ -355,37 +354,30 @@ def load_prompt_rows(
     for namespace, file in enumerate(files):
         path = Path(file)
         base_idx = 0
-        with path.open(encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataRecordError(str(path), line_no, f"invalid JSON: {exc.msg}") from None
-                row_id, messages, reward_row, meta = _row_from_record(
-                    record,
-                    _Where(path, line_no, base_idx, namespace),
-                    image_root=image_root,
-                    max_images=max_images,
-                    prompts=prompts,
+        for line_no, record in iter_jsonl(path):
+            row_id, messages, reward_row, meta = _row_from_record(
+                record,
+                _Where(path, line_no, base_idx, namespace),
+                image_root=image_root,
+                max_images=max_images,
+                prompts=prompts,
+            )
+            base_idx += 1
+            n_images = len(iter_image_refs(messages))
+            if max_images is not None and n_images > max_images:
+                raise DataRecordError(
+                    str(path),
+                    line_no,
+                    f"{n_images} image(s) > data.max_images_per_sample {max_images} (0 = text-only "
+                    "rows); raise it for a Qwen-VL model",
                 )
-                base_idx += 1
-                n_images = len(iter_image_refs(messages))
-                if max_images is not None and n_images > max_images:
-                    raise DataRecordError(
-                        str(path),
-                        line_no,
-                        f"{n_images} image(s) > data.max_images_per_sample {max_images} (0 = text-only "
-                        "rows); raise it for a Qwen-VL model",
-                    )
-                encoded = _encode_row(encode, messages, path, line_no)
-                ids = [int(t) for t in getattr(encoded, "ids", encoded)]
-                if len(ids) > budget:
-                    deleted += 1
-                    continue
-                rope = getattr(encoded, "rope_positions", None)
-                rows.append(PromptRow(len(rows), row_id, messages, ids, reward_row, meta, rope, n_images))
+            encoded = _encode_row(encode, messages, path, line_no)
+            ids = [int(t) for t in getattr(encoded, "ids", encoded)]
+            if len(ids) > budget:
+                deleted += 1
+                continue
+            rope = getattr(encoded, "rope_positions", None)
+            rows.append(PromptRow(len(rows), row_id, messages, ids, reward_row, meta, rope, n_images))
     if not rows:
         raise DataRecordError(
             ", ".join(str(f) for f in files),

@@ -42,7 +42,7 @@ from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.trainers.build import all_ranks_ok, build_rollout_source
+from learner.trainers.build import all_ranks_ok, build_rollout_source, training_args
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.trainers.strategy import StrategyCallback
 from learner.weights.sync import WeightSyncPolicy
@@ -62,18 +62,6 @@ logger = logging.getLogger(__name__)
 
 TRAIN_GPUS_ENV = "ROLLMATCH_TRAIN_GPUS"
 """Set by ``scripts/start_learner.sh`` when ``--gpus``/``--nproc`` override ``train_gpus``."""
-
-# TrainingArguments we must own (and why): the identity collator needs the slot tags; the step windows live
-# in the dataset order, so sampling must be sequential.
-_FORCED_ARGS = {"remove_unused_columns": False, "train_sampling_strategy": "sequential"}
-_DEFAULT_ARGS = {
-    "logging_steps": 1,
-    "report_to": ["tensorboard"],
-    "save_strategy": "no",
-    "eval_strategy": "no",
-    "disable_tqdm": True,
-    "dataloader_num_workers": 0,
-}
 
 
 @dataclass
@@ -109,19 +97,11 @@ def resolve_grpo_config(
 
 
 def _training_args(cfg: RunConfig, output_dir: Path, max_steps: int) -> TrainingArguments:
-    defaults = {**_DEFAULT_ARGS, "use_cpu": not torch.cuda.is_available()}
+    """The shared `training:` map (`learner.trainers.build.training_args`) with GRPO's step count."""
+    defaults: dict[str, Any] = {}
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         defaults["ddp_backend"] = "gloo"  # multi-rank CPU runs (accelerate would otherwise pick nothing)
-    kwargs = {
-        **defaults,
-        **cfg.training,
-        **_FORCED_ARGS,
-        "output_dir": str(output_dir),
-        "max_steps": max_steps,
-    }
-    kwargs.pop("resume_from_checkpoint", None)
-    kwargs.pop("num_train_epochs", None)
-    return TrainingArguments(**kwargs)
+    return training_args(cfg, output_dir, defaults=defaults, fixed={"max_steps": max_steps})
 
 
 def _num_steps(cfg: RunConfig, num_rows: int, prompts_per_step: int) -> int:

@@ -42,12 +42,14 @@ __all__ = [
     "load_samples",
     "resolve_path",
     "sample_context",
+    "training_args",
 ]
 
 logger = logging.getLogger(__name__)
 
-# TrainingArguments we must own (and why): identity collator needs the raw columns; the rollout-buffer
-# repetition order lives in the dataset, so sampling must be sequential.
+# TrainingArguments we must own (and why), for both trainers: the identity collators need the raw columns
+# (GRPO: the slot tags); the step windows and the rollout-buffer repetition order live in the dataset order,
+# so sampling must be sequential.
 _FORCED_ARGS = {"remove_unused_columns": False, "train_sampling_strategy": "sequential"}
 _DEFAULT_ARGS = {
     "logging_steps": 1,
@@ -59,6 +61,33 @@ _DEFAULT_ARGS = {
     "dataloader_num_workers": 0,
     "use_cpu": not torch.cuda.is_available(),
 }
+
+
+def training_args(
+    cfg: RunConfig,
+    output_dir: Path,
+    *,
+    defaults: dict[str, Any] | None = None,
+    fixed: dict[str, Any] | None = None,
+) -> TrainingArguments:
+    """`training:` → `TrainingArguments`, the one map of both trainers (docs/ARCHITECTURE.md#configuration).
+
+    Our defaults, then `defaults` (a trainer's own), then the YAML's `training:`, then the forced settings,
+    `output_dir` and `fixed` (values a trainer computes, e.g. GRPO's `max_steps`, which also drops
+    `num_train_epochs`). `resume_from_checkpoint` is a `Trainer.train` argument, so it is dropped here.
+    """
+    kwargs = {
+        **_DEFAULT_ARGS,
+        **(defaults or {}),
+        **cfg.training,
+        **_FORCED_ARGS,
+        "output_dir": str(output_dir),
+        **(fixed or {}),
+    }
+    kwargs.pop("resume_from_checkpoint", None)
+    if "max_steps" in (fixed or {}):
+        kwargs.pop("num_train_epochs", None)
+    return TrainingArguments(**kwargs)
 
 
 def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
@@ -118,12 +147,6 @@ class RunParts:
     trainer: RolloutMatchingTrainer
     source: RolloutSource
     output_dir: Path
-
-
-def _training_args(cfg: RunConfig, output_dir: Path) -> TrainingArguments:
-    kwargs = {**_DEFAULT_ARGS, **cfg.training, **_FORCED_ARGS, "output_dir": str(output_dir)}
-    kwargs.pop("resume_from_checkpoint", None)
-    return TrainingArguments(**kwargs)
 
 
 def check_compact_logits(cfg: RunConfig, model: torch.nn.Module) -> None:
@@ -212,7 +235,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         ConfigError: a guard that needs the world size or the servers' `/health` failed.
     """
     out = Path(resolve_path(str(output_dir or cfg.output_dir)))
-    args = _training_args(cfg, out)
+    args = training_args(cfg, out)
     policy = load_policy(cfg.model, resolve_path(cfg.model.path))
     model, tokenizer = policy.model, policy.tokenizer
     check_compact_logits(cfg, model)
