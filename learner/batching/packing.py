@@ -20,11 +20,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import binpacking
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from learner.batching.packed_batch import PackedBatch, pack_segments, pad_segments
 from learner.stage2.targets.labels import SegmentTooLongError, segment_too_long_message
 from learner.stage2.targets.segment import Segment
+from shared_schemas.config import ConfigSection
 
 __all__ = [
     "CarryBuffer",
@@ -47,10 +48,8 @@ LEN_EMA_DECAY = 0.9
 """Decay of ``packing/avg_segment_len_ema`` per inserted segment (recent ~10 segments dominate)."""
 
 
-class PackingConfig(BaseModel):
+class PackingConfig(ConfigSection):
     """Post-rollout packing knobs, YAML section ``stage2.packing`` (§14.1)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     enabled: bool = False
     """Pack teacher-forced segments (rollouts are never packed)."""

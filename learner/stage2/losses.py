@@ -15,7 +15,9 @@ from typing import Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from shared_schemas.config import ConfigSection
 
 __all__ = [
     "CoordLossConfig",
@@ -38,10 +40,8 @@ IGNORE_INDEX = -100
 LOGIT_BOUND = 1e4  # §13.2 sanitize: +inf -> 1e4, -inf -> -1e4, then clamp to [-1e4, 1e4]
 
 
-class CoordLossConfig(BaseModel):
+class CoordLossConfig(ConfigSection):
     """Coordinate-loss knobs, YAML section ``stage2.coord_loss`` (§13.2)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     target_sigma: float = Field(default=2.0, gt=0)
     """Std-dev (in bins) of the Gaussian soft target around the target bin."""
@@ -57,10 +57,8 @@ class CoordLossConfig(BaseModel):
     """Weight of the gate term -log P(any coord token); 0 skips its computation."""
 
 
-class LossConfig(BaseModel):
+class LossConfig(ConfigSection):
     """Loss switches, YAML section ``stage2.loss`` (§12.3, §13.3)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     normalization: Literal["token_weighted", "micro_mean"] = "token_weighted"
     """token_weighted: each supervised token of a step weighs the same; micro_mean: per-micro mean / gas."""

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from shared_schemas.config import ConfigSection
 
 __all__ = [
     "BufferConsistencyError",
@@ -46,10 +48,8 @@ BuildFn = Callable[[list[Any]], tuple[Sequence[Any], int, int]]
 """Fresh-step planner: raw micro-batches -> (prepared micro-batches, N_ce, N_coord)."""
 
 
-class RolloutBufferConfig(BaseModel):
+class RolloutBufferConfig(ConfigSection):
     """Rollout-reuse knobs, YAML section ``stage2.rollout_buffer`` (§15.1)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     enabled: bool = False
     """Reuse each window's prepared micro-batches for `m_steps - 1` extra optimizer steps."""

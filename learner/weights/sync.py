@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from learner.rollout.base import RolloutSource, SyncError, SyncReport, WeightUpdate
@@ -43,6 +43,7 @@ from learner.weights.export import (
     is_peft_model,
     is_zero3,
 )
+from shared_schemas.config import ConfigSection
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,8 @@ DEFAULT_ADAPTER_NAME = "rollmatch"
 """Name the synced adapter is served under (requests reference it in `request_config.adapter`)."""
 
 
-class SyncConfig(BaseModel):
+class SyncConfig(ConfigSection):
     """`rollout.sync:` — how weights reach the rollout engine."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     mode: Literal["full", "adapter", "auto"] = "full"
     """`full`: merged base weights; `adapter`: the PEFT adapter only; `auto`: adapter when the engine has

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from scipy.optimize import linear_sum_assignment
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.matching.maskiou import Geom, aabb, geom_table, mask_iou, mask_iou_pairs, pair_ious
+from shared_schemas.config import ConfigSection
 
 __all__ = [
     "INFEASIBLE",
@@ -43,10 +44,8 @@ INFEASIBLE = 1e6
 _MATCH_COST_LIMIT = 5e5
 
 
-class MatchingConfig(BaseModel):
+class MatchingConfig(ConfigSection):
     """``stage2.matching.*`` knobs (§8.2)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     candidate_top_k: int = Field(default=5, ge=1)
     """GT candidates kept per prediction (AABB IoU ranking, or center distance when all AABB IoUs are 0)."""

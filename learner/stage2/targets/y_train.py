@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.format import serialize_entry, serialize_objects
@@ -30,6 +30,7 @@ from learner.stage2.parse.detok import token_pieces
 from learner.stage2.parse.encode_cache import encode_segmented
 from learner.stage2.targets.ot import barycentric_padded
 from learner.stage2.targets.spans import desc_overlapping_tokens, find_desc_value_spans, prefix_ce_positions
+from shared_schemas.config import ConfigSection
 
 if TYPE_CHECKING:
     from learner.stage2.parse.parser import ParseResult
@@ -49,10 +50,8 @@ __all__ = [
 ]
 
 
-class TargetsConfig(BaseModel):
+class TargetsConfig(ConfigSection):
     """``stage2.targets.*`` knobs (§9)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     ot_cost: Literal["l1", "l2"] = "l2"
     """Point distance of the OT cost."""
