@@ -20,13 +20,23 @@ from shared_schemas.config import (
     parse_gpu_list,
 )
 
+_HEAVY = ["torch", "vllm", "fastapi", "starlette", "transformers"]
 
-def test_config_modules_load_no_heavy_packages() -> None:
+
+@pytest.mark.parametrize(
+    ("modules", "forbidden"),
+    [
+        ("shared_schemas.config, shared_schemas.server_config", [*_HEAVY, "rollout_server", "learner"]),
+        ("learner.yaml_loader, learner.grpo.config, learner.grpo.resolve", ["rollout_server"]),
+    ],
+    ids=["shared-config-is-light", "learner-config-path-imports-no-server"],
+)
+def test_config_layer_imports(modules: str, forbidden: list[str]) -> None:
+    """In a fresh interpreter: the shared layer loads no heavy or process package, and the learner's config
+    path (loader, GRPO validation, resolver) no `rollout_server` module."""
     code = (
-        "import json, sys\n"
-        "import shared_schemas.config, shared_schemas.server_config\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in"
-        " {'torch', 'vllm', 'fastapi', 'starlette', 'transformers', 'rollout_server', 'learner'})))\n"
+        f"import json, sys\nimport {modules}\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {set(forbidden)!r})))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True

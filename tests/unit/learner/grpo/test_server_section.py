@@ -5,9 +5,6 @@ with; GRPO's old copy said 6, 12000 and 8080)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +87,3 @@ def test_server_knob_outside_the_grpo_allow_list_is_named(server_raw: dict[str, 
     server_raw["server"]["drain_timeout_s"] = 5.0  # a valid server knob, not in GRPO §2.2
     with pytest.raises(ConfigError, match=r"^server\.drain_timeout_s: not in the GRPO allow-list .*rule 9\)"):
         validate_grpo_run(server_raw, REPO_ROOT)
-
-
-def test_the_config_layer_loads_no_server_module() -> None:
-    """The learner's config path (loader, GRPO validation, resolver) never imports ``rollout_server``."""
-    code = (
-        "import json, sys\n"
-        "import learner.yaml_loader, learner.grpo.config, learner.grpo.resolve\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'rollout_server')))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    )
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
