@@ -161,7 +161,7 @@ def build_vlm(
         train: train mode (else eval).
         gradient_checkpointing: turn it on (training benches of the full model).
     """
-    from learner.policy import ensure_vl_imports
+    from shared_schemas.vlm_shim import ensure_vl_imports
 
     ensure_vl_imports()
     from build_tiny_vlm import PRESETS

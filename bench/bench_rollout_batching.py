@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 
 from learner.rollout.colocate import ColocateRolloutSource  # noqa: E402
-from learner.rollout.colocate_hf import HfColocateBackend  # noqa: E402
+from learner.rollout.colocate.hf import HfColocateBackend  # noqa: E402
 from shared_schemas.infer import InferBatch, InferRequest, InferResult, RequestConfig  # noqa: E402
 
 SYSTEM = "You are an open-vocabulary object detector. Reply with one single-line JSON object."

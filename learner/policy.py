@@ -22,14 +22,13 @@ cannot be synced as an adapter (the engines' LoRA covers LLM layers only): `chec
 
 Without torchvision (this repository's CPU test machines), transformers' Qwen-VL processors and vLLM's
 Qwen-VL model files do not import; `ensure_vl_imports` installs the torchvision-free shim of
-`rollout_server/vlm_shim/` in this process and on `PYTHONPATH` for the processes it starts (a colocated vLLM
+`shared_schemas/vlm_shim/` in this process and on `PYTHONPATH` for the processes it starts (a colocated vLLM
 engine). Installs with torchvision never load it.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,8 +37,8 @@ import torch
 from torch import nn
 
 from learner.yaml_loader import ConfigError
-from rollout_server.vlm_shim import SHIM_DIR as _SHIM_DIR
 from shared_schemas.checkpoints import VL_MODEL_TYPES, is_vl_checkpoint
+from shared_schemas.vlm_shim import ensure_vl_imports
 
 if TYPE_CHECKING:
     from learner.config import ModelConfig
@@ -49,7 +48,6 @@ __all__ = [
     "VL_LORA_TARGETS",
     "VL_MODEL_TYPES",
     "Policy",
-    "ensure_vl_imports",
     "is_vl_checkpoint",
     "load_policy",
     "part_param_groups",
@@ -95,18 +93,6 @@ class Policy:
         if not hasattr(self.model, "peft_config"):
             return False
         return any(p.requires_grad and "lora_" not in n for n, p in self.model.named_parameters())
-
-
-def ensure_vl_imports() -> None:
-    """Makes Qwen-VL processors and vLLM's Qwen-VL files importable without torchvision (see module doc).
-
-    Idempotent; a no-op where torchvision imports.
-    """
-    if str(_SHIM_DIR) not in sys.path:
-        sys.path.insert(0, str(_SHIM_DIR))
-    import tinyvlm_compat
-
-    tinyvlm_compat.install_everywhere()
 
 
 def vl_parts(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 
 from rollout_server.config import ConfigError, ServerConfig, load_server_config
-from rollout_server.vlm_shim import SHIM_DIR
 from shared_schemas.checkpoints import is_vl_checkpoint
+from shared_schemas.vlm_shim import ensure_vl_imports
 
 logger = logging.getLogger("rollout_server")
 
@@ -73,15 +73,11 @@ def export_engine_env(cfg: ServerConfig) -> None:
     """Environment the engine reads at start (set here, never deep in libraries).
 
     A Qwen-VL checkpoint on a host without torchvision (this repository's CPU machines) gets the import shim
-    of `rollout_server/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with
+    of `shared_schemas/vlm_shim/` in this process and on `PYTHONPATH` for the engine's processes; hosts with
     torchvision never load it.
     """
     if is_vl_checkpoint(cfg.model_path):
-        if str(SHIM_DIR) not in sys.path:
-            sys.path.insert(0, str(SHIM_DIR))
-        import tinyvlm_compat
-
-        tinyvlm_compat.install_everywhere()
+        ensure_vl_imports()
     if cfg.gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
     if cfg.vllm.kv_cache_space_gb is not None:

@@ -6,7 +6,7 @@ and vision special tokens plus the 1000 single-id coord tokens. The processor ke
 transformers' Qwen3-VL code checks on CPU (text head_dim 64, mrope sections summing to head_dim/2, deepstack
 index below the vision depth, square position-embedding table, vision config matching the image processor).
 
-Loading the result without torchvision needs the import shim in `rollout_server/vlm_shim/` on `PYTHONPATH`
+Loading the result without torchvision needs the import shim in `shared_schemas/vlm_shim/` on `PYTHONPATH`
 (every process, vLLM's architecture-inspection subprocess included); the builder installs it in-process
 itself.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SCRIPTS = Path(__file__).resolve().parent
-SHIM_DIR = SCRIPTS.parent / "rollout_server" / "vlm_shim"
+SHIM_DIR = SCRIPTS.parent / "shared_schemas" / "vlm_shim"
 """Folder to put on `PYTHONPATH` so every process loads the torchvision-free shim."""
 MODEL_NAME = "tiny-qwen3-vl"
 RECIPE_VERSION = 1

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SHIM_DIR = REPO / "rollout_server" / "vlm_shim"
+SHIM_DIR = REPO / "shared_schemas" / "vlm_shim"
 for _p in (REPO, SHIM_DIR):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))

@@ -1,7 +1,8 @@
 """Wire contract of rollmatch: pydantic v2 models of every message, the chunk plan and the bucket codec.
 
 Imports pydantic, numpy and safetensors only (never torch, vllm or fastapi), so a client can install it
-alone.
+alone. The code both processes run on torch is the subpackage `shared_schemas.torch_common`, which this
+module never imports (docs/ARCHITECTURE.md#the-two-services).
 """
 
 from shared_schemas.buckets import (

@@ -2,10 +2,10 @@
 #teacher-forced-encoding §11.1).
 
 `PromptEncoder.encode(messages)` is the learner's ONE encode function for a rollout prompt: the §3.3 rollout
-messages the engine receives, encoded by `rollout_server.engines.hf_prompts.MessageEncoder` — the encoder the
-rollout server's HF backend and the colocated HF engine encode with, so their `prompt_token_ids` are these ids
-by construction. Text: the chat template in generation mode, tokenized without extra special tokens (the ids
-the vLLM engine derives too). A prompt with image parts also goes through the model's HF processor, which
+messages the engine receives, encoded by `shared_schemas.torch_common.prompts.MessageEncoder` — the encoder
+the rollout server's HF backend and the colocated HF engine encode with, so their `prompt_token_ids` are these
+ids by construction. Text: the chat template in generation mode, tokenized without extra special tokens (the
+ids the vLLM engine derives too). A prompt with image parts also goes through the model's HF processor, which
 expands each `<|image_pad|>` to the image's token count and returns the vision tensors (`pixel_values`,
 `image_grid_thw`, ...): the ids then equal the engine's expanded `prompt_token_ids`, which the §11 alignment
 check compares token for token.
@@ -31,7 +31,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from rollout_server.engines.hf_prompts import EncodedPrompt, MessageEncoder, RopeIndex, model_rope_index
+from shared_schemas.torch_common.prompts import EncodedPrompt, MessageEncoder, RopeIndex, model_rope_index
 
 __all__ = ["EncodedPrompt", "PromptEncoder", "RopeIndex", "model_rope_index"]
 

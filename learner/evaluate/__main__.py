@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from learner.data.errors import DataRecordError
     from learner.evaluate.metrics import summary_table
     from learner.evaluate.runner import EvalInputError, EvalOptions, run_evaluation
-    from learner.rollout.colocate_backend import EngineStartError
+    from learner.rollout.colocate.backend import EngineStartError
     from learner.rollout.errors import RolloutClientError
 
     options = EvalOptions(

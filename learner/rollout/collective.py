@@ -9,9 +9,10 @@ only the control (begin with the manifest and the rendezvous — store, token, w
 — the bucket's tensors back to back in manifest order, no header (the manifest is the header) — over that
 group, whatever the number of servers: NCCL and gloo pipeline it along their ring or tree, so the learner's
 own link carries one copy of the weights, not one per server. The group is built by
-`rollout_server.engines.collective.process_group`, the same builder the receivers use; the server side is that
-module (the vLLM workers receive through vLLM's weight-transfer engine API, the HF engine in its process). How
-buckets are packed — on the host for gloo, on the GPU for NCCL — is `learner.rollout.transports.collective`.
+`shared_schemas.torch_common.process_group.process_group`, the same builder the receivers use; the server side
+is `rollout_server.engines.collective` (the vLLM workers receive through vLLM's weight-transfer engine API,
+the HF engine in its process). How buckets are packed — on the host for gloo, on the GPU for NCCL — is
+`learner.rollout.transports.collective`.
 
 A group outlives one sync (the same token is sent again, and every server reuses its part of it); any failure
 — one server dead, restarted or timed out — drops the whole group, and the next sync plans and forms a new one
@@ -32,8 +33,8 @@ from typing import Any, Literal
 import torch
 
 from learner.rollout.base import SyncError
-from rollout_server.engines.collective import process_group, retire_group, wait_works
 from shared_schemas.sync import CollectiveSpec, SyncBeginResponse
+from shared_schemas.torch_common.process_group import process_group, retire_group, wait_works
 
 __all__ = ["CollectiveError", "CollectiveSender", "flat_bucket"]
 

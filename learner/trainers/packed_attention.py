@@ -44,7 +44,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
+
+from shared_schemas.torch_common.sdpa import NO_CUDNN_SDPA_BACKENDS
 
 __all__ = [
     "SEGMENT_SDPA",
@@ -309,13 +311,6 @@ def _vision_tower(model: torch.nn.Module, vision_config: Any) -> torch.nn.Module
     return next((m for m in model.modules() if getattr(m, "config", None) is vision_config), None)
 
 
-_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""SDPA kernels allowed on CUDA: every backend but cuDNN, which builds (and caches) one execution graph per
-new sequence length — a packed row calls attention once per segment, nearly every one a new length. Measured
-on an H100 with a Qwen3-VL-2B-shaped model: packed ÷ padded tokens/s 0.63× with cuDNN allowed, 1.34× without
-(bench/RESULTS.md)."""
-
-
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, *, enabled: bool = True, varlen: bool = True) -> Iterator[None]:
     """Runs the block with `SEGMENT_SDPA` as the language model's attention, `VISION_VARLEN` as a vision
@@ -342,7 +337,7 @@ def packed_attention(model: torch.nn.Module, *, enabled: bool = True, varlen: bo
     tower = _vision_tower(model, vision) if any(c is vision for c, _ in switch) else None
     hook = tower.register_forward_pre_hook(_drop_row_bounds, with_kwargs=True) if tower is not None else None
     cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))
-    kernels = sdpa_kernel(_CUDA_BACKENDS) if cuda else contextlib.nullcontext()
+    kernels = sdpa_kernel(NO_CUDNN_SDPA_BACKENDS) if cuda else contextlib.nullcontext()
     saved, _use_varlen[0] = _use_varlen[0], varlen
     for config, name in switch:
         config._attn_implementation = name

@@ -28,7 +28,7 @@ from transformers import Trainer
 from learner.device_memory import peak_memory_metrics
 from learner.flops import FlopModel, peak_tflops, utilization
 from learner.metrics import StepMetrics
-from learner.rollout.offload import offload_context
+from learner.rollout.colocate.offload import offload_context
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
 from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics

@@ -3,8 +3,8 @@
 
 Routes talk only to `Engine`; `VllmEngine`, `HfEngine` and `EngineGroup` (data parallel) satisfy it, so no
 route ever sees DP or a backend. This module also holds the pieces every engine shares: the staged weight
-update handed over at commit, the prompt-length check, the chat-template helpers, the adapter check and
-the result-order check.
+update handed over at commit, the prompt-length check, the adapter check and the result-order check (the
+chat-template helpers both processes use are `shared_schemas.torch_common.prompts`).
 
 Dtypes are named with safetensors header codes (`"F32"`, `"BF16"`, …) everywhere on this seam.
 """
@@ -39,9 +39,7 @@ __all__ = [
     "check_adapter_request",
     "check_prompt_lengths",
     "check_engine_results",
-    "encode_chat_prompt",
     "gather_or_cancel",
-    "render_chat_prompt",
 ]
 
 ParamSpec = tuple[str, tuple[int, ...]]
@@ -284,32 +282,6 @@ def check_adapter_request(adapter: str | None, lora_enabled: bool, loaded: Seque
         raise UnknownAdapterError(
             f"adapter {adapter!r} is not loaded (loaded: {names}); sync it with mode 'adapter' first"
         )
-
-
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    """Applies the model's chat template with the generation prompt (`<|im_start|>assistant\\n`).
-
-    Args:
-        tokenizer: a transformers tokenizer or processor with `apply_chat_template`.
-        messages: rollout messages (docs/ALGORITHM.md#prompt-hygiene), passed unchanged.
-
-    Returns:
-        The prompt text.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if not isinstance(text, str):
-        raise EngineError(f"chat template returned {type(text).__name__}, expected str")
-    return text
-
-
-def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Prompt ids of a text-only chat: the rendered template tokenized without extra special tokens.
-
-    The template already holds every special token, so none is added (same ids vLLM derives).
-    """
-    text = render_chat_prompt(tokenizer, messages)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [int(t) for t in ids]
 
 
 def check_engine_results(batch: InferBatch, results: Sequence[InferResult]) -> list[InferResult]:

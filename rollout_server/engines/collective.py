@@ -1,6 +1,7 @@
-"""Both ends of the collective weight transport (`rollout.sync.transport: gloo | nccl`): the ONE process-group
-builder (`process_group`, used by the learner's sender too) and the ONE receive function (`receive_buckets`,
-used by the HF engine in the server process and by every vLLM worker through `vllm.transfer`).
+"""The receiving end of the collective weight transport (`rollout.sync.transport: gloo | nccl`): joining the
+learner's group (`open_receiver_group`, over the ONE process-group builder both ends use,
+`shared_schemas.torch_common.process_group`) and the ONE receive function (`receive_buckets`, used by the HF
+engine in the server process and by every vLLM worker through `vllm.transfer`).
 
 The learner's rank 0 and the receivers of EVERY server of the sync form ONE process group (learner = rank 0;
 each server's receivers — every TP worker of every DP engine — a block of ranks the learner assigns at
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from shared_schemas.torch_common.process_group import process_group, wait_works
 
 __all__ = [
     "STAGING_MARGIN",
@@ -42,19 +43,14 @@ __all__ = [
     "ReceiveResult",
     "local_address_towards",
     "open_receiver_group",
-    "process_group",
     "receive_buckets",
     "resolve_staging",
-    "retire_group",
-    "wait_works",
 ]
 
 ReceivedTensors = list[tuple[str, Any]]
 """`(checkpoint name, tensor)` pairs, views of the flattened buckets received."""
 
 Staging = Literal["auto", "device", "host"]
-
-_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 STAGING_MARGIN = 1.25
 """`auto` staging keeps the received model on the GPU only when free memory exceeds its bytes by this factor
@@ -69,47 +65,6 @@ def local_address_towards(address: str, port: int) -> str:
             return probe.getsockname()[0]
         except OSError:
             return "127.0.0.1"
-
-
-def process_group(
-    backend: str, store: Any, rank: int, world_size: int, timeout_s: float, hostname: str
-) -> Any:
-    """A `ProcessGroupGloo` / `ProcessGroupNCCL` over `store` — the one builder both ends use.
-
-    torch has no public constructor that sets both a gloo group's interface and its timeout, so the backend
-    options (private attributes) are set here and nowhere else.
-
-    Args:
-        backend: `gloo` or `nccl`.
-        store: the rendezvous store (already prefixed with the group token).
-        rank: this process's rank (learner 0).
-        world_size: learner + every receiver of every server.
-        timeout_s: limit of the rendezvous and of each collective.
-        hostname: gloo only: the local address the peers reach this process on.
-    """
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-        return dist.ProcessGroupGloo(store, rank, world_size, options)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        # A peer that dies mid-sync must fail the sync, not the process: unless the user chose otherwise, this
-        # group's watchdog aborts its communicator on a timeout and leaves the process running (torch's
-        # default, 3, tears the process down — the learner's training run, or the server that still serves).
-        previous = os.environ.get(_NCCL_ERROR_HANDLING)
-        if previous is None:
-            os.environ[_NCCL_ERROR_HANDLING] = "2"
-        try:
-            return dist.ProcessGroupNCCL(store, rank, world_size, options)
-        finally:
-            if previous is None:
-                os.environ.pop(_NCCL_ERROR_HANDLING, None)
-    raise ValueError(f"collective backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
 def open_receiver_group(rendezvous: Any, rank: int) -> Any:
@@ -151,36 +106,6 @@ def open_receiver_group(rendezvous: Any, rank: int) -> Any:
             " server can reach the learner's rollout.sync.collective_address and that the learner is"
             " still running"
         ) from exc
-
-
-_RETIRED: list[Any] = []
-
-
-def retire_group(group: Any) -> None:
-    """Forgets a group after a FAILED sync without destroying it here: its communicator may still hold a
-    broadcast that will never complete (the peer died), and tearing it down from a Python thread can block
-    that thread — with the interpreter's lock held — until the communicator's watchdog has aborted it. The
-    group's own watchdog aborts the communicator after its timeout; the object is kept until the process
-    exits."""
-    if group is not None:
-        _RETIRED.append(group)
-
-
-def wait_works(works: Sequence[Any], timeout_s: float, what: Sequence[str]) -> None:
-    """Waits on the host, bounded, until every work (NCCL: asynchronous) has completed.
-
-    Raises:
-        TimeoutError: `what[i]` of the first work still running after `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0002
-    for work, name in zip(works, what, strict=True):
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not complete within {timeout_s:.0f} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
-        work.wait()  # raises the collective's own error, if any
 
 
 def resolve_staging(staging: str, device: Any, nbytes: int) -> Literal["device", "host"]:

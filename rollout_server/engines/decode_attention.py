@@ -22,20 +22,14 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
+
+from shared_schemas.torch_common.sdpa import NO_CUDNN_SDPA_BACKENDS
 
 __all__ = ["GROUPED_DECODE_SDPA", "decode_attention", "grouped_decode_sdpa"]
 
 GROUPED_DECODE_SDPA = "rollmatch_grouped_decode_sdpa"
 """Attention-implementation name under which `grouped_decode_sdpa` is registered with transformers."""
-
-_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""SDPA kernels allowed while decoding on CUDA: every backend but cuDNN.
-
-The cuDNN attention backend builds (and caches) one execution graph per input shape. A decode loop changes
-the key length at every step, so each step of the first rollout at a new batch size paid a graph build:
-on an H200 a 32-row, 128-token rollout of a 0.4B model took 6.9 s instead of 2.0 s (16 ms per step).
-"""
 
 _registered = False
 _register_lock = threading.Lock()
@@ -169,6 +163,6 @@ def decode_attention(model: torch.nn.Module, device: torch.device) -> Iterator[N
 
     CPU kernel dispatch is left to PyTorch. Models not on `sdpa` (eager, flash, flex) are left unchanged.
     """
-    kernels = sdpa_kernel(_DECODE_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+    kernels = sdpa_kernel(NO_CUDNN_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
     with kernels, _grouped_decode(model):
         yield

@@ -8,17 +8,17 @@ A causal LM loads as `AutoModelForCausalLM`; a vision-language checkpoint (Qwen-
 `AutoModelForImageTextToText` with its `AutoProcessor`, and serves image prompts. A request is resolved and
 checked exactly as the vLLM engine does it (`vllm.inputs.resolve_prompt`: chat template, ms-swift `images`
 placed, one `<|image_pad|>` per image, the same 400s), then encoded by
-`hf_prompts.MessageEncoder.encode`, the encoder of the learner's teacher forcing and colocated HF engine: the
-processor expands each placeholder to the image's token count, so `prompt_token_ids` are the expanded ids
-(what vLLM returns, and what the learner's alignment check re-encodes). Images are decoded by
-`vllm.inputs.load_image` (an unreadable one is a 400 `bad_image`); `server.vllm.mm_processor_kwargs` go into
-every processor call, as vLLM passes them. The decode loop (`hf_decode`) takes each image prompt's vision
-tensors and M-RoPE positions as a `VisionRow`. Image prompts need `messages`: `prompt_token_ids` with
-`images` is a 400 `images_need_messages` here (the processor expands text, not ids; the vLLM backend takes
-them).
+`shared_schemas.torch_common.prompts.MessageEncoder.encode`, the encoder of the learner's teacher forcing and
+colocated HF engine: the processor expands each placeholder to the image's token count, so `prompt_token_ids`
+are the expanded ids (what vLLM returns, and what the learner's alignment check re-encodes). Images are
+decoded by `vllm.inputs.load_image` (an unreadable one is a 400 `bad_image`);
+`server.vllm.mm_processor_kwargs` go into every processor call, as vLLM passes them. The decode loop
+(`hf_decode`) takes each image prompt's vision tensors and M-RoPE positions as a `VisionRow`. Image prompts
+need `messages`: `prompt_token_ids` with `images` is a 400 `images_need_messages` here (the processor expands
+text, not ids; the vLLM backend takes them).
 
 Model, encoder, end-of-rollout ids, decode loop and results are the `hf_decoder.HfDecoder` this engine holds,
-the same decoder as the learner's colocated HF backend's (`learner.rollout.colocate_hf`); the engine adds
+the same decoder as the learner's colocated HF backend's (`learner.rollout.colocate.hf`); the engine adds
 the worker thread, the request checks above and the weight syncs.
 """
 
@@ -50,14 +50,15 @@ from rollout_server.engines.base import (
     check_adapter_request,
     check_prompt_lengths,
 )
-from rollout_server.engines.collective import open_receiver_group, receive_buckets, retire_group
+from rollout_server.engines.collective import open_receiver_group, receive_buckets
 from rollout_server.engines.hf_decoder import EncodedRequest, HfDecoder
-from rollout_server.engines.hf_prompts import MessageEncoder
 from rollout_server.engines.vllm.inputs import load_image, resolve_prompt
 from rollout_server.errors import BadRequestError, EngineError, LoraDisabledError, SyncValidationError
 from shared_schemas.buckets import dtype_code
 from shared_schemas.checkpoints import is_vl_checkpoint
 from shared_schemas.infer import InferBatch, InferRequest, InferResult
+from shared_schemas.torch_common.process_group import retire_group
+from shared_schemas.torch_common.prompts import ChatTemplateError, MessageEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class HfEngine:
     def from_config(cls, cfg: ServerConfig) -> HfEngine:
         """Loads model and tokenizer (and a VL model's processor) from `cfg.model_path` (local files only;
         blocking, ~seconds). Without torchvision a Qwen-VL processor needs the import shim that
-        `python -m rollout_server` installs for a VL checkpoint (`rollout_server/vlm_shim/`)."""
+        `python -m rollout_server` installs for a VL checkpoint (`shared_schemas/vlm_shim/`)."""
         from transformers import (
             AutoModelForCausalLM,
             AutoModelForImageTextToText,
@@ -224,7 +225,10 @@ class HfEngine:
                 " serve with server.backend: vllm",
                 type="images_need_messages",
             )
-        return self._decoder.encode_messages(resolved.messages, index)
+        try:
+            return self._decoder.encode_messages(resolved.messages, index)
+        except ChatTemplateError as exc:
+            raise EngineError(str(exc)) from exc
 
     @property
     def collective_ranks(self) -> int:

@@ -1,8 +1,8 @@
 """`HfDecoder`: ONE transformers decoder behind both HF engines, the rollout server's `HfEngine`
-(`rollout_server.engines.hf`) and the learner's colocated HF backend (`learner.rollout.colocate_hf`).
+(`rollout_server.engines.hf`) and the learner's colocated HF backend (`learner.rollout.colocate.hf`).
 
-It owns the model, the prompt encoder (`hf_prompts.MessageEncoder`, or the learner's caching
-`PromptEncoder`: the same `encode`), the ids that end a rollout and the decode loop's call
+It owns the model, the prompt encoder (`shared_schemas.torch_common.prompts.MessageEncoder`, or the learner's
+caching `PromptEncoder`: the same `encode`), the ids that end a rollout and the decode loop's call
 (`hf_decode.decode_requests`: per-row seeds, so a row's tokens do not depend on its batch mates), and turns
 the loop's rows into `InferResult`s. The engines keep what differs between them: how a request becomes
 messages (the server's `resolve_prompt` and its 400s, the learner's `request_messages`), the length check's
@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rollout_server.engines.hf_decode import RowOutput, VisionRow, decode_requests
-from rollout_server.engines.hf_prompts import MessageEncoder
 from shared_schemas.infer import Choice, InferBatch, InferResult, resolve_seeds
+from shared_schemas.torch_common.prompts import MessageEncoder
 
 __all__ = ["EncodedRequest", "HfDecoder"]
 
@@ -68,7 +68,9 @@ class HfDecoder:
     def encode_messages(self, messages: list[dict[str, Any]], index: int) -> EncodedRequest:
         """Prompt ids and vision inputs of chat `messages` (the encoder's `encode`)."""
         prompt = self.encoder.encode(messages, index=index)
-        return list(prompt.ids), prompt.vision_row()
+        if not prompt.mm_inputs:
+            return list(prompt.ids), None  # a text prompt keeps the text path
+        return list(prompt.ids), VisionRow(prompt.mm_inputs, prompt.rope_positions)
 
     def generate(
         self, batch: InferBatch, encoded: Sequence[EncodedRequest], *, version: int

@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SHIM_DIR = REPO / "rollout_server" / "vlm_shim"
+SHIM_DIR = REPO / "shared_schemas" / "vlm_shim"
 SERVER_DEADLINE_S = float(os.environ.get("ROLLMATCH_SERVER_DEADLINE_S", "300"))
 """Seconds a server may take to become healthy (engine start is ~20 s alone, minutes on a busy machine)."""
 MAX_MODEL_LEN = 2048

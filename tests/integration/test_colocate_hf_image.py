@@ -28,7 +28,7 @@ import torch
 from learner.config import RunConfig
 from learner.data.prompt_encoding import PromptEncoder
 from learner.policy import Policy, load_policy
-from learner.rollout.colocate_hf import HfColocateBackend
+from learner.rollout.colocate.hf import HfColocateBackend
 from rollout_server.engines.hf_decode import VisionRow, decode_rows
 from shared_schemas.images import load_image
 from shared_schemas.infer import InferBatch, InferRequest, InferResult, RequestConfig

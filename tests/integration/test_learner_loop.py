@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM
 from learner.config import ConfigError, RunConfig
 from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import ColocateRolloutSource
-from learner.rollout.colocate_hf import HfColocateBackend
+from learner.rollout.colocate.hf import HfColocateBackend
 from learner.rollout.server_source import InferFailed, ServerRolloutSource
 from learner.trainers.build import RunParts, build_run
 from learner.weights.sync import SyncConfig, WeightSyncPolicy

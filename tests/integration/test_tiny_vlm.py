@@ -1,5 +1,5 @@
 """The tiny Qwen3-VL builder and the torchvision-free import shim (scripts/build_tiny_vlm.py,
-rollout_server/vlm_shim/)."""
+shared_schemas/vlm_shim/)."""
 
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def test_prompt_token_ids_with_images(
     request)."""
     from transformers import AutoTokenizer
 
-    from rollout_server.engines.base import encode_chat_prompt
+    from shared_schemas.torch_common.prompts import encode_chat_prompt
 
     ids = encode_chat_prompt(AutoTokenizer.from_pretrained(tiny_vlm_dir), _messages(images["path"]))
     body = {

@@ -1,16 +1,16 @@
 """Turns one `InferRequest` into a vLLM engine input: templated prompt ids plus decoded images.
 
 The chat template is applied server-side with the model's own tokenizer (the same ids the HF engine and the
-learner derive: `render_chat_prompt` then tokenization without extra special tokens). Images stay
-UNEXPANDED — one `<|image_pad|>` per image — and travel as `multi_modal_data`; vLLM expands the placeholder
-itself (ids already expanded by an HF processor would be expanded a second time, silently wrong;
-notes/tiny_vlm_on_cpu.md). Image references are strings: a local path, a `file://` URL or a `data:` URL;
-the server never fetches from the network.
+learner derive: `shared_schemas.torch_common.prompts.encode_chat_prompt`, the template then tokenization
+without extra special tokens). Images stay UNEXPANDED — one `<|image_pad|>` per image — and travel as
+`multi_modal_data`; vLLM expands the placeholder itself (ids already expanded by an HF processor would be
+expanded a second time, silently wrong; notes/tiny_vlm_on_cpu.md). Image references are strings: a local path,
+a `file://` URL or a `data:` URL; the server never fetches from the network.
 
 `resolve_prompt` (template, ms-swift `images` placed, images checked against the placeholders, nothing read
 yet) is shared with the HF engine, which then encodes the resolved messages through the HF processor
-(`hf_prompts.MessageEncoder`, images decoded by `load_image` here): both backends accept and refuse the same
-requests with the same errors.
+(`shared_schemas.torch_common.prompts.MessageEncoder`, images decoded by `load_image` here): both backends
+accept and refuse the same requests with the same errors.
 
 Everything here blocks (file reads, image decoding, tokenization): callers run it in a worker thread.
 """
@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_server.engines.base import encode_chat_prompt
-from rollout_server.errors import BadRequestError
+from rollout_server.errors import BadRequestError, EngineError
 from shared_schemas import images
 from shared_schemas.images import IMAGE_TAG, attach_images, request_messages
 from shared_schemas.infer import InferRequest, iter_image_refs
+from shared_schemas.torch_common.prompts import ChatTemplateError, encode_chat_prompt
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -93,6 +93,8 @@ def _bad_image(exc: images.ImageRefError) -> BadRequestError:
 def _encode(tokenizer: Any, messages: list[dict[str, Any]], index: int) -> list[int]:
     try:
         return encode_chat_prompt(tokenizer, messages)
+    except ChatTemplateError as exc:
+        raise EngineError(str(exc)) from exc
     except (TypeError, ValueError, KeyError) as exc:
         raise BadRequestError(
             f"request {index}: the chat template rejected the messages ({type(exc).__name__}: {exc});"

@@ -26,13 +26,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_server.engines.collective import (
-    ReceivedTensors,
-    open_receiver_group,
-    receive_buckets,
-    retire_group,
-)
+from rollout_server.engines.collective import ReceivedTensors, open_receiver_group, receive_buckets
 from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND
+from shared_schemas.torch_common.process_group import retire_group
 
 __all__ = ["COLLECTIVE_BACKEND", "CollectiveInitInfo", "CollectiveTransferEngine", "CollectiveUpdateInfo"]
 

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import ColocateRolloutSource
-from learner.rollout.colocate_hf import HfColocateBackend
-from rollout_server.engines.base import encode_chat_prompt
+from learner.rollout.colocate.hf import HfColocateBackend
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
+from shared_schemas.torch_common.prompts import encode_chat_prompt
 
 SYSTEM = {"role": "system", "content": "You are an open-vocabulary object detector."}
 PROMPTS = [
@@ -189,7 +189,7 @@ def test_batches_are_split_by_rollout_generate_batch_size(model, tiny_tokenizer)
 @pytest.mark.parametrize(("batch_size", "warnings"), [(1, 1), (2, 0)])
 def test_one_row_per_decode_call_is_named_once(model, tiny_tokenizer, caplog, batch_size, warnings):
     source = make_source(model, tiny_tokenizer, batch_size)
-    with caplog.at_level("WARNING", logger="learner.rollout.colocate_hf"):
+    with caplog.at_level("WARNING", logger="learner.rollout.colocate.hf"):
         source.infer(batch_of([0, 1]))
         source.infer(batch_of([2, 3]))
     named = [r for r in caplog.records if "rollout_generate_batch_size is 1" in r.getMessage()]

@@ -18,8 +18,8 @@ from safetensors.torch import load as load_safetensors
 from learner.config import RunConfig
 from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.colocate import ColocateRolloutSource
-from learner.rollout.colocate_tp import engine_device_env, tp_layout
-from learner.rollout.colocate_vllm import (
+from learner.rollout.colocate.tp import engine_device_env, tp_layout
+from learner.rollout.colocate.vllm import (
     LoopThread,
     VllmColocateBackend,
     encode_full_update,
@@ -113,7 +113,7 @@ def test_server_config_for_maps_colocate_knobs():
 
 
 def test_sleep_level_on_cpu_is_a_config_error_naming_the_key():
-    from learner.rollout.colocate_vllm import _check_sleep_mode
+    from learner.rollout.colocate.vllm import _check_sleep_mode
 
     if torch.cuda.is_available():
         pytest.skip("vLLM has sleep mode on CUDA")

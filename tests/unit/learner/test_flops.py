@@ -53,7 +53,7 @@ def test_trained_frozen_tower_lm_first_layer() -> None:
 
 
 def test_from_model_splits_tiny_qwen3_vl() -> None:
-    from learner.policy import ensure_vl_imports
+    from shared_schemas.vlm_shim import ensure_vl_imports
 
     ensure_vl_imports()
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.rollout import offload
-from learner.rollout.offload import offload_context
+from learner.rollout.colocate import offload
+from learner.rollout.colocate.offload import offload_context
 
 
 def _model_and_optimizer(device: str = "cpu"):

@@ -98,7 +98,7 @@ def test_image_pixel_bounds_reach_the_processor(vlm_dir: Path) -> None:
 
 def test_colocated_vllm_on_a_vl_checkpoint(tmp_path: Path) -> None:
     """A VL checkpoint's engine reads the checkpoint (dummy is refused), takes images but no video."""
-    from learner.rollout.colocate_vllm import server_config_for
+    from learner.rollout.colocate.vllm import server_config_for
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
     base = {

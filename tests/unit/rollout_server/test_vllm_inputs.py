@@ -10,7 +10,6 @@ from urllib.parse import quote
 import pytest
 from PIL import Image
 
-from rollout_server.engines.base import encode_chat_prompt
 from rollout_server.engines.vllm.inputs import (
     IMAGE_PLACEHOLDER,
     attach_images,
@@ -21,6 +20,7 @@ from rollout_server.engines.vllm.inputs import (
 )
 from rollout_server.errors import BadRequestError
 from shared_schemas.infer import InferRequest, iter_image_refs
+from shared_schemas.torch_common.prompts import encode_chat_prompt
 
 
 @pytest.fixture

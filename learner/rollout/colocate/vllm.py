@@ -22,7 +22,7 @@ a sync since the last sleep (e.g. a second evaluation in the same step), the cur
 from the training model. On platforms without vLLM sleep mode (CPU) construction fails with a `ConfigError`
 naming `rollout.vllm.sleep_level`.
 
-Tensor parallelism (`tensor_parallel_size > 1`): see `learner.rollout.colocate_tp`.
+Tensor parallelism (`tensor_parallel_size > 1`): see `learner.rollout.colocate.tp`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from torch import nn
 
 from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
-from learner.rollout.colocate_backend import EngineStartError, EngineStatus
-from learner.rollout.colocate_tp import TpGroup, TpLayout, current_cuda_device, engine_device_env, tp_layout
-from learner.rollout.colocate_weights import encode_full_update, encode_tensors
-from learner.rollout.loop_thread import LoopThread
+from learner.rollout.colocate.backend import EngineStartError, EngineStatus
+from learner.rollout.colocate.loop_thread import LoopThread
+from learner.rollout.colocate.tp import TpGroup, TpLayout, current_cuda_device, engine_device_env, tp_layout
+from learner.rollout.colocate.weights import encode_full_update, encode_tensors
 from learner.yaml_loader import ConfigError
 from shared_schemas.infer import InferBatch, InferResult
 from shared_schemas.server_config import ServerConfig, VllmServerConfig
@@ -62,7 +62,8 @@ def server_config_for(cfg: RunConfig) -> Any:
     so engine and learner expand images to the same token counts.
     """
     from learner.config import resolve_path
-    from learner.policy import ensure_vl_imports, is_vl_checkpoint
+    from learner.policy import is_vl_checkpoint
+    from shared_schemas.vlm_shim import ensure_vl_imports
 
     v = cfg.rollout.vllm
     is_vl = is_vl_checkpoint(resolve_path(cfg.model.path))

@@ -4,11 +4,11 @@ See docs/ARCHITECTURE.md#rollout-source, #weight-sync; docs/ALGORITHM.md#rollout
 
 The same `RolloutSource` seam as `ServerRolloutSource`, with the same schema objects in and out, and no HTTP:
 
-- backend `vllm` (`learner.rollout.colocate_vllm`): the rollout server's own `VllmEngine` class, built in
+- backend `vllm` (`learner.rollout.colocate.vllm`): the rollout server's own `VllmEngine` class, built in
   this process and driven from one long-lived event-loop thread; weight updates are handed over in-process.
   This is the one allowed learner → server import (docs/ARCHITECTURE.md#the-two-services), and it is lazy:
   `rollout_server` and vLLM are imported only when a colocated vLLM engine is built.
-- backend `hf` (`learner.rollout.colocate_hf`): generation with the training model itself (no copy), so its
+- backend `hf` (`learner.rollout.colocate.hf`): generation with the training model itself (no copy), so its
   weights are always current and a sync only records the version. It reuses the server's pure decode loop
   (`rollout_server.engines.hf_decode`, also imported lazily).
 
@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from learner.rollout.base import SyncReport, WeightUpdate, check_results, staleness
-from learner.rollout.colocate_backend import ColocateBackend
+from learner.rollout.colocate.backend import ColocateBackend
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
 
@@ -49,8 +49,8 @@ class ColocateRolloutSource:
     last applied sync. The attribute `last_staleness` holds the per-result staleness of the last `infer`.
 
     Args:
-        backend: the generation backend (`colocate_vllm.VllmColocateBackend` or
-            `colocate_hf.HfColocateBackend`).
+        backend: the generation backend (`vllm.VllmColocateBackend` or
+            `hf.HfColocateBackend`).
     """
 
     def __init__(self, backend: ColocateBackend) -> None:
@@ -81,10 +81,10 @@ class ColocateRolloutSource:
             EngineStartError: the vLLM engine could not be created (suggests `rollout.backend: hf`).
         """
         if cfg.rollout.backend == "hf":
-            from learner.rollout.colocate_hf import HfColocateBackend
+            from learner.rollout.colocate.hf import HfColocateBackend
 
             return cls(HfColocateBackend.from_config(cfg, model=model, tokenizer=tokenizer, encoder=encoder))
-        from learner.rollout.colocate_vllm import VllmColocateBackend
+        from learner.rollout.colocate.vllm import VllmColocateBackend
 
         return cls(VllmColocateBackend.from_config(cfg, model=model))
 
@@ -97,7 +97,7 @@ class ColocateRolloutSource:
     @property
     def sends_weights(self) -> bool:
         """Whether this rank must call `sync_weights` (every engine leader must; see the TP notes in
-        `colocate_vllm`). The trainer's sync policy should use it as its `is_rank0` in colocate mode."""
+        `vllm.py`). The trainer's sync policy should use it as its `is_rank0` in colocate mode."""
         return self._backend.sends_weights
 
     @property

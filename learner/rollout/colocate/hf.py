@@ -15,7 +15,7 @@ inactive) and its previous mode is restored afterwards, also on error. The learn
 batch builder (`learner.batching.packed_batch`), not by a model flag, so there is no padding-free state to
 switch off: the decode loop always passes an explicit attention mask and position ids.
 
-Prompt ids come from `rollout_server.engines.hf_prompts.MessageEncoder.encode`, the encoder of the
+Prompt ids come from `shared_schemas.torch_common.prompts.MessageEncoder.encode`, the encoder of the
 teacher-forced encoding (`SampleContext.prompt_ids`) and of the rollout server's HF engine: the tokenizer's
 chat template in generation mode, so the prompt-mismatch check of §11.3 compares equal ids.
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from learner.rollout.base import WeightUpdate
-from learner.rollout.colocate_backend import EngineStatus
+from learner.rollout.colocate.backend import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
 from learner.yaml_loader import ConfigError
 from shared_schemas.images import request_messages
@@ -66,7 +66,7 @@ class HfColocateBackend:
         default_seed: base seed when a batch carries neither `seeds` nor `request_config.seed`.
         encoder: the run's `PromptEncoder` (`learner.data.prompt_encoding`); image prompts need one built
             with the model's processor (`PromptEncoder.for_model`). None = text prompts through the chat
-            template (an uncached `rollout_server.engines.hf_prompts.MessageEncoder` of the tokenizer).
+            template (an uncached `shared_schemas.torch_common.prompts.MessageEncoder` of the tokenizer).
 
     Raises:
         ConfigError: the model is partitioned by ZeRO-3 (ranks would run different numbers of forwards).

@@ -1,6 +1,6 @@
 """The interface of an in-process generation backend (`ColocateBackend`) and what it reports about itself.
 
-`learner.rollout.colocate_hf` and `learner.rollout.colocate_vllm` implement it; `ColocateRolloutSource`
+`learner.rollout.colocate.hf` and `learner.rollout.colocate.vllm` implement it; `ColocateRolloutSource`
 (`learner.rollout.colocate`) drives whichever the run configures.
 """
 

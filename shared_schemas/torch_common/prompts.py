@@ -1,26 +1,29 @@
-"""Prompt encoding for transformers models, text and images alike: ONE function for every place that encodes a
-rollout prompt for a transformers model.
+"""Prompt encoding of rollout messages, text and images alike: ONE function for every place that encodes a
+rollout prompt, in either process.
 
 `MessageEncoder.encode(messages)` is used by the rollout server's `HfEngine` (`server.backend: hf`), by the
-learner's colocated HF engine (`learner.rollout.colocate_hf`) and by the learner's teacher forcing
+learner's colocated HF engine (`learner.rollout.colocate.hf`) and by the learner's teacher forcing
 (`learner.data.prompt_encoding.PromptEncoder`: this encoder plus a per-window cache). So the
 `prompt_token_ids` an HF engine returns are the ids the learner's alignment check (docs/ALGORITHM.md §11)
 re-encodes, token for token.
 
 Text prompts: the chat template in generation mode, tokenized without extra special tokens
-(`base.encode_chat_prompt`, the ids the vLLM engine derives too). Image prompts: the same template text goes
-through the model's HF processor, which expands each `<|image_pad|>` to the image's token count and returns
-the vision tensors (`pixel_values`, `image_grid_thw`, ...); the ids then equal the expanded `prompt_token_ids`
-the vLLM engine returns (vLLM expands the one placeholder per image itself). `processor_kwargs` go into every
-processor call, as vLLM passes `server.vllm.mm_processor_kwargs` (e.g. `max_pixels`).
+(`encode_chat_prompt`, which the vLLM engine's inputs use too, so its ids are these). Image prompts: the same
+template text goes through the model's HF processor, which expands each `<|image_pad|>` to the image's token
+count and returns the vision tensors (`pixel_values`, `image_grid_thw`, ...); the ids then equal the expanded
+`prompt_token_ids` the vLLM engine returns (vLLM expands the one placeholder per image itself).
+`processor_kwargs` go into every processor call, as vLLM passes `server.vllm.mm_processor_kwargs` (e.g.
+`max_pixels`).
 
 Qwen-VL models place tokens with multi-axis rotary positions (M-RoPE: time, height, width). The encoder
 computes a prompt's 3-row positions with the model's own rope-index function (`model_rope_index`), once per
 prompt; what follows a prompt continues every row from ``max(prompt positions) + 1`` (`hf_decode` while
-generating, `learner.batching.packed_batch.segment_rope_positions` while training).
+generating, `learner.batching.packed_batch.segment_rope_positions` while training). The decode loop takes an
+image prompt's `mm_inputs` and `rope_positions` as its `VisionRow` (`rollout_server.engines.hf_decoder`).
 
 Image references are decoded by `shared_schemas.images.load_image` (the server passes its wrapper
-`vllm.inputs.load_image`, which reports an unreadable image as a 400), so every side sees the same pixels.
+`rollout_server.engines.vllm.inputs.load_image`, which reports an unreadable image as a 400), so every side
+sees the same pixels.
 """
 
 from __future__ import annotations
@@ -28,18 +31,22 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import torch
 
-from rollout_server.engines.base import encode_chat_prompt, render_chat_prompt
 from shared_schemas import images
 from shared_schemas.infer import iter_image_refs
 
-if TYPE_CHECKING:
-    from rollout_server.engines.hf_decode import VisionRow
-
-__all__ = ["EncodedPrompt", "MessageEncoder", "RopeIndex", "model_rope_index"]
+__all__ = [
+    "ChatTemplateError",
+    "EncodedPrompt",
+    "MessageEncoder",
+    "RopeIndex",
+    "encode_chat_prompt",
+    "model_rope_index",
+    "render_chat_prompt",
+]
 
 RopeIndex = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """`(input_ids [1, L], mm_token_type_ids [1, L], image_grid_thw [n, 3] | None) -> positions [3, L]`."""
@@ -72,14 +79,39 @@ class EncodedPrompt:
         grid = self.mm_inputs.get("image_grid_thw")
         return 0 if grid is None else int(grid.shape[0])
 
-    def vision_row(self) -> VisionRow | None:
-        """What the decode loop (`hf_decode`) takes for this prompt: its vision inputs, None for a text prompt
-        (which keeps the text path)."""
-        from rollout_server.engines.hf_decode import VisionRow
 
-        if not self.mm_inputs:
-            return None
-        return VisionRow(self.mm_inputs, self.rope_positions)
+class ChatTemplateError(RuntimeError):
+    """The model's chat template returned something other than text (a broken tokenizer config: the rollout
+    server reports it as a 500 `engine_error`)."""
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """Applies the model's chat template with the generation prompt (`<|im_start|>assistant\\n`).
+
+    Args:
+        tokenizer: a transformers tokenizer or processor with `apply_chat_template`.
+        messages: rollout messages (docs/ALGORITHM.md#prompt-hygiene), passed unchanged.
+
+    Returns:
+        The prompt text.
+
+    Raises:
+        ChatTemplateError: the template returned no string.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"chat template returned {type(text).__name__}, expected str")
+    return text
+
+
+def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Prompt ids of a text-only chat: the rendered template tokenized without extra special tokens.
+
+    The template already holds every special token, so none is added (same ids vLLM derives).
+    """
+    text = render_chat_prompt(tokenizer, messages)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in ids]
 
 
 def model_rope_index(model: torch.nn.Module) -> RopeIndex | None:
