@@ -63,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import ExitStack
@@ -326,14 +327,14 @@ def step_batch(cfg: Any, model_dir: Path, rows: int, global_step: int) -> Any:
     """The trainer's one rollout call of step `global_step` over the first `rows` demo records."""
     from transformers import AutoTokenizer
 
-    from learner.trainers.build import _sample_context, load_samples
+    from learner.trainers.build import load_samples, sample_context
     from learner.trainers.planner import StepPlanner
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = load_samples(cfg.data.train, cfg)[:rows]
     planner = StepPlanner(
         source=None,  # type: ignore[arg-type]  # step_batch only builds the batch; the caller sends it
-        ctx=_sample_context(cfg, tokenizer),
+        ctx=sample_context(cfg, tokenizer),
         stage2=cfg.stage2,
         decoding=cfg.rollout.decoding,
         seed=int(cfg.training["seed"]),
@@ -498,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fleet(args, tmp, emit)
     except Exception:
+        traceback.print_exc()  # the error line names it only once the servers were started
         return 1
     finally:
         signal.alarm(0)
