@@ -26,10 +26,12 @@ per step (``trained_samples`` in the summary counts the steps after the base). `
 (its base is the sft run's).
 
 Writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation; then per arm: the final F1 per seed, mean, sd and
-the PAIRED difference to ``sft`` of the same seed, with its min and max) and ``ab.png`` (F1 by step: mean line
-and min-max band per arm). One rollout server (the task config's ``server:`` section) serves every run unless
-``--server-url`` names one or ``--colocate`` rolls out in-process; a run's first rollout step syncs its
-weights, so runs can share a server. Finished runs are reused (delete the run directory to redo one).
+the PAIRED difference to ``sft`` of the same seed, with its min and max), ``ab.png`` (F1, precision, recall,
+F1 at maskIoU 0.5, duplicates and predicted ÷ GT by step: mean line and min-max band per arm) and, with a GRPO
+arm, ``grpo.png`` (reward, KL, completion length per step). One rollout server (the task config's
+``server:`` section) serves every run unless ``--server-url`` names one or ``--colocate`` rolls out
+in-process; a run's first rollout step syncs its weights, so runs can share a server. Finished runs are reused
+(delete the run directory to redo one).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shared_schemas.config import deep_merge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -274,13 +279,6 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(timeout=60)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def eval_curve(metrics: Path) -> list[dict[str, float]]:

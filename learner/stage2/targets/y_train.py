@@ -459,17 +459,9 @@ def prune_unmatched(
 
 
 def model_order(match: MatchResult, n_gt: int) -> list[int]:
-    """The GT indices in the order `unmatched_prefix: reorder` teacher-forces them.
-
-    When the model emitted its matches in GT order (their GT indices increase; trivially so for zero or one
-    match), the GT order itself: each missed object where the GT order puts it relative to the matched
-    ones, so a model that follows the data's order but misses objects gets exactly the plain-SFT target.
-    Otherwise the matched GT objects in the order the model emitted them, then the missed ones in GT order.
-
-    Why: with `data.object_ordering: sorted` a model that follows the order yet misses object 2 of 1, 2, 3
-    was taught 1, 3, 2, an order the data never uses (text demo, seed 0: 0.576 against plain SFT's 0.705).
-    With `random` order the GT order is arbitrary and keeping the model's own order is the point.
-    """
+    """GT indices in the order `unmatched_prefix: reorder` teacher-forces them: the GT order when the model's
+    matches already follow it (misses included: exactly the plain-SFT target; see docs/ALGORITHM.md), else
+    the matched GT objects in the model's order, then the missed ones in GT order."""
     matched = [j for _, j, _ in match.pairs]  # pairs are sorted by prediction index: the model's order
     if all(a < b for a, b in zip(matched, matched[1:], strict=False)):
         return list(range(n_gt))
