@@ -289,9 +289,10 @@ def pretrain(
     cfg: PretrainConfig,
     device: str,
     pad_id: int,
-    on_step: Callable[[int, float], None] | None = None,
-) -> None:
-    """Train ``model`` in place for ``cfg.steps`` steps; ``on_step(step, loss)`` runs after every step.
+    on_step: Callable[[int, float], bool | None] | None = None,
+) -> int:
+    """Train ``model`` in place for ``cfg.steps`` steps; ``on_step(step, loss)`` runs after every step and
+    stops training early when it returns True. Returns the number of steps taken.
 
     Rows are drawn as seeded per-epoch permutations of the split (``random.Random(cfg.seed)``).
     """
@@ -315,8 +316,9 @@ def pretrain(
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         sched.step()
-        if on_step is not None:
-            on_step(step, loss.item())
+        if on_step is not None and on_step(step, loss.item()):
+            return step
+    return cfg.steps
 
 
 def save_model(model: Any, processor: Any, out_dir: Path, info: dict[str, Any]) -> None:
@@ -363,6 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-new-tokens", type=int, default=PretrainConfig.max_new_tokens, help="held-out decoding budget"
     )
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="CUDA: TF32 matmuls and non-deterministic kernels (several times faster; not bitwise reproducible)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop after this many training seconds (then score and save as at the last step)",
+    )
     parser.add_argument("--eval-at", default="", help="comma-separated steps at which to log held-out F1")
     parser.add_argument(
         "--snapshot-at", default="", help="comma-separated steps at which to save OUT.step_K.safetensors"
@@ -375,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     if args.device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = args.fast
+        torch.use_deterministic_algorithms(not args.fast, warn_only=True)
     cfg = PretrainConfig(
         steps=args.steps,
         batch=args.batch,
@@ -417,8 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     start = time.perf_counter()
 
-    def on_step(step: int, loss: float) -> None:
+    def on_step(step: int, loss: float) -> bool:
         losses.append(loss)
+        out_of_time = args.max_seconds is not None and time.perf_counter() - start > args.max_seconds
+        if out_of_time and step < cfg.steps:
+            logger.info("--max-seconds %.0f reached at step %d", args.max_seconds, step)
+            eval_at.add(step)
         if step % 50 == 0:
             logger.info(
                 "step %d loss %.4f (%.1f s)",
@@ -445,12 +462,13 @@ def main(argv: list[str] | None = None) -> int:
             save_weights(
                 model, (args.snapshot_dir or args.out.parent) / f"{args.out.name}.step_{step}.safetensors"
             )
+        return out_of_time
 
     if cfg.steps == 0:  # score the loaded model only
         print(json.dumps(detection_metrics(model, processor, held_out, cfg.max_new_tokens, args.device)))
         return 0
-    pretrain(model, train, cfg, args.device, processor.tokenizer.pad_token_id, on_step)
-    info |= {"steps": cfg.steps, "train_seconds": round(time.perf_counter() - start, 1), "curve": curve}
+    steps = pretrain(model, train, cfg, args.device, processor.tokenizer.pad_token_id, on_step)
+    info |= {"steps": steps, "fast": args.fast, "train_seconds": round(time.perf_counter() - start, 1), "curve": curve}
     save_model(model, processor, args.out, info)
     print(json.dumps(curve))
     return 0 if math.isfinite(losses[-1]) else 1
