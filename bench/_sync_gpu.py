@@ -327,9 +327,9 @@ def kill_check(args: Any, emit: Emitter, model: Any, preset: str, transport: str
     old weights at the old version, and take the next sync once the dead group has timed out."""
     import subprocess
 
-    from learner.rollout.base import SyncError
     from learner.rollout.server_source import ServerRolloutSource
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
+    from learner.weights.types import SyncError
 
     timeout_s = args.kill_timeout_s
     with ServerRolloutSource([base], timeout_s=900, transport=transport, bucket_mb=args.bucket_mb,
@@ -370,8 +370,8 @@ def _kill_child(
     base: str, preset: str, bucket_mb: int, transport: str, timeout_s: float, device: str, kill_at: int
 ) -> None:
     """The learner that dies mid-broadcast (see `kill_check`)."""
-    from learner.rollout.collective import CollectiveSender
     from learner.rollout.server_source import ServerRolloutSource
+    from learner.weights.collective import CollectiveSender
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     model = make_model(preset, device, seed=2)

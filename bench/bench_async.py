@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_learner import BASE_CONFIG, _device_name, build_demo_assets, read_metrics, run_learner  # noqa: E402
 from launcher_utils import exit_on_signals, free_port, stop, wait_ready  # noqa: E402
 
+from shared_schemas.sync import TRANSPORT_NAMES  # noqa: E402
+
 TARGET_RATIO = 1.6
 TRAIN_KEYS = ("time/forward_s", "time/backward_s", "time/rollout_parse_match_s", "time/post_rollout_pack_s")
 """The learner's own work per step (forward/backward and host-side stage-2), timed in each run."""
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-gpu", default=None, help="CUDA_VISIBLE_DEVICES of the server process")
     parser.add_argument("--learner-gpu", default=None, help="CUDA_VISIBLE_DEVICES of each learner run")
     parser.add_argument(
-        "--transport", choices=["http", "shm", "gloo", "nccl"], default=None,
+        "--transport", choices=TRANSPORT_NAMES, default=None,
         help="rollout.sync.transport (default: the demo config's shm)",
     )  # fmt: skip
     args = parser.parse_args(argv)

@@ -44,6 +44,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_server import build_sync_model, emit, ours, running  # noqa: E402
 
+from shared_schemas.sync import TRANSPORT_NAMES  # noqa: E402
+
 PRESET = dict(
     hidden_size=1024,
     intermediate_size=3072,
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=None, help="default 128, or 512 with --gpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--transports", nargs="+", default=None, choices=["http", "shm", "gloo", "nccl"],
+        "--transports", nargs="+", default=None, choices=TRANSPORT_NAMES,
         help="default http shm gloo, or nccl http shm with --gpu",
     )  # fmt: skip
     parser.add_argument("--gpu", action="store_true", help="learner GPU 0 -> HF server GPU 1 (see above)")

@@ -27,13 +27,15 @@ leaves every server on its old weights).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "BUCKET_PATH",
     "BUCKET_SHM_PATH",
+    "BUCKET_SHM_PATH",
+    "COLLECTIVE_BACKENDS",
     "DTYPE_NBYTES",
     "SYNC_ABORT_PATH",
     "SYNC_BEGIN_PATH",
@@ -52,8 +54,22 @@ __all__ = [
     "SyncManifest",
     "SyncPrepareRequest",
     "SyncPrepareResponse",
+    "TRANSPORT_NAMES",
+    "CollectiveBackend",
     "TensorSpec",
+    "TransportName",
 ]
+
+CollectiveBackend = Literal["gloo", "nccl"]
+"""The collective transports: one process group over the learner and every server (`gloo` on CPU hosts,
+`nccl` on GPUs)."""
+TransportName = Literal["http", "shm", CollectiveBackend]
+"""Every weight-sync transport (`rollout.sync.transport`), spelled here only: the learner's config, transports
+and report, the server's receivers and the begin request's collective backend all use these names."""
+TRANSPORT_NAMES: tuple[str, ...] = get_args(TransportName)
+"""`TransportName`'s names, in order (registries accept these only)."""
+COLLECTIVE_BACKENDS: tuple[str, ...] = get_args(CollectiveBackend)
+"""`CollectiveBackend`'s names."""
 
 SYNC_BEGIN_PATH = "/sync_weights/begin"
 BUCKET_PATH = "/sync_weights/{sync_id}/buckets/{index}"
@@ -205,7 +221,7 @@ class CollectiveSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
 
-    backend: Literal["gloo", "nccl"]
+    backend: CollectiveBackend
     """`gloo` (CPU hosts) or `nccl` (GPUs)."""
     master_address: str = Field(min_length=1, max_length=255)
     """Address of the learner's rendezvous store, as the server reaches it."""

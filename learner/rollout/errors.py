@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from learner.rollout.base import SyncRejected
+from learner.weights.types import SyncRejected
 from shared_schemas.errors import ErrorEnvelope
 
 __all__ = [

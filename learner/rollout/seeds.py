@@ -8,6 +8,8 @@ the seeds of one optimizer step collision-free: ``dp_world_size * per_device_bat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shared_schemas.infer import SEED_MASK
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "check_seed_layout",
     "request_index",
     "request_seed",
+    "stage2_seed_plan",
 ]
 
 STEP_STRIDE = 1_000_003
@@ -72,3 +75,16 @@ def check_seed_layout(dp_world_size: int, per_device_batch_size: int, gas: int) 
             f"gradient_accumulation_steps {gas} > {MAX_GAS}: per-request rollout seeds would collide across "
             "optimizer steps; lower training.gradient_accumulation_steps"
         )
+
+
+def stage2_seed_plan(seed: int) -> Callable[[int], str]:
+    """Stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`request_seed`)."""
+
+    def plan(global_step: int) -> str:
+        base = request_seed(seed, global_step, 0, 0)
+        return (
+            f"seed plan: training.seed {seed} + step {global_step} x {STEP_STRIDE}"
+            f" + micro x {MICRO_STRIDE} + request index (step base {base})"
+        )
+
+    return plan

@@ -21,19 +21,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 
-from learner.rollout.base import (
-    ResultMismatchError,
-    SyncError,
-    SyncRejected,
-    SyncReport,
-    WeightUpdate,
-    check_results,
-    staleness,
-)
+from learner.rollout.base import ResultMismatchError, check_results, staleness
 from learner.rollout.client import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
 from learner.rollout.errors import (
     InferFailed,
@@ -44,12 +36,13 @@ from learner.rollout.errors import (
     ServerUnreachable,
     format_indices,
 )
-from learner.rollout.transports import Transport, TransportOptions, build_transport
+from learner.weights.transports import Transport, TransportOptions, build_transport
+from learner.weights.types import SyncError, SyncRejected, SyncReport, WeightUpdate
 from shared_schemas.buckets import plan_buckets
 from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
-from shared_schemas.sync import CollectiveSpec, SyncManifest
+from shared_schemas.sync import CollectiveSpec, SyncManifest, TransportName
 
 if TYPE_CHECKING:
     from learner.config import RolloutConfig
@@ -113,7 +106,7 @@ class ServerRolloutSource:
 
     Every call is bounded by the client timeouts, so a failure is raised, never a hang, never a drop.
     `sync_weights` sends every bucket to EVERY server through one weight-sync transport
-    (`learner.rollout.transports`): `http` (bucket bodies), `shm` (files in the shared staging directory, all
+    (`learner.weights.transports`): `http` (bucket bodies), `shm` (files in the shared staging directory, all
     servers on this host), `gloo` (one broadcast per bucket over ONE process group that spans the learner and
     every server, packed on the host: the learner's link carries one copy whatever the number of servers) or
     `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always carries
@@ -145,7 +138,7 @@ class ServerRolloutSource:
         timeout_s: float = 240.0,
         infer_timeout_s: float | None = None,
         auth_token: str | None = None,
-        transport: Literal["http", "shm", "gloo", "nccl"] = "http",
+        transport: TransportName = "http",
         shm_dir: str | Path | None = None,
         bucket_mb: float = 512,
         collective_address: str | None = None,

@@ -21,6 +21,7 @@ from learner.data.prompt_encoding import PromptEncoder
 from learner.data.records import build_sample, load_records, record_user_text
 from learner.policy import Policy, load_policy
 from learner.rollout.base import RolloutSource
+from learner.rollout.seeds import stage2_seed_plan
 from learner.stage2.coords import CoordVocab
 from learner.stage2.pipeline import SampleContext
 from learner.stage2.rollout_reuse import RolloutBuffer
@@ -30,7 +31,7 @@ from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from learner.trainers.rollout_matching import RolloutMatchingTrainer
 from learner.trainers.strategy import StrategyCallback
-from learner.weights.sync import WeightSyncPolicy, stage2_seed_plan
+from learner.weights.sync import WeightSyncPolicy
 
 __all__ = [
     "REPO_ROOT",

@@ -33,8 +33,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from learner.rollout.base import RolloutSource, SyncError, SyncReport, WeightUpdate
-from learner.rollout.seeds import MICRO_STRIDE, STEP_STRIDE, request_seed
+from learner.rollout.base import RolloutSource
 from learner.weights.export import (
     adapter_state,
     exported_state,
@@ -43,11 +42,13 @@ from learner.weights.export import (
     is_peft_model,
     is_zero3,
 )
+from learner.weights.types import SyncError, SyncReport, WeightUpdate
 from shared_schemas.config import ConfigSection
+from shared_schemas.sync import TransportName
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_ADAPTER_NAME", "SyncConfig", "WeightSyncPolicy", "stage2_seed_plan"]
+__all__ = ["DEFAULT_ADAPTER_NAME", "SyncConfig", "WeightSyncPolicy"]
 
 DEFAULT_ADAPTER_NAME = "rollmatch"
 """Name the synced adapter is served under (requests reference it in `request_config.adapter`)."""
@@ -61,12 +62,12 @@ class SyncConfig(ConfigSection):
     LoRA and the model is a PEFT model, else full."""
     fallback_to_full: bool = True
     """On any adapter-sync failure: warn once, sync full now and for the rest of the run."""
-    transport: Literal["http", "shm", "gloo", "nccl"] = "http"
+    transport: TransportName = "http"
     """Server mode: buckets as HTTP bodies; as files in the shared staging dir (same host only); or broadcast
     over ONE process group with every server, one broadcast per bucket (`gloo` on CPU hosts, packed on the
     host; `nccl` on GPUs, packed on the learner's GPU and never through host memory: HTTP then carries only
     the control; full syncs only, adapter syncs stay on HTTP). Implementations:
-    `learner.rollout.transports`."""
+    `learner.weights.transports`."""
     bucket_mb: int = Field(default=512, ge=1)
     """Upper bound of one safetensors bucket, MiB."""
     shm_dir: str | None = None
@@ -77,7 +78,7 @@ class SyncConfig(ConfigSection):
     the headers and each server's load reads the learner's memory directly (the learner's copy into the
     files, bytes / memcpy, is gone; the tmpfs is the one the files used anyway). A file is trained in only
     after every server's commit has loaded it and let it go; a failed sync first moves the parameters back
-    into private memory. False: every sync copies every byte (`learner.rollout.transports.shm.ShmStager`)."""
+    into private memory. False: every sync copies every byte (`learner.weights.transports.shm.ShmStager`)."""
     collective_address: str | None = None
     """`gloo`/`nccl`: this host's address as the servers reach it (the group's rendezvous store listens
     there); None = `127.0.0.1`, allowed only when every server is on this host."""
@@ -99,8 +100,8 @@ class WeightSyncPolicy:
         seed: `training.seed`, logged with each sync.
         adapter_name: name the adapter is served under in adapter mode.
         seed_plan: the trainer's per-request seed formula for a step, logged with each sync (stage 2:
-            `stage2_seed_plan(seed)`); None logs only `training.seed`, never another trainer's formula
-            (GRPO seeds its requests per prompt, `learner.grpo.rollouts.prompt_seed`).
+            `learner.rollout.seeds.stage2_seed_plan(seed)`); None logs only `training.seed`, never another
+            trainer's formula (GRPO seeds its requests per prompt, `learner.grpo.rollouts.prompt_seed`).
     """
 
     def __init__(
@@ -309,19 +310,6 @@ class WeightSyncPolicy:
         if self._seed is None:
             return "seed plan: per-request seeds from the batch"
         return f"seed plan: training.seed {self._seed} (per-request seeds set by the trainer)"
-
-
-def stage2_seed_plan(seed: int) -> Callable[[int], str]:
-    """Stage-2 trainer's seed plan line for `WeightSyncPolicy(seed_plan=...)` (`learner.rollout.seeds`)."""
-
-    def plan(global_step: int) -> str:
-        base = request_seed(seed, global_step, 0, 0)
-        return (
-            f"seed plan: training.seed {seed} + step {global_step} x {STEP_STRIDE}"
-            f" + micro x {MICRO_STRIDE} + request index (step base {base})"
-        )
-
-    return plan
 
 
 def _drain(items: Iterator[object]) -> None:

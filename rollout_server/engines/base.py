@@ -24,6 +24,7 @@ from rollout_server.errors import (
     UnknownAdapterError,
 )
 from shared_schemas.infer import InferBatch, InferResult
+from shared_schemas.sync import CollectiveBackend
 
 __all__ = [
     "AdapterUpdate",
@@ -122,7 +123,7 @@ class Rendezvous:
         first_rank: rank of this server's first receiver (the learner gives each server its block of ranks).
     """
 
-    backend: Literal["gloo", "nccl"]
+    backend: CollectiveBackend
     master_address: str
     master_port: int
     group: str

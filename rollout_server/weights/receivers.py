@@ -1,5 +1,5 @@
 """The server side of the weight-sync transports (`rollout.sync.transport`), mirroring the learner's
-`learner.rollout.transports`: one receiver per transport name, registered in `RECEIVERS`.
+`learner.weights.transports`: one receiver per transport name, registered in `RECEIVERS`.
 
 A receiver is how one sync's bytes reach the server's staging; `SyncStaging` (`weights.staging`) owns the
 state machine around it (begin, one staged sync at a time, commit/abort, timeouts, metrics) and asks the
@@ -46,7 +46,7 @@ class Receiver:
 
 
 RECEIVERS: dict[str, type[Receiver]] = {}
-"""Receiver classes by transport name (the learner's `learner.rollout.transports.TRANSPORTS`, mirrored)."""
+"""Receiver classes by transport name (the learner's `learner.weights.transports.TRANSPORTS`, mirrored)."""
 
 
 register = registrar(RECEIVERS, "weight-sync receiver")

@@ -21,7 +21,7 @@ bucket's header is checked against the manifest before its ack; the files of a d
 timed-out or finished sync are removed.
 
 How each transport's bytes come in (a body, an adopted file, the engine's receive over the learner's group) is
-`weights.receivers`, one receiver per `rollout.sync.transport` name, mirroring `learner.rollout.transports`.
+`weights.receivers`, one receiver per `rollout.sync.transport` name, mirroring `learner.weights.transports`.
 """
 
 from __future__ import annotations

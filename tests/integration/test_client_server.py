@@ -30,10 +30,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.server_source import InferFailed, ServerRolloutSource
 from learner.weights.export import adapter_state
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
+from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.conftest import ServerProcess
@@ -246,7 +246,7 @@ def test_killed_server_fails_fast_naming_it(
 def killed_mid_gloo_sync(
     vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path
 ) -> None:
-    from learner.rollout.collective import CollectiveSender
+    from learner.weights.collective import CollectiveSender
 
     seed0, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
     doomed = start_server(tiny_model_dir, tmp_path / "doomed", backend="hf", max_model_len=512)

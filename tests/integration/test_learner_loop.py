@@ -41,12 +41,12 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from learner.config import ConfigError, RunConfig
-from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import ColocateRolloutSource
 from learner.rollout.colocate.hf import HfColocateBackend
 from learner.rollout.server_source import InferFailed, ServerRolloutSource
 from learner.trainers.build import RunParts, build_run
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
+from learner.weights.types import WeightUpdate
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.learner_fixtures import (  # noqa: F401 - fixtures
     REPO,

@@ -99,8 +99,8 @@ def test_learner_modules_that_used_the_server_load_none_of_it() -> None:
     modules = [
         "learner.policy",
         "learner.data.prompt_encoding",
-        "learner.rollout.collective",
-        "learner.rollout.transports",
+        "learner.weights.collective",
+        "learner.weights.transports",
         "learner.rollout.colocate",
         "learner.trainers.packed_attention",
     ]

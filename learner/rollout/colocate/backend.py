@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from learner.rollout.base import WeightUpdate
+from learner.weights.types import WeightUpdate
 from shared_schemas.infer import InferBatch, InferResult
 
 __all__ = ["ColocateBackend", "EngineStartError", "EngineStatus"]

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate.backend import EngineStatus
 from learner.weights.export import is_peft_model, is_zero3
+from learner.weights.types import WeightUpdate
 from learner.yaml_loader import ConfigError
 from shared_schemas.images import request_messages
 from shared_schemas.infer import InferBatch, InferRequest, InferResult

@@ -26,8 +26,9 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from learner.rollout.base import SyncReport, WeightUpdate, check_results, staleness
+from learner.rollout.base import check_results, staleness
 from learner.rollout.colocate.backend import ColocateBackend
+from learner.weights.types import SyncReport, WeightUpdate
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
 

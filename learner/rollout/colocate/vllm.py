@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from torch import nn
 
-from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.colocate.backend import EngineStartError, EngineStatus
 from learner.rollout.colocate.loop_thread import LoopThread
 from learner.rollout.colocate.tp import TpGroup, TpLayout, current_cuda_device, engine_device_env, tp_layout
 from learner.rollout.colocate.weights import encode_full_update, encode_tensors
+from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from learner.yaml_loader import ConfigError
 from shared_schemas.infer import InferBatch, InferResult
 from shared_schemas.server_config import ServerConfig, VllmServerConfig

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
-from learner.rollout.base import SyncError
 from learner.weights.codec import DTYPE_CODES, raw_tensor
+from learner.weights.types import SyncError
 from shared_schemas.buckets import encode_bucket
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "encode_full_update", "encode_tensors"]

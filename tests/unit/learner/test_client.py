@@ -16,7 +16,6 @@ import httpx
 import pytest
 import torch
 
-from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.server_source import (
     InferFailed,
     RolloutClient,
@@ -26,6 +25,7 @@ from learner.rollout.server_source import (
     ServerRolloutSource,
     ServerUnreachable,
 )
+from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from shared_schemas.buckets import decode_bucket, plan_buckets
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult
 from shared_schemas.sync import SyncBeginRequest, SyncManifest
@@ -580,8 +580,8 @@ def test_collective_transport_needs_an_address_for_remote_servers(transport: str
 
 
 def test_flat_bucket_is_the_tensor_bytes_back_to_back() -> None:
-    from learner.rollout.collective import flat_bucket
     from learner.weights.codec import raw_tensor
+    from learner.weights.collective import flat_bucket
     from shared_schemas.buckets import bucket_parts
 
     items = {"a": torch.arange(3, dtype=torch.bfloat16), "b": torch.ones(2, 2), "c": torch.zeros(0)}

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.rollout.base import WeightUpdate
 from learner.rollout.colocate import ColocateRolloutSource
 from learner.rollout.colocate.hf import HfColocateBackend
+from learner.weights.types import WeightUpdate
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from shared_schemas.torch_common.prompts import encode_chat_prompt
 

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from learner.config import RunConfig
-from learner.rollout.base import SyncError, SyncRejected, WeightUpdate
 from learner.rollout.colocate import ColocateRolloutSource
 from learner.rollout.colocate.tp import engine_device_env, tp_layout
 from learner.rollout.colocate.vllm import (
@@ -25,6 +24,7 @@ from learner.rollout.colocate.vllm import (
     encode_full_update,
     server_config_for,
 )
+from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from learner.yaml_loader import ConfigError
 from rollout_server.engines.base import AdapterUpdate, EngineHealth, FullUpdate
 from rollout_server.errors import LoraDisabledError

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from pydantic import ValidationError
 from torch import nn
 
-from learner.rollout.base import SyncError, SyncRejected, SyncReport, WeightUpdate
 from learner.weights.sync import SyncConfig, WeightSyncPolicy
+from learner.weights.types import SyncError, SyncRejected, SyncReport, WeightUpdate
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
 

@@ -1,4 +1,4 @@
-"""Learner-side bucket streaming (`learner.rollout.sync_stream`): zero-copy parts, prefetch."""
+"""Learner-side bucket streaming (`learner.weights.sync_stream`): zero-copy parts, prefetch."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from learner.rollout.base import SyncError
-from learner.rollout.sync_stream import bucket_payloads, prefetched
 from learner.weights.codec import tensor_spec
+from learner.weights.sync_stream import bucket_payloads, prefetched
+from learner.weights.types import SyncError
 from shared_schemas.buckets import plan_buckets
 
 

@@ -1,4 +1,4 @@
-"""The shm transport's files (`learner.rollout.transports.shm.ShmStager`): atomic names, in-place reuse, and
+"""The shm transport's files (`learner.weights.transports.shm.ShmStager`): atomic names, in-place reuse, and
 the learner's parameters living in the files between syncs (never in a file a server may still read)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load, save_file
 
-from learner.rollout.sync_stream import bucket_payloads
-from learner.rollout.transports.shm import ShmStager
 from learner.weights.codec import tensor_spec
+from learner.weights.sync_stream import bucket_payloads
+from learner.weights.transports.shm import ShmStager
 from shared_schemas.buckets import plan_buckets
 
 
@@ -115,7 +115,7 @@ def test_shared_parameters_live_in_the_file_and_the_next_sync_writes_only_the_he
     with stager.staged(1, 0, one_bucket(params)):
         pass
     before = {n: p.detach().clone() for n, p in params.items()}
-    with caplog.at_level(logging.INFO, logger="learner.rollout.transports.shm"):
+    with caplog.at_level(logging.INFO, logger="learner.weights.transports.shm"):
         placed = stager.share(params.values())
         assert stager.share(params.values()) == 0  # nothing written since: nothing moves, nothing said
     (said,) = [r.getMessage() for r in caplog.records]

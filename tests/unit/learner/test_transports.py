@@ -1,4 +1,4 @@
-"""The weight-sync transports behind one interface (`learner.rollout.transports`): the registry, the nccl
+"""The weight-sync transports behind one interface (`learner.weights.transports`): the registry, the nccl
 transport's device packing (double buffer, in-place single tensors, the one host wait at the end) exercised on
 CPU tensors with a fake group, the policy's seed-plan line, and the ONE gloo group over every server (real
 gloo, each fake server's receivers on threads of this process): ranks, one broadcast per bucket, the prepare
@@ -17,10 +17,10 @@ import httpx
 import pytest
 import torch
 
-from learner.rollout.base import SyncError, WeightUpdate
-from learner.rollout.transports import TRANSPORTS, Transport, TransportOptions, build_transport, register
-from learner.rollout.transports import collective as collective_transport
-from learner.rollout.transports.collective import DeviceBucketPacker, NcclTransport
+from learner.weights.transports import TRANSPORTS, Transport, TransportOptions, build_transport, register
+from learner.weights.transports import collective as collective_transport
+from learner.weights.transports.collective import DeviceBucketPacker, NcclTransport
+from learner.weights.types import SyncError, WeightUpdate
 from rollout_server.engines.collective import open_receiver_group, receive_buckets
 from shared_schemas.buckets import plan_buckets
 from shared_schemas.sync import CollectiveSpec, SyncBeginRequest, SyncBeginResponse, SyncManifest, TensorSpec
@@ -160,7 +160,8 @@ def test_nccl_send_refuses_tensors_out_of_manifest_order(monkeypatch: pytest.Mon
 
 
 def test_seed_plan_names_the_stage2_formula_only_when_given(caplog: pytest.LogCaptureFixture) -> None:
-    from learner.weights.sync import SyncConfig, WeightSyncPolicy, stage2_seed_plan
+    from learner.rollout.seeds import stage2_seed_plan
+    from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     assert "x 1000003" not in WeightSyncPolicy(SyncConfig(), seed=7)._seed_plan(3)  # GRPO: no stage-2 formula
     assert "training.seed 7" in WeightSyncPolicy(SyncConfig(), seed=7)._seed_plan(3)
@@ -173,7 +174,7 @@ def test_seed_plan_names_the_stage2_formula_only_when_given(caplog: pytest.LogCa
 def test_sync_report_names_collective_transports() -> None:
     from typing import get_args, get_type_hints
 
-    from learner.rollout.base import SyncReport
+    from learner.weights.types import SyncReport
 
     assert set(get_args(get_type_hints(SyncReport)["transport"])) >= {
         "http",
@@ -372,7 +373,7 @@ def transport_fleet(source: Any) -> Any:
 
 
 def test_sender_plans_ranks_and_refuses_servers_out_of_step() -> None:
-    from learner.rollout.collective import CollectiveSender
+    from learner.weights.collective import CollectiveSender
 
     sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=5)
     urls = URLS[:3]

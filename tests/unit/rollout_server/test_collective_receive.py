@@ -158,7 +158,7 @@ def test_hf_commit_rebinds_parameters_to_the_received_buffers() -> None:
 
 
 def test_the_server_receives_every_transport_the_learner_sends() -> None:
-    from learner.rollout.transports import TRANSPORTS
+    from learner.weights.transports import TRANSPORTS
     from rollout_server.weights.receivers import RECEIVERS, CollectiveReceiver, FileReceiver
 
     assert set(RECEIVERS) == set(TRANSPORTS)

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from learner.rollout.base import SyncError
-from learner.rollout.sync_stream import BucketParts, is_loopback_url
-from learner.rollout.transports.base import PartsTransport, TransportOptions, register
+from learner.weights.sync_stream import BucketParts, is_loopback_url
+from learner.weights.transports.base import PartsTransport, TransportOptions, register
+from learner.weights.types import SyncError
 from shared_schemas.sync import BucketSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.base import WeightUpdate
     from learner.rollout.client import SyncSession
+    from learner.weights.types import WeightUpdate
 
 __all__ = ["ShmStager", "ShmTransport"]
 

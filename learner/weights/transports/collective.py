@@ -1,5 +1,5 @@
 """`gloo` and `nccl`: each bucket is ONE broadcast over ONE process group that spans the learner and every
-server (`learner.rollout.collective.CollectiveSender`; the receivers are `rollout_server.engines.collective`).
+server (`learner.weights.collective.CollectiveSender`; the receivers are `rollout_server.engines.collective`).
 
 The group is planned when the sender has none over these servers: each server's `/health` says how many
 receivers it brings (`collective_ranks`), and each begin carries the group's world size and the server's first
@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from learner.rollout.base import SyncError
 from learner.rollout.client import RolloutClient
-from learner.rollout.collective import CollectiveError, CollectiveSender, flat_bucket
 from learner.rollout.errors import ServerError, ServerUnreachable
-from learner.rollout.sync_stream import BucketParts, is_loopback_url
-from learner.rollout.transports.base import PartsTransport, TensorItems, Transport, TransportOptions, register
+from learner.weights.collective import CollectiveError, CollectiveSender, flat_bucket
+from learner.weights.sync_stream import BucketParts, is_loopback_url
+from learner.weights.transports.base import PartsTransport, TensorItems, Transport, TransportOptions, register
+from learner.weights.types import SyncError
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ own link carries one copy of the weights, not one per server. The group is built
 `shared_schemas.torch_common.process_group.process_group`, the same builder the receivers use; the server side
 is `rollout_server.engines.collective` (the vLLM workers receive through vLLM's weight-transfer engine API,
 the HF engine in its process). How buckets are packed — on the host for gloo, on the GPU for NCCL — is
-`learner.rollout.transports.collective`.
+`learner.weights.transports.collective`.
 
 A group outlives one sync (the same token is sent again, and every server reuses its part of it); any failure
 — one server dead, restarted or timed out — drops the whole group, and the next sync plans and forms a new one
@@ -28,12 +28,12 @@ import secrets
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from learner.rollout.base import SyncError
-from shared_schemas.sync import CollectiveSpec, SyncBeginResponse
+from learner.weights.types import SyncError
+from shared_schemas.sync import CollectiveBackend, CollectiveSpec, SyncBeginResponse
 from shared_schemas.torch_common.process_group import process_group, retire_group, wait_works
 
 __all__ = ["CollectiveError", "CollectiveSender", "flat_bucket"]
@@ -106,7 +106,7 @@ class CollectiveSender:
         timeout_s: limit of every rendezvous and broadcast (`rollout.sync.collective_timeout_s`).
     """
 
-    def __init__(self, backend: Literal["gloo", "nccl"], address: str, timeout_s: float) -> None:
+    def __init__(self, backend: CollectiveBackend, address: str, timeout_s: float) -> None:
         self.backend = backend
         self.address = address
         self.timeout_s = timeout_s

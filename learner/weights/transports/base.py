@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from learner.rollout.sync_stream import BucketParts, bucket_payloads, prefetched
+from learner.weights.sync_stream import BucketParts, bucket_payloads, prefetched
 from shared_schemas.registry import registrar
-from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
+from shared_schemas.sync import TRANSPORT_NAMES, BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.base import WeightUpdate
     from learner.rollout.client import RolloutClient, SyncSession
+    from learner.weights.types import WeightUpdate
 
 __all__ = ["TRANSPORTS", "Transport", "TransportOptions", "build_transport", "register"]
 
@@ -149,7 +149,7 @@ TRANSPORTS: dict[str, type[Transport]] = {}
 """Transport classes by `rollout.sync.transport` name."""
 
 
-register = registrar(TRANSPORTS, "weight-sync transport")
+register = registrar(TRANSPORTS, "weight-sync transport", TRANSPORT_NAMES)
 """Class decorator: `@register(name)` adds a class to `TRANSPORTS` under `name` (once)."""
 
 

@@ -3,7 +3,7 @@
 A `WeightUpdate` is consumed once, in manifest order. A bucket is never assembled into one blob: it is its
 safetensors header plus VIEWS of the tensors' own memory (`bucket_parts`), written into the shm file or sent
 as the HTTP body directly from there (the only copy on the learner is the one into the file or the socket;
-none with shm's shared parameters, `learner.rollout.transports.shm`).
+none with shm's shared parameters, `learner.weights.transports.shm`).
 `prefetched` builds bucket k+1 (export: merge-time casts, ZeRO-3 gathers, CPU moves) on a helper thread while
 bucket k travels, so at most two buckets of exported tensors are alive at a time.
 """
@@ -19,8 +19,8 @@ from typing import TypeVar
 import httpx
 import torch
 
-from learner.rollout.base import SyncError
 from learner.weights.codec import raw_tensor
+from learner.weights.types import SyncError
 from shared_schemas.buckets import RawTensor, bucket_parts
 from shared_schemas.sync import BucketSpec
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from learner.rollout.sync_stream import BucketParts
-from learner.rollout.transports.base import PartsTransport, register
+from learner.weights.sync_stream import BucketParts
+from learner.weights.transports.base import PartsTransport, register
 from shared_schemas.sync import BucketSpec, SyncManifest
 
 if TYPE_CHECKING:
