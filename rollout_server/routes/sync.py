@@ -1,7 +1,7 @@
 """`/sync_weights/...`: begin → buckets (HTTP body or shm file name) → [prepare] → commit | abort.
 
 The route split is documented in `shared_schemas.sync`; the state machine lives in
-`rollout_server.weights.staging`.
+`rollout_server.weights.staging`, each transport's way in in `rollout_server.weights.receivers`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Path, Request
 
 from rollout_server.deps import EngineDep, StateDep, get_engine
 from rollout_server.errors import ERROR_RESPONSES
+from rollout_server.weights.receivers import HttpReceiver, ShmReceiver
 from shared_schemas.sync import (
     BUCKET_PATH,
     BUCKET_SHM_PATH,
@@ -51,7 +52,7 @@ async def begin(body: SyncBeginRequest, state: StateDep, engine: EngineDep) -> S
 async def put_bucket(sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep) -> BucketAck:
     """Stages one bucket sent as the safetensors body (`application/octet-stream`), streamed into its
     staging file as it arrives."""
-    return await state.staging.put_bucket(sync_id, index, request.stream())
+    return await state.staging.receive(sync_id, index, request.stream(), HttpReceiver.name)
 
 
 @router.post(
@@ -61,7 +62,7 @@ async def put_shm_bucket(
     sync_id: SyncId, index: BucketIndex, body: ShmBucketRef, state: StateDep
 ) -> BucketAck:
     """Stages one bucket the learner wrote into the server's staging directory (named by file name)."""
-    return await state.staging.put_shm_bucket(sync_id, index, body)
+    return await state.staging.receive(sync_id, index, body, ShmReceiver.name)
 
 
 @router.post(SYNC_PREPARE_PATH, response_model=SyncPrepareResponse, responses=ERROR_RESPONSES)
