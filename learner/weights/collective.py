@@ -209,12 +209,7 @@ class CollectiveSender:
         try:
             return [group.broadcast(flat, 0, datetime.timedelta(seconds=self.timeout_s))]
         except Exception as exc:
-            servers = self._servers()
-            self.drop()
-            raise CollectiveError(
-                f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}: "
-                f"{exc})"
-            ) from exc
+            raise self._broadcast_failed(index, exc) from exc
 
     def finish(self, works: Sequence[Any], index: int) -> None:
         """Waits on the host, bounded by the timeout, until `works` (the last bucket's) are done.
@@ -242,12 +237,16 @@ class CollectiveSender:
         try:
             group.broadcast(flat, 0, datetime.timedelta(seconds=self.timeout_s)).wait()
         except Exception as exc:
-            servers = self._servers()
-            self.drop()
-            raise CollectiveError(
-                f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}:"
-                f" {exc}); a server's receiver died or timed out"
-            ) from exc
+            raise self._broadcast_failed(index, exc, "; a server's receiver died or timed out") from exc
+
+    def _broadcast_failed(self, index: int, exc: Exception, hint: str = "") -> CollectiveError:
+        """The error of bucket `index`'s failed broadcast (the group is dropped)."""
+        servers = self._servers()
+        self.drop()
+        return CollectiveError(
+            f"{self.backend} broadcast of bucket {index} to {servers} failed ({type(exc).__name__}:"
+            f" {exc}){hint}"
+        )
 
     def drop(self) -> None:
         """Forgets the group (after a failure: the next sync plans a new one). The group object is retired,

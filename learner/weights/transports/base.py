@@ -38,9 +38,13 @@ if TYPE_CHECKING:
     from learner.rollout.client import RolloutClient, SyncSession
     from learner.weights.types import WeightUpdate
 
-__all__ = ["TRANSPORTS", "Transport", "TransportOptions", "build_transport", "register"]
+__all__ = ["TRANSPORTS", "Sessions", "Stages", "Transport", "TransportOptions", "build_transport", "register"]
 
 TensorItems = Iterator[tuple[str, torch.Tensor]]
+Sessions = Sequence["SyncSession"]
+"""The sync's sessions, one per server, in order."""
+Stages = dict[str, float]
+"""Seconds (and bytes) of a sync's stages, by name (`SyncReport` timings)."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,7 @@ class Transport:
     def joined(self, sessions: Sequence[SyncSession]) -> None:
         """Called once every server has answered its begin."""
 
-    def send(
-        self,
-        sessions: Sequence[SyncSession],
-        manifest: SyncManifest,
-        items: TensorItems,
-        stages: dict[str, float],
-    ) -> None:
+    def send(self, sessions: Sessions, manifest: SyncManifest, items: TensorItems, stages: Stages) -> None:
         """Moves every bucket of `manifest` (tensors from `items`, in manifest order) to every session.
 
         Adds its seconds to `stages["produce_s"]` (waiting for the export) and `stages["upload_s"]`.
@@ -115,13 +113,7 @@ class PartsTransport(Transport):
     """A transport that sends each bucket as safetensors parts (header + tensor bytes on the host), built one
     bucket ahead on a helper thread (`sync_stream.prefetched`); subclasses implement `send_bucket`."""
 
-    def send(
-        self,
-        sessions: Sequence[SyncSession],
-        manifest: SyncManifest,
-        items: TensorItems,
-        stages: dict[str, float],
-    ) -> None:
+    def send(self, sessions: Sessions, manifest: SyncManifest, items: TensorItems, stages: Stages) -> None:
         mark = time.perf_counter()
         payloads = prefetched(bucket_payloads(manifest.buckets, items))
         try:

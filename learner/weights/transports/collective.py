@@ -37,7 +37,15 @@ from learner.rollout.client import RolloutClient
 from learner.rollout.errors import ServerError, ServerUnreachable
 from learner.weights.collective import CollectiveError, CollectiveSender, flat_bucket
 from learner.weights.sync_stream import BucketParts, is_loopback_url
-from learner.weights.transports.base import PartsTransport, TensorItems, Transport, TransportOptions, register
+from learner.weights.transports.base import (
+    PartsTransport,
+    Sessions,
+    Stages,
+    TensorItems,
+    Transport,
+    TransportOptions,
+    register,
+)
 from learner.weights.types import SyncError
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
@@ -56,7 +64,7 @@ class _Collective(Transport):
     handling. Subclasses define `send_buckets` (`send`'s arguments): every bucket, one broadcast each."""
 
     full_only = True
-    send_buckets: Callable[[Sequence[SyncSession], SyncManifest, TensorItems, dict[str, float]], None]
+    send_buckets: Callable[[Sessions, SyncManifest, TensorItems, Stages], None]
 
     def __init__(self, options: TransportOptions) -> None:
         super().__init__(options)
@@ -98,13 +106,7 @@ class _Collective(Transport):
         except CollectiveError as exc:  # the rendezvous: a server may be gone
             raise self.blame(exc, sessions) from exc
 
-    def send(
-        self,
-        sessions: Sequence[SyncSession],
-        manifest: SyncManifest,
-        items: TensorItems,
-        stages: dict[str, float],
-    ) -> None:
+    def send(self, sessions: Sessions, manifest: SyncManifest, items: TensorItems, stages: Stages) -> None:
         try:
             self.send_buckets(sessions, manifest, items, stages)
             if len(sessions) > 1:
@@ -279,11 +281,7 @@ class NcclTransport(_Collective):
     """Device path: buckets packed on the learner's GPU, double-buffered, broadcast over NCCL."""
 
     def send_buckets(
-        self,
-        sessions: Sequence[SyncSession],
-        manifest: SyncManifest,
-        items: TensorItems,
-        stages: dict[str, float],
+        self, sessions: Sessions, manifest: SyncManifest, items: TensorItems, stages: Stages
     ) -> None:
         packer: DeviceBucketPacker | None = None
         works: list[Any] = []

@@ -25,21 +25,9 @@ from rollout_server.errors import ConflictError, EngineError, SyncValidationErro
 from rollout_server.weights.receivers.base import Receiver, ReceiverOptions, StagedSync, Transfer, register
 from shared_schemas.sync import SyncBeginRequest, SyncManifest
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["CollectiveReceiver", "CollectiveTransfer", "GlooReceiver", "NcclReceiver"]
 
-
-@dataclass
-class CollectiveTransfer(Transfer):
-    """One collective sync: the group its buckets are broadcast over, and the engine receiving them."""
-
-    rendezvous: Rendezvous
-    receiving: asyncio.Task[None] | None = None
-    """The engine receiving the broadcasts, started at begin, awaited at prepare and commit."""
-
-    def __post_init__(self) -> None:
-        self.transport = self.rendezvous.backend
+logger = logging.getLogger(__name__)
 
 
 class CollectiveReceiver(Receiver):
@@ -208,6 +196,18 @@ class GlooReceiver(CollectiveReceiver):
 @register("nccl")
 class NcclReceiver(CollectiveReceiver):
     """`nccl` (GPUs; received into device buffers): see `CollectiveReceiver`."""
+
+
+@dataclass
+class CollectiveTransfer(Transfer):
+    """One collective sync: the group its buckets are broadcast over, and the engine receiving them."""
+
+    rendezvous: Rendezvous
+    receiving: asyncio.Task[None] | None = None
+    """The engine receiving the broadcasts, started at begin, awaited at prepare and commit."""
+
+    def __post_init__(self) -> None:
+        self.transport = self.rendezvous.backend
 
 
 def collective_transfer(sync: StagedSync) -> CollectiveTransfer:
