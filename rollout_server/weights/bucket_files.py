@@ -1,5 +1,6 @@
 """Staged bucket files of a weight sync: taking over an shm bucket by name, streaming an HTTP body into a
-file, checking a file's safetensors header against its manifest entry (`staging.SyncStaging` drives them).
+file (`receivers.shm`, `receivers.http`), checking a file's safetensors header against its manifest entry
+(`staging.SyncStaging`).
 
 Every function here is file I/O only: no sync state, no engine.
 """
