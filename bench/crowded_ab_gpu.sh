@@ -7,7 +7,7 @@
 #   SEEDS=0,1,2,3,4,5,6,7 ARMS=sft,rm-reorder bash bench/crowded_ab_gpu.sh
 #
 # Knobs (environment): TASK (crowded-random), SEEDS, ARMS, STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128),
-# STAGE1_STEPS (3000), STAGE1_EVERY (500), PREPARE_ONLY (1: stop after the base).
+# STAGE1_STEPS (1400), STAGE1_EVERY (200), PREPARE_ONLY (1: stop after the base).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-crowded-random}
@@ -19,7 +19,7 @@ EVAL_SAMPLES=${EVAL_SAMPLES:-128}
 PY=${PY:-python3}
 NGPU=$(nvidia-smi -L | wc -l)
 common=(--task "$TASK" --colocate --base-steps 0 --steps "$STEPS" --eval-every "$EVAL_EVERY"
-        --eval-samples "$EVAL_SAMPLES" --stage1-steps "${STAGE1_STEPS:-3000}" --stage1-every "${STAGE1_EVERY:-500}")
+        --eval-samples "$EVAL_SAMPLES" --stage1-steps "${STAGE1_STEPS:-1400}" --stage1-every "${STAGE1_EVERY:-200}")
 out=runs/ab/$TASK
 mkdir -p "$out/logs"
 t0=$(date +%s)

@@ -65,8 +65,10 @@ from learner.data.messages import rollout_messages  # noqa: E402
 from learner.data.records import build_sample, load_records  # noqa: E402
 from learner.demo_data.images import DEMO_SYSTEM_PROMPT, DEMO_USER_PROMPT  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
+from learner.stage2.gt import extract_gt  # noqa: E402
 from learner.stage2.matching.match import MatchingConfig  # noqa: E402
 from learner.stage2.pipeline import eval_metrics, score_rollout  # noqa: E402
+from learner.stage2.targets.y_train import answer_ids  # noqa: E402
 from shared_schemas.infer import Choice, InferResult  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,21 @@ class EncodedSet:
     prompt_mm_types: list[int] | None = None
 
 
+def answer_token_ids(sample: dict[str, Any], tokenizer: Any, coord_vocab: CoordVocab) -> list[int]:
+    """The supervised ids of one row: the GT answer in the learner's plain-GT token path
+    (``learner.stage2.targets.y_train.answer_ids``: ``{`` alone, then the entries and the close as one
+    fragment), then ``<|im_end|>``.
+
+    Not ``tokenizer.encode(answer)``: that merges the opening ``{"`` into one token, a path the learner's
+    plain-GT and ``reorder`` targets never train. A stage-1 trained on it (the crowded model of 2026-11-27,
+    F1 0.78) lost every answer within 8 learner steps at lr 3e-4: it began answers with ``object_1"`` and
+    parsed to nothing (bench/RESULTS.md "Crowded scenes"); the text demo collapsed the same way the other
+    way round (issue 23).
+    """
+    objects = extract_gt(sample["gt_objects"], sample["sample_id"], policy="raise").objects
+    return answer_ids(objects, tokenizer, coord_vocab) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
 def load_split(
     processor: Any,
     jsonl: Path,
@@ -142,7 +159,7 @@ def load_split(
         ValueError: the images of the split do not all give the same prompt (different sizes).
     """
     tok = processor.tokenizer
-    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    coord_vocab = CoordVocab.from_tokenizer(tok)
     records = load_records(jsonl)[:limit]
     prompt_ids: list[int] | None = None
     out = EncodedSet([], [], [], [], [])
@@ -158,7 +175,6 @@ def load_split(
             seed=seed,
             include_assistant=True,
         )
-        answer = sample["messages"][-1]["content"]
         image = Image.open(sample["images"][0]).convert("RGB")
         text = processor.apply_chat_template(
             rollout_messages(sample["messages"], system_prompt),
@@ -173,7 +189,10 @@ def load_split(
                 out.prompt_mm_types = enc["mm_token_type_ids"][0].tolist()
         elif ids != prompt_ids:
             raise ValueError(f"{jsonl}: record {i} gives another prompt (image size differs from record 0)")
-        out.answers.append(tok.encode(answer, add_special_tokens=False) + [eot])
+        ids = answer_token_ids(sample, tok, coord_vocab)
+        if tok.decode(ids[:-1]) != sample["messages"][-1]["content"]:
+            raise ValueError(f"{jsonl}: record {i}: the answer's token path does not decode to its text")
+        out.answers.append(ids)
         out.pixel_values.append(enc["pixel_values"])
         out.grid_thw.append(enc["image_grid_thw"])
         out.samples.append(sample)
@@ -368,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fast",
         action="store_true",
-        help="CUDA: TF32 matmuls and non-deterministic kernels (several times faster; not bitwise reproducible)",
+        help="CUDA: TF32 matmuls and non-deterministic kernels (faster; not bitwise reproducible)",
     )
     parser.add_argument(
         "--max-seconds",
@@ -468,7 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(detection_metrics(model, processor, held_out, cfg.max_new_tokens, args.device)))
         return 0
     steps = pretrain(model, train, cfg, args.device, processor.tokenizer.pad_token_id, on_step)
-    info |= {"steps": steps, "fast": args.fast, "train_seconds": round(time.perf_counter() - start, 1), "curve": curve}
+    info |= {
+        "steps": steps,
+        "fast": args.fast,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "curve": curve,
+    }
     save_model(model, processor, args.out, info)
     print(json.dumps(curve))
     return 0 if math.isfinite(losses[-1]) else 1

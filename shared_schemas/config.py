@@ -10,6 +10,7 @@ other value (lists included) replaces; a cycle is an error. The loader never rea
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -103,6 +104,25 @@ def _record(tree: Mapping[str, Any], path: Path, prefix: tuple[str, ...], prov: 
             _record(value, path, dotted, prov)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's float rule: ``3e-4`` and ``1E5`` are floats, as users write
+    learning rates (YAML 1.1, PyYAML's default, needs ``3.0e-4`` and reads ``3e-4`` as a string)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
 def load_yaml_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Provenance]:
     """Reads a YAML file with its `extends:` chain (parents first, relative to the file naming them).
 
@@ -126,7 +146,7 @@ def load_yaml_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> tuple[dic
             " that names a file not found)"
         )
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
     if doc is None:

@@ -13,7 +13,15 @@ left out) and the Hungarian matching of §8 with the maskIoU gate (:func:`learne
 - ``detection.format``: 1 iff the completion (after the stop marker) is exactly one closed JSON object whose
   every key is an ``object_N`` entry that passes the §6.7 checks (``{}`` included), with nothing but
   whitespace before the ``{`` and after the top-level ``}``;
-- ``detection.precision`` / ``detection.recall``: ``matched / pred`` and ``matched / gt`` (logged).
+- ``detection.precision`` / ``detection.recall``: ``matched / pred`` and ``matched / gt`` (logged; weighted by
+  the ``detection_dedup`` preset);
+- ``detection.no_duplicates``: ``1 − duplicates / pred``, a duplicate being an unmatched prediction whose
+  best-IoU GT object is matched to another one (``learner.stage2.matching.breakdown``, the evaluator's count);
+  1.0 without predictions.
+
+Why the last two can be weighted: with the ``detection`` preset, sampled completions that list more objects
+match more of them, so GRPO doubled the duplicates on the image demo (29 → 61 on 256 held-out images,
+pred ÷ GT 1.01 → 1.19; bench/RESULTS.md), as VLM-R1 saw with an mAP reward.
 
 Every ratio with a zero denominator (no prediction and no GT object) is the format value: an image with
 nothing to find is answered perfectly by a well-formed ``{}`` and by nothing else. Rows of another task (no
@@ -29,6 +37,7 @@ from typing import Any
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import extract_gt
+from learner.stage2.matching.breakdown import detection_breakdown
 from learner.stage2.matching.match import MatchingConfig, match
 from learner.stage2.parse.detok import encode_text
 from learner.stage2.parse.parser import DEFAULT_STOP_MARKERS, ParseResult, parse_rollout
@@ -42,6 +51,7 @@ __all__ = [
     "format_reward",
     "is_detection_row",
     "maskiou_reward",
+    "no_duplicates_reward",
     "precision_reward",
     "recall_reward",
     "well_formed",
@@ -62,6 +72,7 @@ class DetectionSample:
         matched: matched pairs (maskIoU ≥ ``stage2.matching.maskiou_gate``).
         iou_sum: sum of the matched pairs' maskIoU.
         well_formed: the ``detection.format`` condition (module docstring).
+        duplicates: unmatched predictions whose best-IoU GT object is matched to another prediction.
     """
 
     is_detection: bool
@@ -70,6 +81,7 @@ class DetectionSample:
     matched: int = 0
     iou_sum: float = 0.0
     well_formed: bool = False
+    duplicates: int = 0
 
     def rate(self, numerator: float, denominator: float) -> float:
         """``numerator / denominator``; with a zero denominator the format value (nothing to find, nothing
@@ -147,7 +159,11 @@ class DetectionScorer:
         parse = parse_rollout(ids, self.tokenizer, self.coord_vocab, self.stop_markers)
         gts = extract_gt(row.get("objects") or [], int(row.get("sample_id", 0)))
         preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
-        result = match(preds, [(g.geom_type, g.bins) for g in gts.objects], self.matching)
+        gt_geoms = [(g.geom_type, g.bins) for g in gts.objects]
+        result = match(preds, gt_geoms, self.matching)
+        duplicates = detection_breakdown(
+            preds, gt_geoms, self.matching, gate=result, thresholds=()
+        ).duplicates
         return DetectionSample(
             is_detection=True,
             n_pred=len(preds),
@@ -155,6 +171,7 @@ class DetectionScorer:
             matched=len(result.pairs),
             iou_sum=result.iou_sum,
             well_formed=well_formed(parse),
+            duplicates=len(duplicates),
         )
 
 
@@ -211,3 +228,11 @@ def precision_reward(sample: DetectionSample) -> float:
 def recall_reward(sample: DetectionSample) -> float:
     """``detection.recall``: ``matched / gt`` (logged by the preset, weight 0)."""
     return sample.rate(sample.matched, sample.n_gt)
+
+
+def no_duplicates_reward(sample: DetectionSample) -> float:
+    """``detection.no_duplicates``: ``1 − duplicates / pred``; 1.0 without predictions (F1 and recall price
+    an empty answer). Non-detection rows: 0.0."""
+    if not sample.is_detection:
+        return 0.0
+    return 1.0 - sample.duplicates / sample.n_pred if sample.n_pred else 1.0

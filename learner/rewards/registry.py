@@ -18,6 +18,7 @@ from learner.rewards.detection import (
     detection_samples,
     f1_reward,
     maskiou_reward,
+    no_duplicates_reward,
     precision_reward,
     recall_reward,
 )
@@ -82,6 +83,7 @@ DETECTION_REWARDS: Mapping[str, DetectionReward] = {
     "detection.format": detection_format_reward,
     "detection.precision": precision_reward,
     "detection.recall": recall_reward,
+    "detection.no_duplicates": no_duplicates_reward,
 }
 """Detection-row rewards (``task_mode: detection``); they need a :class:`DetectionScorer` (the tokenizer)."""
 
@@ -131,11 +133,23 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "detection.format": 0.25,
         "detection.precision": 0.0,
         "detection.recall": 0.0,
+        "detection.no_duplicates": 0.0,
+    },
+    "detection_dedup": {
+        "detection.f1": 1.0,
+        "detection.maskiou": 0.5,
+        "detection.format": 0.25,
+        "detection.precision": 0.5,
+        "detection.recall": 0.0,
+        "detection.no_duplicates": 0.5,
     },
 }
 """§5.3 weights of the summary presets (the six rewards no preset lists are included with weight 0 so they are
-logged), and the detection preset: F1 at the matching gate, the matches' mean maskIoU, the format term;
-precision and recall logged."""
+logged), and the detection presets: ``detection`` — F1 at the matching gate, the matches' mean maskIoU, the
+format term; precision, recall and duplicates logged; ``detection_dedup`` — the same plus precision and the
+duplicate-free rate at 0.5 each, which price every unmatched and every repeated prediction (what the
+``detection`` preset let GRPO add: learner.rewards.detection). Its A/B is ``bench/ab_learning.py --arms
+grpo-detection-dedup``; not yet measured on a GPU."""
 
 
 def uses_detection(weights: Mapping[str, float]) -> bool:

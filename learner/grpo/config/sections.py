@@ -57,7 +57,7 @@ class GrpoConfig(ConfigSection):
     freeze_vision_tower: bool = True
     """Freeze the vision tower of a VL model (GRPO's spelling of `model.freeze_vision`; the two must agree
     when both are set). The server presets keep it frozen."""
-    reward_preset: Literal["server", "attr_key", "detection"] = "server"
+    reward_preset: Literal["server", "attr_key", "detection", "detection_dedup"] = "server"
     """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching
     gate, mean maskIoU of the matches, format; docs/GRPO.md)."""
     reward_weights: dict[str, float] = Field(default_factory=dict)

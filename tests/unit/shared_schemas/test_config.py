@@ -76,3 +76,22 @@ def test_gpu_list_forms() -> None:
 def test_loopback_names_and_addresses() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.5", "trainer-node-3"))
+
+
+def test_exponent_floats_without_a_dot_are_floats(tmp_path: Path) -> None:
+    # YAML 1.1 (PyYAML's default) reads `3e-4` as a string, which reached AdamW as lr='3e-4' and failed
+    # with a TypeError deep in torch; the loader follows YAML 1.2's float rule instead.
+    (tmp_path / "run.yaml").write_text(
+        "lr: 3e-4\nbig: 1E5\ndotted: 3.0e-4\nint: 30\nversion: '1e3'\nword: e5\nip: 1.2.3\n", encoding="utf-8"
+    )
+    tree = load_yaml_with_extends(tmp_path / "run.yaml")
+    assert tree == {
+        "lr": 3e-4,
+        "big": 1e5,
+        "dotted": 3e-4,
+        "int": 30,
+        "version": "1e3",
+        "word": "e5",
+        "ip": "1.2.3",
+    }
+    assert isinstance(tree["lr"], float) and isinstance(tree["int"], int)

@@ -56,7 +56,11 @@ def test_preset_names_are_the_registry_presets() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("reward_preset", "detect", r"^grpo\.reward_preset: .*'server', 'attr_key' or 'detection'"),
+        (
+            "reward_preset",
+            "detect",
+            r"^grpo\.reward_preset: .*'server', 'attr_key', 'detection' or 'detection_dedup'",
+        ),
         (
             "reward_weights",
             {"detection.map": 1.0},

@@ -161,7 +161,9 @@ def test_registry_names_and_errors(scorer: DetectionScorer) -> None:
     assert {n for n, w in PRESETS["detection"].items() if w == 0} == {
         "detection.precision",
         "detection.recall",
+        "detection.no_duplicates",
     }
+    assert set(PRESETS["detection_dedup"]) == set(DETECTION_REWARDS)
     assert get_reward("detection.f1") is DETECTION_REWARDS["detection.f1"]
     with pytest.raises(KeyError, match="detection.maskiou"):
         get_reward("detection.map")
@@ -187,3 +189,25 @@ def test_duplicates_and_unmatched_predictions_lower_the_reward(scorer: Detection
     assert totals[0] == pytest.approx(1.75)
     assert totals[1] == totals[2] == pytest.approx(1.0 * 8 / 9 + 0.5 + 0.25)
     assert totals[1] < totals[0]
+
+
+def test_duplicate_free_rate_and_the_dedup_preset(scorer: DetectionScorer) -> None:
+    """`detection.no_duplicates` counts what the evaluator counts (a second answer for a matched object),
+    not a stray prediction; the `detection_dedup` preset prices both through precision and the duplicate
+    term."""
+    exact, duplicate = answer(GT), answer([*GT, GT[0]])
+    stray = answer([*GT, {"desc": "x", "bbox_2d": [10, 950, 40, 990]}])
+    no_dup = get_reward("detection.no_duplicates")
+    samples = [scorer.sample(ROW, t) for t in (exact, duplicate, stray, "{}")]
+    assert [s.duplicates for s in samples] == [0, 1, 0, 0]
+    assert [no_dup(s) for s in samples] == [1.0, pytest.approx(0.8), 1.0, 1.0]
+    assert no_dup(scorer.sample({"task_mode": "summary"}, exact)) == 0.0
+    totals, _ = total_reward(
+        [exact, duplicate, stray], [ROW] * 3, PRESETS["detection_dedup"], detection=scorer
+    )
+    f1 = 8 / 9  # 4 matches of 5 predictions and 4 objects
+    assert totals == [
+        pytest.approx(1 + 0.5 + 0.25 + 0.5 + 0.5),
+        pytest.approx(f1 + 0.5 + 0.25 + 0.5 * 0.8 + 0.5 * 0.8),
+        pytest.approx(f1 + 0.5 + 0.25 + 0.5 * 0.8 + 0.5),
+    ]
