@@ -17,8 +17,9 @@ resolved, the ``prompts.system`` / ``prompts.user`` texts, the scene appended to
   relative to ``data.image_root`` / the JSONL file's directory — the stage-2 rules,
   :func:`learner.data.records.resolve_image`). Image parts may also sit in ``messages``
   (``{"type": "image", "image": ref}``; relative refs resolved the same way); a part without a ref takes the
-  next ``images`` entry; when ``messages`` has no image part, the images go first in the first user turn (the
-  stage-2 layout of ``learner.data.messages.build_messages``).
+  next ``images`` entry; when ``messages`` has no image part, ``shared_schemas.images.attach_images`` places
+  them as the server places a request's ``images``: each ``<image>`` tag in string content takes the next one,
+  the rest go first in the first user turn (the stage-2 layout of ``learner.data.messages.build_messages``).
 
 Prompts are encoded ONCE per row on the learner with the run's prompt encoder
 (:class:`learner.data.prompt_encoding.PromptEncoder`: chat template, and for image rows the processor's
@@ -53,13 +54,14 @@ from learner.data.errors import DataRecordError
 from learner.data.messages import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_PROMPT
 from learner.data.records import build_sample, iter_jsonl, record_user_text, resolve_image, validate_record
 from learner.rewards.detection import DETECTION_TASK
+from shared_schemas.images import attach_images as place_images
 from shared_schemas.infer import iter_image_refs
 
 __all__ = [
     "GenerationSlots",
     "PromptRow",
     "PromptSet",
-    "attach_images",
+    "resolve_row_images",
     "chat_messages",
     "is_detection_record",
     "load_prompt_rows",
@@ -163,10 +165,12 @@ def _image_part(part: Any) -> bool:
     )
 
 
-def attach_images(
+def resolve_row_images(
     messages: list[dict[str, Any]], images: Sequence[str], resolve: Callable[[str], str]
 ) -> list[dict[str, Any]]:
-    """``messages`` with every image ref resolved and the row's ``images`` placed (module docstring rules).
+    """``messages`` with every image ref resolved and the row's ``images`` placed (module docstring rules):
+    a part without a ref takes the next entry; with no image part, ``shared_schemas.images.attach_images``
+    places them (the rule of a request's ``images`` on the server).
 
     Raises:
         ValueError: ``images`` entries that are not non-empty strings, or a count that does not fit the
@@ -199,14 +203,10 @@ def attach_images(
             new_content.append(part)
         out.append({**message, "content": new_content})
     if pending and parts == 0:
-        users = [i for i, m in enumerate(out) if m.get("role") == "user"]
-        if not users:
+        if not any(m.get("role") == "user" for m in out):
             raise ValueError("'images' given but 'messages' has no user turn to carry them")
-        first = out[users[0]]
-        text = first.get("content")
-        text_parts = [{"type": "text", "text": text}] if isinstance(text, str) else list(text or [])
-        out[users[0]] = {**first, "content": [*({"type": "image", "image": r} for r in pending), *text_parts]}
-        pending = []
+        # the request's placement rule, as the server applies it (`<image>` tags, then the first user turn)
+        return place_images(out, pending)
     if pending:
         raise ValueError(
             f"{len(pending)} 'images' entries left over: 'messages' has {parts} image part(s) without a "
@@ -297,7 +297,7 @@ def _row_from_record(
     try:
         if not isinstance(images, list):
             raise ValueError("'images' must be a list of non-empty strings (paths, file:// or data: URLs)")
-        messages = attach_images(
+        messages = resolve_row_images(
             chat_messages(record, where=at),
             images,
             lambda ref: resolve_image(ref, path.parent, image_root),

@@ -166,7 +166,7 @@ def _warm_start_vl(
     from learner.data.prompt_encoding import PromptEncoder
     from learner.data.records import resolve_image
     from learner.grpo.batch import CompletionRow, collate_rows, completion_logps
-    from learner.grpo.data import attach_images
+    from learner.grpo.data import resolve_row_images
     from learner.policy import load_policy
 
     policy = load_policy(
@@ -181,7 +181,7 @@ def _warm_start_vl(
     eot = tokenizer.encode("<|im_end|>", add_special_tokens=False)
     examples = []
     for row in rows:
-        messages = attach_images(row["messages"], row.get("images") or [], resolve)
+        messages = resolve_row_images(row["messages"], row.get("images") or [], resolve)
         prompt = encoder.encode(messages)
         encoder.new_window()
         answer = tokenizer.encode(row["answer"], add_special_tokens=False) + eot
