@@ -135,9 +135,9 @@ def answer_token_ids(sample: dict[str, Any], tokenizer: Any, coord_vocab: CoordV
 
     Not ``tokenizer.encode(answer)``: that merges the opening ``{"`` into one token, a path the learner's
     plain-GT and ``reorder`` targets never train. A stage-1 trained on it (the crowded model of 2026-11-27,
-    F1 0.78) lost every answer within 8 learner steps at lr 3e-4: it began answers with ``object_1"`` and
-    parsed to nothing (bench/RESULTS.md "Crowded scenes"); the text demo collapsed the same way the other
-    way round (issue 23).
+    F1 0.78) lost every answer within 8 learner steps at lr 3e-4 while moving to the learner's path: it
+    began answers with ``object_1"`` and parsed to nothing (bench/RESULTS.md "Crowded scenes"); the text
+    demo collapsed the same way the other way round (issue 23).
     """
     objects = extract_gt(sample["gt_objects"], sample["sample_id"], policy="raise").objects
     return answer_ids(objects, tokenizer, coord_vocab) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]

@@ -59,7 +59,8 @@ class GrpoConfig(ConfigSection):
     when both are set). The server presets keep it frozen."""
     reward_preset: Literal["server", "attr_key", "detection", "detection_dedup"] = "server"
     """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching
-    gate, mean maskIoU of the matches, format; docs/GRPO.md)."""
+    gate, mean maskIoU of the matches, format; docs/GRPO.md), or `detection_dedup` (the same plus precision
+    and the duplicate-free rate, 0.5 each: prices repeated and unmatched predictions)."""
     reward_weights: dict[str, float] = Field(default_factory=dict)
     """Per-reward overrides on top of the preset (weight 0 = logged only)."""
     reward_schema_path: str | None = None
