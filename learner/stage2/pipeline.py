@@ -164,7 +164,7 @@ def prepare_segment(
     rewritten = False
     gt_objects = gts.objects
     if ctx.targets.unmatched_prefix == "drop":
-        pruned = prune_unmatched(parse, result_match, ctx.tokenizer, ctx.coord_vocab)
+        pruned = prune_unmatched(parse, result_match, ctx.tokenizer, ctx.coord_vocab, ctx.targets.opening)
         if pruned is not None:  # teacher-force the matched objects only; the counters stay the rollout's
             pruned_ids, result_match = pruned
             parse = parse_rollout(pruned_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)

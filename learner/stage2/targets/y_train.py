@@ -1,5 +1,4 @@
-"""Prefix coordinate targets and Y_train construction (docs/ALGORITHM.md#y-train; §8.3, §9, §10, §12.2,
-§12.3).
+"""Prefix coordinate targets and Y_train (docs/ALGORITHM.md#y-train; §8.3, §9, §10, §12.2, §12.3).
 
 ``build_y_train`` turns one sample's parse + match into the teacher-forcing target
 ``Y_train_ids = prefix_token_ids + encode(append_text)``, plus everything the labels need:
@@ -60,41 +59,39 @@ class TargetsConfig(ConfigSection):
     ot_iters: int = Field(default=30, ge=1)
     """Sinkhorn iterations."""
     canonical_seam: bool = True
-    """On by default (a choice beyond the spec: with it, a rollout equal to its GT is teacher-forced on the
-    very tokens plain SFT trains, and the end of turn follows the token the model itself emits). Off (the
-    spec, §10 "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have split a
-    merged token (`]}}` → re-encoded `]}`) and the appended `}` becomes a separate token: a token path a model
-    trained on canonical tokenizations (stage-1 SFT) never produced, whose end-of-turn it then mispredicts
-    (measured on the tiny Qwen3-VL: `loss/ce_eos` 4.4 at the first rollout-matching step against ~0 on plain
-    GT). On: when the cut re-encoded the prefix's last tokens, those tokens are encoded TOGETHER with the
-    appended text (`Y_train = kept rollout ids + encode(re-encoded text + append_text)`): every rollout token
-    the cut left alone stays, and the seam is the canonical tokenization (with nothing to append it gives back
-    the rollout's own tokens). The re-encoded tokens count as tail. Measured on the image demo (`make demo`
-    with this on): `loss/ce_eos` 4.4 → 0.0 at the rollout-matching steps, held-out F1 not better (0.61 → 0.48
-    over the last 40 steps against 0.61 → 0.53 with it off): the drop there comes from over-prediction
-    (`rollout/parse_truncated_rate` 0.56 at step 199), not from the seam."""
+    """On by default (beyond the spec: a rollout equal to its GT is then teacher-forced on the very tokens
+    plain SFT trains, and the end of turn follows the token the model itself emits). Off (the spec, §10
+    "Token seam"): `Y_train = prefix_ids + encode(append_text)`, where the cut may have split a merged token
+    (`]}}` → re-encoded `]}`) and the appended `}` becomes a separate token, a path stage-1 never produced,
+    whose end-of-turn the model then mispredicts (`loss/ce_eos` 4.4 against ~0 on plain GT). On: the tokens
+    the cut re-encoded are encoded TOGETHER with the appended text (`Y_train = kept rollout ids +
+    encode(re-encoded text + append_text)`): every token the cut left alone stays, the seam is canonical (with
+    nothing to append it gives back the rollout's own tokens), and the re-encoded tokens count as tail.
+    Measured: docs/ALGORITHM.md §10."""
+    opening: Literal["split", "merged"] = "split"
+    """Token path of plain-GT answers (empty rollout, `drop`, `reorder`): `split`, `{` alone then `"object_1…`
+    (what vlm_pretrain.py and sft warm-up train); `merged`, the text in one piece (`{"` one token), what a
+    stage-1 that tokenized whole answers opens with. Use the checkpoint's: the other path moves it through
+    answers that parse to nothing (docs/RUNBOOK.md "Rollout-matching collapses to empty answers")."""
     unmatched_prefix: Literal["keep", "drop", "reorder"] = "keep"
     """What the teacher-forced answer keeps of the rollout.
 
     `keep` (the spec, §8.3): the rollout prefix as generated; false-positive and invalid objects stay in it,
     unsupervised. The only stop a sample supervises comes AFTER every object the model emitted plus the
-    appended FNs, so a model that over-predicts is taught to stop late, predicts more, and is taught to stop
-    later still.
+    appended FNs, so an over-predicting model is taught to stop late, predicts more, and so on.
 
     `drop`: the matched objects only, in the model's order with its own descs and coordinates (renumbered
-    `object_1..K`, in the plain-GT targets' token path; coordinate targets as §9), then the FNs and the close:
-    the stop is supervised after as many objects as the ground truth holds. A rollout that opens with `{` and
-    has no FP or invalid object is used as is.
+    `object_1..K`, in the plain-GT token path; coordinate targets as §9), then the FNs and the close: the stop
+    is supervised after as many objects as the GT holds. A rollout that opens with `{` and has no FP or
+    invalid object is used as is.
 
     `reorder`: the ground truth in the model's order — the GT objects the model matched, in the order it
-    emitted them, then the ones it missed, every token supervised as in plain SFT (GT descs and coordinates).
-    Only the ORDER comes from the rollout: plain SFT of a set whose serialization order is arbitrary (random
-    object order) must learn an order it cannot predict; here the model keeps its own. When the model's
-    matches come in the GT's order, misses or not, `Y_train`, labels and loss equal plain SFT's
-    (:func:`model_order`).
+    emitted them, then the ones it missed, every token supervised as in plain SFT. Only the ORDER comes from
+    the rollout: plain SFT of a set in arbitrary (random) order must learn an order it cannot predict; here
+    the model keeps its own. When the model's matches come in the GT's order, misses or not, `Y_train`,
+    labels and loss equal plain SFT's (:func:`model_order`).
 
-    Metrics (`rollout/fp`, `rollout/valid_pred_objects`, `rollout/parse_*`) describe the rollout the model
-    generated in every mode. Measured: bench/RESULTS.md "Rollout-matching vs plain SFT" (A/B over seeds)."""
+    `rollout/` metrics describe the generated rollout in every mode. Measured: bench/RESULTS.md."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,6 +311,8 @@ def build_y_train(
     )
     prefix_ids = list(parse.prefix_token_ids)
     seam = _cut_edited_from(parse) if cfg.canonical_seam else len(prefix_ids)
+    if cfg.opening == "merged" and parse.prefix_text.strip() == "{":  # nothing kept: the answer in one piece
+        seam = 0
     if coord_pos and coord_pos[-1] >= seam:  # never: a cut falls after an object, not inside a coord token
         seam = len(prefix_ids)
     seam_text = "".join(parse.prefix_pieces.pieces[seam:]) if seam < len(prefix_ids) else ""
@@ -420,22 +419,22 @@ def _encode_tail(
     return append_ids
 
 
-def answer_ids(objects: Sequence[Any], tokenizer: Any, coord_vocab: CoordVocab) -> list[int]:
+def answer_ids(
+    objects: Sequence[Any], tokenizer: Any, coord_vocab: CoordVocab, opening: str = "split"
+) -> list[int]:
     """A whole answer in the token path of the plain-GT targets: ``encode("{")`` (the §6.4 fallback prefix an
-    empty rollout gets), then the entries and the close encoded as one appended fragment (§10).
-
-    Stage-1 warm-up steps train exactly this path (Y_train of an empty rollout), so it is the path the model
-    generates; encoding the answer text in one piece instead merges the opening ``{"`` into one token that the
-    model never produces (measured on the tiny Qwen2: supervising it drove P(first token = ``{``) 0.99 -> 0.09
-    in 7 steps, then the answers started with ``111":1":`` and held no object).
-    """
+    empty rollout gets), then the entries and the close encoded as one appended fragment (§10); with
+    ``opening="merged"`` (``stage2.targets.opening``) the whole text as one fragment. Stage-1 warm-up steps
+    train exactly this path (Y_train of an empty rollout); docs/ALGORITHM.md §10 says why paths must agree."""
     text = serialize_objects(objects)  # type: ignore[arg-type]  # desc, geom_type, bins
-    brace = encode_segmented(tokenizer, "{")
-    return brace + _encode_tail(text[1:], [b for o in objects for b in o.bins], tokenizer, coord_vocab)
+    bins = [b for o in objects for b in o.bins]
+    if opening == "merged":
+        return _encode_tail(text, bins, tokenizer, coord_vocab)
+    return encode_segmented(tokenizer, "{") + _encode_tail(text[1:], bins, tokenizer, coord_vocab)
 
 
 def prune_unmatched(
-    parse: ParseResult, match: MatchResult, tokenizer: Any, coord_vocab: CoordVocab
+    parse: ParseResult, match: MatchResult, tokenizer: Any, coord_vocab: CoordVocab, opening: str = "split"
 ) -> tuple[list[int], MatchResult] | None:
     """The rollout with its unmatched objects removed (`stage2.targets.unmatched_prefix: drop`) and `match`
     renumbered onto it, or None when there is nothing to remove (every object the model started is valid and
@@ -453,7 +452,7 @@ def prune_unmatched(
     if len(match.pairs) == len(parse.all_objects) and not parse.fallback and opens_answer:
         return None
     kept = [parse.valid_objects[i] for i, _, _ in match.pairs]
-    ids = answer_ids(kept, tokenizer, coord_vocab)
+    ids = answer_ids(kept, tokenizer, coord_vocab, opening)
     renumbered = replace(match, pairs=tuple((k, j, iou) for k, (_, j, iou) in enumerate(match.pairs)), fp=())
     return ids, renumbered
 

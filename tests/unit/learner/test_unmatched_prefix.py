@@ -30,13 +30,15 @@ def _raw(obj: tuple[str, str, list[int]]) -> dict:
     return {"desc": desc, geom: [f"<|coord_{b}|>" for b in bins]}
 
 
-def _prepare(tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty: bool = False, rollout_ids=None):
+def _prepare(
+    tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty=False, rollout_ids=None, opening="split"
+):
     cfg = RunConfig.model_validate(
         {
             "model": {"path": str(tiny_model_dir)},
             "data": {"train": ["x.jsonl"]},
             "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
-            "stage2": {"targets": {"unmatched_prefix": policy}},
+            "stage2": {"targets": {"unmatched_prefix": policy, "opening": opening}},
         }
     )
     ctx = sample_context(cfg, tokenizer)
@@ -252,3 +254,35 @@ def test_reorder_keeps_the_model_order_when_it_disagrees_with_the_gt_order(
     _, rm, _ = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, rollout_ids=rollout)
     want = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], [FISH, CAT, DOG_GT], empty=True)[1]
     assert _same(rm, want)
+
+
+@pytest.mark.parametrize(
+    ("policy", "rollout", "order"),
+    [
+        ("keep", None, [CAT, FISH]),  # None: an empty rollout (the plain-GT warm-up)
+        ("drop", None, [CAT, FISH]),
+        ("reorder", None, [CAT, FISH]),
+        ("drop", [BIRD, CAT, FISH], [CAT, FISH]),  # the false positive is dropped
+        ("reorder", [FISH, CAT], [FISH, CAT]),  # the GT in the model's order
+    ],
+)
+def test_merged_opening_trains_the_whole_text_encoding(
+    tiny_tokenizer, tiny_model_dir, policy, rollout, order
+) -> None:
+    """`stage2.targets.opening: merged`: the plain-GT answer is its text encoded in one piece (the merged `{"`
+    first), for an empty rollout and for rollouts `drop` / `reorder` rewrite (`drop` keeps the model's own
+    objects as its unsupervised prefix); `split` (the default) opens with `{` alone."""
+    text = serialize_objects(extract_gt([_raw(o) for o in order], sample_id=0).objects)
+    want = tiny_tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
+    assert tiny_tokenizer.decode(want[:1]) == '{"'
+    kw = {"empty": True} if rollout is None else {}
+    _, seg, _ = _prepare(
+        tiny_tokenizer, tiny_model_dir, policy, rollout or [], [CAT, FISH], opening="merged", **kw
+    )
+    start = seg.meta.prompt_len
+    supervised = [i for i, label in enumerate(seg.labels) if i >= start and label != -100]
+    assert list(seg.input_ids[start : supervised[-1] + 1]) == want
+    if rollout is None or policy == "reorder":  # wholly plain GT: the opening token is trained too
+        assert supervised[0] == start
+    _, split, _ = _prepare(tiny_tokenizer, tiny_model_dir, policy, rollout or [], [CAT, FISH], **kw)
+    assert tiny_tokenizer.decode([split.input_ids[split.meta.prompt_len]]) == "{"
