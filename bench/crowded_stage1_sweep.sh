@@ -2,8 +2,8 @@
 # Stage-1 recipes of the crowded-task model side by side, one per GPU (bench/RESULTS.md "Crowded scenes"):
 # the crowded data and the random-init tiny-qwen3-vl-crowded-init once, then scripts/vlm_pretrain.py per recipe
 # (ORDERING:LR:BATCH) on its own GPU for at most SECONDS of training, scored on 64 held-out images every EVERY
-# steps. Then the best (recipe, step) by held-out F1 becomes .cache/models/tiny-qwen3-vl-crowded-<ordering>-base
-# with stage1_choice.json, and every curve goes to runs/crowded_stage1/sweep.json.
+# steps. Every curve goes to runs/crowded_stage1/sweep.json and the best (recipe, step) by held-out F1 is
+# printed with its snapshot. It compares recipes; the A/B's base is built by bench/ab_learning.py.
 #
 #   RECIPES="sorted:1e-3:32 random:1e-3:32" SECONDS_PER_RECIPE=420 bash bench/crowded_stage1_sweep.sh
 set -euo pipefail
@@ -42,7 +42,7 @@ fail=0
 for job in $(jobs -p); do wait "$job" || fail=1; done
 echo "[sweep] $i recipes done after $(( $(date +%s) - t0 )) s (failures: $fail)"
 $PY - "$OUTDIR" <<'EOF'
-import json, shutil, sys
+import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -59,13 +59,6 @@ for name, data in sweep.items():
     print(f"[sweep] {name}: {data['steps']} steps in {data['train_seconds']} s;",
           " ".join(f"{p['step']}:{p['f1']}" for p in data["curve"]))
 run, data, point = best
-model = Path(".cache/models") / f"tiny-qwen3-vl-crowded-{data['object_ordering']}-base"
-shutil.rmtree(model, ignore_errors=True)
-shutil.copytree(run, model)
 snapshot = run.with_name(run.name + ".snapshots") / f"{run.name}.step_{point['step']}.safetensors"
-if point["step"] != data["steps"]:
-    shutil.copyfile(snapshot, model / "model.safetensors")
-choice = {"recipe": run.name, "step": point["step"], "f1": point["f1"], "curve": data["curve"]}
-(model / "stage1_choice.json").write_text(json.dumps(choice, indent=1) + "\n")
-print(f"[sweep] best: {run.name} step {point['step']} F1 {point['f1']} -> {model}")
+print(f"[sweep] best: {run.name} step {point['step']} F1 {point['f1']} ({snapshot if snapshot.exists() else run})")
 EOF
