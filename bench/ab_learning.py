@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -61,6 +62,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "rm-keep": {"targets": {"unmatched_prefix": "keep"}},
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder"}},
+    # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists
+    "rm-reorder-sorted": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed", "sorted"]}},
 }
 """Arm name → ``stage2`` override (deep-merged over the task config's stage2). Every arm trains on the plain
 GT for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues
@@ -193,7 +196,7 @@ def build_crowded_stage1(
         + ["--device", device, "--steps", str(steps), "--batch", str(batch), "--lr", "1e-3", "--fast"]
         + ["--n-eval", str(n_eval)]
         + ["--max-new-tokens", str(max_new_tokens), "--object-ordering", "sorted", "--eval-at", marks]
-        + ["--snapshot-at", marks, "--snapshot-dir", str(snapshots)],
+        + ["--snapshot-at", marks, "--snapshot-dir", str(snapshots), "--stop-at-f1", str(target_f1)],
         cwd=REPO,
         check=True,
     )
@@ -344,6 +347,13 @@ def train_seconds(metrics: Path) -> float | None:
     return None
 
 
+def t_quantile_975(dof: int) -> float:
+    """The 0.975 quantile of Student's t with ``dof`` degrees of freedom (two-sided 95 % interval)."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, dof))
+
+
 def summarize(
     task: str,
     curves: dict[tuple[str, int], list[dict[str, float]]],
@@ -375,15 +385,22 @@ def summarize(
             line["train_seconds"] = [seconds.get((arm, s)) for s in seeds]
         if samples:
             line["trained_samples"] = [samples.get((arm, s)) for s in seeds]
-        if arm != "sft" and all(("sft", s) in curves for s in seeds):
-            diffs = [curves[(arm, s)][-1]["f1"] - curves[("sft", s)][-1]["f1"] for s in seeds]
+        paired = [s for s in seeds if ("sft", s) in curves]  # seeds whose sft run finished too
+        if arm != "sft" and paired:
+            diffs = [curves[(arm, s)][-1]["f1"] - curves[("sft", s)][-1]["f1"] for s in paired]
+            mean = statistics.fmean(diffs)
+            sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
             line.update(
+                paired_seeds=paired,
                 paired_diff=diffs,
-                paired_mean=statistics.fmean(diffs),
-                paired_sd=statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                paired_mean=mean,
+                paired_sd=sd,
                 paired_min=min(diffs),
                 paired_max=max(diffs),
             )
+            if len(diffs) > 1:  # Student's t over seeds: the acceptance asks for it above 0
+                half = t_quantile_975(len(diffs) - 1) * sd / math.sqrt(len(diffs))
+                line["paired_ci95"] = [mean - half, mean + half]
         lines.append(line)
     return lines
 
@@ -566,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage1-target-f1", type=float, default=0.5, help="crowded: the base's F1")
     parser.add_argument("--stage1-device", default="cuda", help="crowded: where stage-1 trains")
     parser.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="train nothing: summarize the runs that finished (e.g. after parallel runs were cut off)",
+    )
+    parser.add_argument(
         "--prepare-only", action="store_true", help="build the data and the base model, then stop"
     )
     args = parser.parse_args(argv)
@@ -583,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{grpo_arms} run with --colocate only (GRPO rolls out with its own HF engine in-process)"
         )
-    if grpo_arms:  # the sft run is their base checkpoint (and their paired control): it runs first
+    if grpo_arms and args.base_steps > 0:  # the sft run is their base checkpoint: it runs first
         arms = ["sft", *[a for a in arms if a != "sft"]]
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
@@ -651,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
                             learning_rate=args.grpo_learning_rate,
                         )
                         if not finished(run_dir, cfg, args.steps):
+                            if args.summarize_only:
+                                print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
+                                continue
                             t0 = time.time()
                             metrics.unlink(missing_ok=True)
                             run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
@@ -687,6 +712,9 @@ def main(argv: list[str] | None = None) -> int:
                         },
                     )
                     if not finished(run_dir, cfg, total):
+                        if args.summarize_only:
+                            print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
+                            continue
                         t0 = time.time()
                         metrics.unlink(missing_ok=True)
                         run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")

@@ -69,6 +69,7 @@ from _step_profile import compare_varlen, compile_blocks, matmul_ceiling_tflops,
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
+from learner.kernels import apply_liger  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -455,6 +456,18 @@ def run_gpu(args: argparse.Namespace) -> None:
         for checkpointing in (False, True):
             measure = lambda rows=rows, c=checkpointing: _memory(model, rows, c, device, coord_ids, run)  # noqa: E731
             _guarded("memory", base, measure, packing_length=length, gradient_checkpointing=checkpointing)
+    if args.liger:  # last: the patch cannot be undone; the same packed rows, loss of the first row compared
+        loss_before = float(step(packed_batches[0]).detach())
+        model.zero_grad(set_to_none=True)
+        patched = apply_liger(model)
+        liger_tps, liger_info = train_tokens_per_s(
+            model, packed_batches, coord_ids, device, warmup, flash, varlen=varlen, **run
+        )
+        loss_after = float(step(packed_batches[0]).detach())
+        model.zero_grad(set_to_none=True)
+        emit(**base, mode="packed_liger", patched=patched, tokens_per_s=round(liger_tps, 1),
+             speedup=round(liger_tps / packed_tps, 3), loss_before=round(loss_before, 5),
+             loss_after=round(loss_after, 5), **perf(liger_info), **liger_info)  # fmt: skip
 
 
 def run_ddp(args: argparse.Namespace) -> None:
@@ -580,6 +593,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--compile", action="store_true", help="regional torch.compile of decoder layers and ViT blocks"
+    )
+    p.add_argument(
+        "--liger", action="store_true", help="--vlm: then the same packed rows with Liger-Kernel's patches"
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak (default: table)")
     p.add_argument(

@@ -6,8 +6,10 @@
 #
 #   SEEDS=0,1,2,3,4,5,6,7 ARMS=sft,rm-reorder bash bench/crowded_ab_gpu.sh
 #
-# Knobs (environment): TASK (crowded-random), SEEDS, ARMS, STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128),
-# STAGE1_STEPS (1400), STAGE1_EVERY (200), PREPARE_ONLY (1: stop after the base).
+# Knobs (environment): TASK (crowded-random), SEEDS, ARMS, GRPO_SEEDS (the grpo-* arms' seeds; default SEEDS),
+# STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128), STAGE1_STEPS (1400), STAGE1_EVERY (200), PREPARE_ONLY (1: stop
+# after the base), RUN_TIMEOUT (seconds the side-by-side runs get; the summary then covers those that finished:
+# a cut-off run is left out, and the next invocation trains it again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-crowded-random}
@@ -19,23 +21,28 @@ EVAL_SAMPLES=${EVAL_SAMPLES:-128}
 PY=${PY:-python3}
 NGPU=$(nvidia-smi -L | wc -l)
 common=(--task "$TASK" --colocate --base-steps 0 --steps "$STEPS" --eval-every "$EVAL_EVERY"
-        --eval-samples "$EVAL_SAMPLES" --stage1-steps "${STAGE1_STEPS:-1400}" --stage1-every "${STAGE1_EVERY:-200}")
+        --eval-samples "$EVAL_SAMPLES" --stage1-steps "${STAGE1_STEPS:-1400}" --stage1-every "${STAGE1_EVERY:-200}"
+        ${LR:+--learning-rate "$LR"})
 out=runs/ab/$TASK
 mkdir -p "$out/logs"
 t0=$(date +%s)
-CUDA_VISIBLE_DEVICES=0 $PY bench/ab_learning.py "${common[@]}" --prepare-only
+CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} $PY bench/ab_learning.py "${common[@]}" --prepare-only
 echo "[crowded_ab] base ready after $(( $(date +%s) - t0 )) s: $(cat .cache/models/tiny-qwen3-vl-crowded*/stage1_choice.json | head -c 300)"
 [ "${PREPARE_ONLY:-0}" = 1 ] && exit 0
 i=0
-for seed in ${SEEDS//,/ }; do
+GRPO_SEEDS=${GRPO_SEEDS:-$SEEDS}
+all_seeds=$(echo "${SEEDS},${GRPO_SEEDS}" | tr , '\n' | sort -nu | paste -sd,)
+for seed in ${all_seeds//,/ }; do
   for arm in ${ARMS//,/ }; do
+    seeds=$SEEDS; [[ $arm == grpo-* ]] && seeds=$GRPO_SEEDS
+    [[ ",$seeds," == *",$seed,"* ]] || continue
     gpu=$(( i % NGPU )); i=$(( i + 1 ))
-    CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 $PY bench/ab_learning.py "${common[@]}" --seeds "$seed" --arms "$arm" \
-      > "$out/logs/$arm-s$seed.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 timeout "${RUN_TIMEOUT:-100000}" $PY bench/ab_learning.py "${common[@]}" \
+      --seeds "$seed" --arms "$arm" > "$out/logs/$arm-s$seed.log" 2>&1 &
   done
 done
 fail=0
 for job in $(jobs -p); do wait "$job" || fail=1; done
 echo "[crowded_ab] $i runs done after $(( $(date +%s) - t0 )) s (failures: $fail)"
 rm -f "$out/ab.jsonl"
-$PY bench/ab_learning.py "${common[@]}" --seeds "$SEEDS" --arms "$ARMS"
+$PY bench/ab_learning.py "${common[@]}" --seeds "$all_seeds" --arms "$ARMS" --summarize-only

@@ -86,6 +86,9 @@ class ModelConfig(ConfigSection):
     differ and samples are dropped (`stage2.encode.on_prompt_mismatch`)."""
     image_max_pixels: int | None = Field(default=None, ge=1)
     """VL models only: the processor's maximum image area (pixels) after resizing (see image_min_pixels)."""
+    liger_kernel: bool = False
+    """Qwen3-VL on CUDA only: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU (`learner.kernels`; the `gpu`
+    extra). On the packed 2B image step of an H100: 1.26x tokens/s, peak memory 47.5 -> 38.7 GiB."""
 
     @model_validator(mode="after")
     def _check_pixels(self) -> ModelConfig:

@@ -229,6 +229,10 @@ def load_policy(cfg: ModelConfig, path: str | Path) -> Policy:
             path, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
         frozen = {}
+    if cfg.liger_kernel:  # before the adapter wraps the modules Liger patches
+        from learner.kernels import apply_liger
+
+        logger.info("model.liger_kernel: patched %s", apply_liger(model))
     if cfg.adapter != "none":
         model = _adapt(model, cfg, is_vl, frozen)
     if is_vl:

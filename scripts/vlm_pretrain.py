@@ -395,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="stop after this many training seconds (then score and save as at the last step)",
     )
+    parser.add_argument(
+        "--stop-at-f1",
+        type=float,
+        default=None,
+        help="stop at the first --eval-at evaluation whose held-out F1 reaches this, then save",
+    )
     parser.add_argument("--eval-at", default="", help="comma-separated steps at which to log held-out F1")
     parser.add_argument(
         "--snapshot-at", default="", help="comma-separated steps at which to save OUT.step_K.safetensors"
@@ -477,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             curve.append(row)
             logger.info("eval %s", json.dumps(row))
+            if args.stop_at_f1 is not None and row["f1"] >= args.stop_at_f1 and step < cfg.steps:
+                logger.info(
+                    "--stop-at-f1 %.3f reached at step %d (F1 %.4f)", args.stop_at_f1, step, row["f1"]
+                )
+                out_of_time = True
         if step in snapshot_at:
             save_weights(
                 model, (args.snapshot_dir or args.out.parent) / f"{args.out.name}.step_{step}.safetensors"

@@ -453,12 +453,31 @@ def _write_if_changed(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+GENERATOR_VERSION = 1
+"""Written into ``manifest.json``; bump it whenever a change to this module changes the images or records a
+seed and config draw, so that sets written before are drawn again instead of reused."""
+
+
+def _complete(out: Path, manifest_bytes: bytes, jsonl: list[Path]) -> bool:
+    """Whether ``out`` holds a finished set of this manifest: the manifest (written last) is byte-equal and
+    every record's image exists."""
+    manifest = out / "manifest.json"
+    if not manifest.exists() or manifest.read_bytes() != manifest_bytes or not all(p.exists() for p in jsonl):
+        return False
+    for path in jsonl:
+        for line in path.read_text().splitlines():
+            if not all((out / image).exists() for image in json.loads(line)["images"]):
+                return False
+    return True
+
+
 def write_image_dataset(
     out_dir: Path | str, n_train: int, n_eval: int, seed: int, cfg: ImageDemoConfig | None = None
 ) -> tuple[Path, Path]:
     """Write ``train.jsonl``, ``eval.jsonl``, ``manifest.json`` and ``images/*.png`` into ``out_dir``.
 
-    Idempotent: files whose bytes would not change are left untouched (mtime kept).
+    Idempotent: a folder that holds the same set already (its ``manifest.json`` equal, every image present)
+    is returned as it is; otherwise files whose bytes would not change are left untouched (mtime kept).
 
     Args:
         out_dir: target directory, created if missing.
@@ -472,6 +491,12 @@ def write_image_dataset(
     """
     cfg = cfg or ImageDemoConfig()
     out = Path(out_dir)
+    manifest = {"seed": seed, "n_train": n_train, "n_eval": n_eval, "config": asdict(cfg)}
+    manifest["generator_version"] = GENERATOR_VERSION
+    manifest_bytes = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    written = [out / f"{split}.jsonl" for split in ("train", "eval")]
+    if _complete(out, manifest_bytes, written):  # a crowded set takes ~90 s to draw: reuse it
+        return written[0], written[1]
     (out / "images").mkdir(parents=True, exist_ok=True)
     paths = []
     for split, n in (("train", n_train), ("eval", n_eval)):
@@ -484,7 +509,6 @@ def write_image_dataset(
         path = out / f"{split}.jsonl"
         _write_if_changed(path, "".join(lines).encode("utf-8"))
         paths.append(path)
-    manifest = {"seed": seed, "n_train": n_train, "n_eval": n_eval, "config": asdict(cfg)}
-    _write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    _write_if_changed(out / "manifest.json", manifest_bytes)  # last: it marks the set complete
     logger.info("image demo dataset in %s: %d train, %d eval records", out, n_train, n_eval)
     return paths[0], paths[1]

@@ -240,9 +240,21 @@ def object_anchor(obj: Any) -> tuple[int, int] | None:
         _, geom, bins = parse_gt_object(obj)
     except MalformedObjectError:
         return None
+    return geometry_anchor(geom, bins)
+
+
+def geometry_anchor(geom: str, bins: Sequence[int]) -> tuple[int, int]:
+    """``(y, x)`` sort key of a well-formed geometry: a bbox's ``(y1, x1)``, a poly's smallest vertex."""
     if geom == "bbox_2d":
         return bins[1], bins[0]
     return min((bins[j + 1], bins[j]) for j in range(0, len(bins), 2))
+
+
+def anchor_order(objects: Sequence[GTObject]) -> list[int]:
+    """Indices of ``objects`` in ``data.object_ordering: sorted``'s order (stable by ``(y, x)`` anchor)."""
+    return sorted(
+        range(len(objects)), key=lambda j: (geometry_anchor(objects[j].geom_type, objects[j].bins), j)
+    )
 
 
 def order_objects(

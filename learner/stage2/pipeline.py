@@ -17,7 +17,7 @@ from learner.data.errors import DataRecordError
 from learner.data.messages import rollout_messages
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.coords import CoordVocab
-from learner.stage2.gt import GtExtraction, extract_gt
+from learner.stage2.gt import GtExtraction, anchor_order, extract_gt
 from learner.stage2.matching.breakdown import (
     DetectionBreakdown,
     detection_breakdown,
@@ -171,7 +171,10 @@ def prepare_segment(
             rewritten = True
     elif ctx.targets.unmatched_prefix == "reorder" and result.choices[0].token_ids:
         # The ground truth in the model's order, as a plain-GT target (an empty rollout's Y_train).
-        gt_objects = [gts.objects[j] for j in model_order(result_match, len(gts.objects))]
+        n_gt = len(gts.objects)
+        known = {"listed": lambda: range(n_gt), "sorted": lambda: anchor_order(gts.objects)}
+        orders = [known[name]() for name in ctx.targets.reorder_orders]
+        gt_objects = [gts.objects[j] for j in model_order(result_match, n_gt, orders)]
         parse = parse_rollout([], ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
         result_match = match([], [(g.geom_type, g.bins) for g in gt_objects], ctx.matching)
         rewritten = True

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.format import serialize_entry, serialize_objects
@@ -92,6 +92,22 @@ class TargetsConfig(ConfigSection):
     labels and loss equal plain SFT's (:func:`model_order`).
 
     `rollout/` metrics describe the generated rollout in every mode. Measured: bench/RESULTS.md."""
+    reorder_orders: list[Literal["listed", "sorted"]] = Field(
+        default_factory=lambda: ["listed"], min_length=1
+    )
+    """`reorder`: the orders the model's matches are checked against, in turn; the first they follow sets the
+    WHOLE target, the misses where that order puts them. `listed`: the GT as the record lists it (after
+    `data.object_ordering`). `sorted`: by the `(y, x)` anchor, `data.object_ordering: sorted`'s key — for a
+    model whose stage-1 saw sorted answers, fine-tuned on annotations listed in another order: its rollouts
+    follow the anchor order, so the target is the GT in that order, misses included (plain SFT of the sorted
+    answer). When no order fits: the matches in the model's order, then the misses in listed order."""
+
+    @field_validator("reorder_orders")
+    @classmethod
+    def _distinct_orders(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"stage2.targets.reorder_orders {value} names an order twice")
+        return value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,15 +473,21 @@ def prune_unmatched(
     return ids, renumbered
 
 
-def model_order(match: MatchResult, n_gt: int) -> list[int]:
-    """GT indices in the order `unmatched_prefix: reorder` teacher-forces them: the GT order when the model's
-    matches already follow it (misses included: exactly the plain-SFT target; see docs/ALGORITHM.md), else
-    the matched GT objects in the model's order, then the missed ones in GT order."""
+def model_order(match: MatchResult, n_gt: int, orders: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """GT indices in the order `unmatched_prefix: reorder` teacher-forces them.
+
+    ``orders``: candidate orders of all ``n_gt`` GT indices (default: the listed order alone;
+    `stage2.targets.reorder_orders`). The first order the model's matches follow is returned whole (misses
+    where it puts them: for the listed order exactly the plain-SFT target; see docs/ALGORITHM.md); when none
+    fits, the matched GT objects in the model's order, then the missed ones in the first order."""
+    candidates = [list(o) for o in orders] if orders is not None else [list(range(n_gt))]
     matched = [j for _, j, _ in match.pairs]  # pairs are sorted by prediction index: the model's order
-    if all(a < b for a, b in zip(matched, matched[1:], strict=False)):
-        return list(range(n_gt))
+    for order in candidates:
+        rank = {j: r for r, j in enumerate(order)}
+        if all(rank[a] < rank[b] for a, b in zip(matched, matched[1:], strict=False)):
+            return order
     seen = set(matched)
-    return matched + [j for j in range(n_gt) if j not in seen]
+    return matched + [j for j in candidates[0] if j not in seen]
 
 
 def _ratio(num: float, den: float) -> float:

@@ -142,3 +142,13 @@ def test_part_param_groups_give_each_part_its_rate(vlm_dir: Path) -> None:
     adapters = [p for n, p in trainable if "lora_" in n]
     assert adapters and {by_id[id(p)]["lr"] for p in adapters} == {1e-5}
     assert {g["weight_decay"] for g in groups} == {0.0, 0.1}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU refusal")
+def test_liger_kernel_without_cuda_is_a_config_error_naming_the_fix(vlm_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="model.liger_kernel needs a CUDA device.*set it false on CPU"):
+        load_policy(ModelConfig(path=str(vlm_dir), liger_kernel=True), vlm_dir)
+
+
+def test_liger_kernel_is_off_by_default() -> None:
+    assert ModelConfig(path="x").liger_kernel is False

@@ -31,14 +31,24 @@ def _raw(obj: tuple[str, str, list[int]]) -> dict:
 
 
 def _prepare(
-    tokenizer, tiny_model_dir, policy: str, predicted, gt, *, empty=False, rollout_ids=None, opening="split"
+    tokenizer,
+    tiny_model_dir,
+    policy: str,
+    predicted,
+    gt,
+    *,
+    empty=False,
+    rollout_ids=None,
+    opening="split",
+    orders=("listed",),
 ):
+    targets = {"unmatched_prefix": policy, "opening": opening, "reorder_orders": list(orders)}
     cfg = RunConfig.model_validate(
         {
             "model": {"path": str(tiny_model_dir)},
             "data": {"train": ["x.jsonl"]},
             "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
-            "stage2": {"targets": {"unmatched_prefix": policy, "opening": opening}},
+            "stage2": {"targets": targets},
         }
     )
     ctx = sample_context(cfg, tokenizer)
@@ -254,6 +264,57 @@ def test_reorder_keeps_the_model_order_when_it_disagrees_with_the_gt_order(
     _, rm, _ = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, rollout_ids=rollout)
     want = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], [FISH, CAT, DOG_GT], empty=True)[1]
     assert _same(rm, want)
+
+
+@pytest.mark.parametrize("emitted", [[CAT, FISH], [CAT, DOG, FISH], [DOG, FISH], [CAT, BIRD, FISH]])
+def test_reorder_of_a_rollout_in_anchor_order_on_listed_gt_is_plain_sft_of_the_sorted_answer(
+    tiny_tokenizer, tiny_model_dir, emitted
+) -> None:
+    """A model trained on sorted answers, fine-tuned on GT listed otherwise (FISH, DOG, CAT): with
+    `reorder_orders: [listed, sorted]` its anchor-ordered rollout (misses and false positives or not) is
+    trained on the GT in sorted order, token for token the plain-SFT segment of the sorted answer; with the
+    listed order alone, on its matches then the misses in listed order."""
+    listed = [FISH, DOG_GT, CAT]
+    rollout = _sft_path(tiny_tokenizer, emitted)
+    both = ("listed", "sorted")
+    rm = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], listed, rollout_ids=rollout, orders=both)[1]
+    sorted_sft = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], [CAT, DOG_GT, FISH], empty=True)[1]
+    assert _same(rm, sorted_sft)
+    old = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], listed, rollout_ids=rollout)[1]
+    matched = [DOG_GT if o is DOG else o for o in emitted if o is not BIRD]
+    want = matched + [o for o in listed if o not in matched]
+    assert _same(old, _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], want, empty=True)[1])
+
+
+def test_reorder_orders_are_tried_in_turn(
+    tiny_tokenizer, tiny_model_dir
+) -> None:
+    """GT listed in anchor order: both orders fit and give the plain-SFT answer; a rollout
+    that fits neither keeps the model's order, misses in listed order."""
+    gt = [CAT, DOG_GT, FISH]
+    both = ("sorted", "listed")
+    sft = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, empty=True)[1]
+    rollout = _sft_path(tiny_tokenizer, [CAT, FISH])
+    assert _same(
+        _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, rollout_ids=rollout, orders=both)[1], sft
+    )
+    rollout = _sft_path(tiny_tokenizer, [FISH, CAT])
+    got = _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], gt, rollout_ids=rollout, orders=both)[1]
+    assert _same(
+        got, _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], [FISH, CAT, DOG_GT], empty=True)[1]
+    )
+
+
+def test_reorder_orders_must_be_distinct(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="names an order twice"):
+        RunConfig.model_validate(
+            {
+                "model": {"path": str(tiny_model_dir)},
+                "data": {"train": ["x.jsonl"]},
+                "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
+                "stage2": {"targets": {"reorder_orders": ["sorted", "sorted"]}},
+            }
+        )
 
 
 @pytest.mark.parametrize(

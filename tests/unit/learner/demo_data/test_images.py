@@ -120,6 +120,30 @@ def test_write_is_idempotent_and_loads_with_the_learner_reader(tmp_path: Path) -
     assert json.loads((tmp_path / "manifest.json").read_text())["n_train"] == 6
 
 
+def test_a_written_set_is_reused_and_an_incomplete_or_different_one_is_drawn_again(tmp_path: Path) -> None:
+    import learner.demo_data.images as images
+
+    write_image_dataset(tmp_path, n_train=4, n_eval=2, seed=0)
+    drawn = []
+    real = images.generate_images
+    images.generate_images = lambda *a, **k: drawn.append(a) or real(*a, **k)
+    try:
+        write_image_dataset(tmp_path, n_train=4, n_eval=2, seed=0)
+        assert drawn == []  # complete and equal: returned without drawing
+        first_image = (
+            tmp_path / json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])["images"][0]
+        )
+        first_image.unlink()
+        write_image_dataset(tmp_path, n_train=4, n_eval=2, seed=0)
+        assert len(drawn) == 2 and first_image.exists()  # a missing image: drawn again
+        drawn.clear()
+        write_image_dataset(tmp_path, n_train=5, n_eval=2, seed=0)
+        assert len(drawn) == 2  # another set: drawn
+    finally:
+        images.generate_images = real
+    assert json.loads((tmp_path / "manifest.json").read_text())["n_train"] == 5
+
+
 def test_config_rejects_boxes_larger_than_the_image() -> None:
     with pytest.raises(ValueError, match="max_side"):
         ImageDemoConfig(size=64, min_side=40, max_side=64)
