@@ -61,7 +61,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "sft": {},
     "rm-keep": {"targets": {"unmatched_prefix": "keep"}},
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
-    "rm-reorder": {"targets": {"unmatched_prefix": "reorder"}},
+    "rm-reorder": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]}},
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists
     "rm-reorder-sorted": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed", "sorted"]}},
 }

@@ -468,6 +468,10 @@ def run_gpu(args: argparse.Namespace) -> None:
         emit(**base, mode="packed_liger", patched=patched, tokens_per_s=round(liger_tps, 1),
              speedup=round(liger_tps / packed_tps, 3), loss_before=round(loss_before, 5),
              loss_after=round(loss_after, 5), **perf(liger_info), **liger_info)  # fmt: skip
+        if args.profile:  # where the patched step's time goes (the next lever after Liger)
+            table = f"{args.profile_table}.liger.txt" if args.profile_table else None
+            _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
+                     attention="varlen+liger")  # fmt: skip
 
 
 def run_ddp(args: argparse.Namespace) -> None:

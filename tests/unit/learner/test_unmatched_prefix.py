@@ -286,9 +286,7 @@ def test_reorder_of_a_rollout_in_anchor_order_on_listed_gt_is_plain_sft_of_the_s
     assert _same(old, _prepare(tiny_tokenizer, tiny_model_dir, "reorder", [], want, empty=True)[1])
 
 
-def test_reorder_orders_are_tried_in_turn(
-    tiny_tokenizer, tiny_model_dir
-) -> None:
+def test_reorder_orders_are_tried_in_turn(tiny_tokenizer, tiny_model_dir) -> None:
     """GT listed in anchor order: both orders fit and give the plain-SFT answer; a rollout
     that fits neither keeps the model's order, misses in listed order."""
     gt = [CAT, DOG_GT, FISH]
