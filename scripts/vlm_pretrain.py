@@ -457,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_step(step: int, loss: float) -> bool:
         losses.append(loss)
-        out_of_time = args.max_seconds is not None and time.perf_counter() - start > args.max_seconds
-        if out_of_time and step < cfg.steps:
+        stop = args.max_seconds is not None and time.perf_counter() - start > args.max_seconds
+        if stop and step < cfg.steps:
             logger.info("--max-seconds %.0f reached at step %d", args.max_seconds, step)
             eval_at.add(step)
         if step % 50 == 0:
@@ -487,12 +487,12 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info(
                     "--stop-at-f1 %.3f reached at step %d (F1 %.4f)", args.stop_at_f1, step, row["f1"]
                 )
-                out_of_time = True
+                stop = True
         if step in snapshot_at:
             save_weights(
                 model, (args.snapshot_dir or args.out.parent) / f"{args.out.name}.step_{step}.safetensors"
             )
-        return out_of_time
+        return stop
 
     if cfg.steps == 0:  # score the loaded model only
         print(json.dumps(detection_metrics(model, processor, held_out, cfg.max_new_tokens, args.device)))

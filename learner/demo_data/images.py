@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageDraw
 
+from learner.demo_data.files import finished_set, write_if_changed
 from learner.demo_data.scenes import SceneObject, canonical_ring, record_objects
 from learner.stage2.coords import bbox_to_bins, pixel_to_bin
 
@@ -445,30 +446,9 @@ def generate_images(
     return out
 
 
-def _write_if_changed(path: Path, data: bytes) -> None:
-    if path.exists() and path.read_bytes() == data:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
 GENERATOR_VERSION = 1
 """Written into ``manifest.json``; bump it whenever a change to this module changes the images or records a
 seed and config draw, so that sets written before are drawn again instead of reused."""
-
-
-def _complete(out: Path, manifest_bytes: bytes, jsonl: list[Path]) -> bool:
-    """Whether ``out`` holds a finished set of this manifest: the manifest (written last) is byte-equal and
-    every record's image exists."""
-    manifest = out / "manifest.json"
-    if not manifest.exists() or manifest.read_bytes() != manifest_bytes or not all(p.exists() for p in jsonl):
-        return False
-    for path in jsonl:
-        for line in path.read_text().splitlines():
-            if not all((out / image).exists() for image in json.loads(line)["images"]):
-                return False
-    return True
 
 
 def write_image_dataset(
@@ -495,7 +475,7 @@ def write_image_dataset(
     manifest["generator_version"] = GENERATOR_VERSION
     manifest_bytes = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
     written = [out / f"{split}.jsonl" for split in ("train", "eval")]
-    if _complete(out, manifest_bytes, written):  # a crowded set takes ~90 s to draw: reuse it
+    if finished_set(out, manifest_bytes, written):  # a crowded set takes ~90 s to draw: reuse it
         return written[0], written[1]
     (out / "images").mkdir(parents=True, exist_ok=True)
     paths = []
@@ -504,11 +484,11 @@ def write_image_dataset(
         for record, image in generate_images(n, seed, split, cfg):
             buf = io.BytesIO()
             image.save(buf, format="PNG", optimize=False, compress_level=9)
-            _write_if_changed(out / record["images"][0], buf.getvalue())
+            write_if_changed(out / record["images"][0], buf.getvalue())
             lines.append(json.dumps(record, ensure_ascii=False) + "\n")
         path = out / f"{split}.jsonl"
-        _write_if_changed(path, "".join(lines).encode("utf-8"))
+        write_if_changed(path, "".join(lines).encode("utf-8"))
         paths.append(path)
-    _write_if_changed(out / "manifest.json", manifest_bytes)  # last: it marks the set complete
+    write_if_changed(out / "manifest.json", manifest_bytes)  # last: it marks the set complete
     logger.info("image demo dataset in %s: %d train, %d eval records", out, n_train, n_eval)
     return paths[0], paths[1]

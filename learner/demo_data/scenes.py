@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from learner.demo_data.files import write_if_changed
+
 __all__ = [
     "CATEGORIES",
     "DemoDataConfig",
@@ -326,14 +328,6 @@ def generate_records(
     return [make_record(sample_scene(rng, cfg), f"demo-{split}-{seed}-{i:06d}", cfg) for i in range(n)]
 
 
-def _write_if_changed(path: Path, text: str) -> None:
-    if path.exists() and path.read_text(encoding="utf-8") == text:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-
-
 def write_demo_dataset(
     out_dir: Path | str, n_train: int, n_eval: int, seed: int, cfg: DemoDataConfig | None = None
 ) -> tuple[Path, Path]:
@@ -360,9 +354,11 @@ def write_demo_dataset(
     for split, n in (("train", n_train), ("eval", n_eval)):
         path = out / f"{split}.jsonl"
         lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in generate_records(n, seed, split, cfg)]
-        _write_if_changed(path, "".join(lines))
+        write_if_changed(path, "".join(lines).encode("utf-8"))
         paths.append(path)
     manifest = {"seed": seed, "n_train": n_train, "n_eval": n_eval, "config": asdict(cfg)}
-    _write_if_changed(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    write_if_changed(
+        out / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8")
+    )
     logger.info("demo dataset in %s: %d train, %d eval records", out, n_train, n_eval)
     return paths[0], paths[1]

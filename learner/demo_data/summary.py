@@ -38,6 +38,7 @@ from typing import Any
 
 from PIL import Image
 
+from learner.demo_data.files import write_if_changed
 from learner.demo_data.images import ImageDemoConfig, PixelObject, render_scene, sample_pixel_scene
 from learner.rewards.summary_parse import IRRELEVANT, expected_header
 
@@ -144,17 +145,7 @@ def generate_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict[s
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> bool:
     """Writes ``rows`` as JSONL to ``path`` unless it already holds exactly that text; True when written."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    return _write_if_changed(Path(path), text.encode("utf-8"))
-
-
-def _write_if_changed(path: Path, data: bytes) -> bool:
-    if path.exists() and path.read_bytes() == data:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-    return True
+    return write_if_changed(Path(path), text.encode("utf-8"))
 
 
 def with_task_noise(rows: list[dict[str, Any]], fraction: float, *, seed: int = 0) -> list[dict[str, Any]]:
@@ -258,4 +249,4 @@ def generate_image_rows(
 def _write_png(path: Path, image: Image.Image) -> None:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    _write_if_changed(path, buf.getvalue())
+    write_if_changed(path, buf.getvalue())

@@ -17,7 +17,7 @@ from learner.data.errors import DataRecordError
 from learner.data.messages import rollout_messages
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.coords import CoordVocab
-from learner.stage2.gt import GtExtraction, anchor_order, extract_gt
+from learner.stage2.gt import GtExtraction, extract_gt
 from learner.stage2.matching.breakdown import (
     DetectionBreakdown,
     detection_breakdown,
@@ -27,8 +27,9 @@ from learner.stage2.matching.breakdown import (
 from learner.stage2.matching.match import MatchingConfig, match
 from learner.stage2.parse.parser import ParseResult, parse_rollout
 from learner.stage2.targets.labels import encode_segment
+from learner.stage2.targets.order import reorder_ground_truth
 from learner.stage2.targets.segment import Segment
-from learner.stage2.targets.y_train import TargetsConfig, build_y_train, model_order, prune_unmatched
+from learner.stage2.targets.y_train import TargetsConfig, build_y_train, prune_unmatched
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
@@ -171,10 +172,7 @@ def prepare_segment(
             rewritten = True
     elif ctx.targets.unmatched_prefix == "reorder" and result.choices[0].token_ids:
         # The ground truth in the model's order, as a plain-GT target (an empty rollout's Y_train).
-        n_gt = len(gts.objects)
-        known = {"listed": lambda: range(n_gt), "sorted": lambda: anchor_order(gts.objects)}
-        orders = [known[name]() for name in ctx.targets.reorder_orders]
-        gt_objects = [gts.objects[j] for j in model_order(result_match, n_gt, orders)]
+        gt_objects = reorder_ground_truth(result_match, gts.objects, ctx.targets.reorder_orders)
         parse = parse_rollout([], ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
         result_match = match([], [(g.geom_type, g.bins) for g in gt_objects], ctx.matching)
         rewritten = True

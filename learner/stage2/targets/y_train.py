@@ -43,7 +43,6 @@ __all__ = [
     "prefix_coord_targets",
     "prefix_coord_targets_batch",
     "answer_ids",
-    "model_order",
     "prune_unmatched",
     "serialize_append",
 ]
@@ -89,18 +88,16 @@ class TargetsConfig(ConfigSection):
     emitted them, then the ones it missed, every token supervised as in plain SFT. Only the ORDER comes from
     the rollout: plain SFT of a set in arbitrary (random) order must learn an order it cannot predict; here
     the model keeps its own. When the model's matches come in the GT's order, misses or not, `Y_train`,
-    labels and loss equal plain SFT's (:func:`model_order`).
+    labels and loss equal plain SFT's (`learner.stage2.targets.order`).
 
     `rollout/` metrics describe the generated rollout in every mode. Measured: bench/RESULTS.md."""
     reorder_orders: list[Literal["listed", "sorted"]] = Field(
         default_factory=lambda: ["listed"], min_length=1
     )
-    """`reorder`: the orders the model's matches are checked against, in turn; the first they follow sets the
-    WHOLE target, the misses where that order puts them. `listed`: the GT as the record lists it (after
-    `data.object_ordering`). `sorted`: by the `(y, x)` anchor, `data.object_ordering: sorted`'s key — for a
-    model whose stage-1 saw sorted answers, fine-tuned on annotations listed in another order: its rollouts
-    follow the anchor order, so the target is the GT in that order, misses included (plain SFT of the sorted
-    answer). When no order fits: the matches in the model's order, then the misses in listed order."""
+    """`reorder`: orders the model's matches are checked against in turn; the first they follow is the whole
+    target, misses where it puts them (else: matches in the model's order, then misses as listed). `listed`:
+    as the record lists the GT; `sorted`: by `(y, x)` anchor — for a stage-1 trained on sorted answers and
+    fine-tuned on GT listed otherwise, whose rollouts keep the sorted order."""
 
     @field_validator("reorder_orders")
     @classmethod
@@ -471,23 +468,6 @@ def prune_unmatched(
     ids = answer_ids(kept, tokenizer, coord_vocab, opening)
     renumbered = replace(match, pairs=tuple((k, j, iou) for k, (_, j, iou) in enumerate(match.pairs)), fp=())
     return ids, renumbered
-
-
-def model_order(match: MatchResult, n_gt: int, orders: Sequence[Sequence[int]] | None = None) -> list[int]:
-    """GT indices in the order `unmatched_prefix: reorder` teacher-forces them.
-
-    ``orders``: candidate orders of all ``n_gt`` GT indices (default: the listed order alone;
-    `stage2.targets.reorder_orders`). The first order the model's matches follow is returned whole (misses
-    where it puts them: for the listed order exactly the plain-SFT target; see docs/ALGORITHM.md); when none
-    fits, the matched GT objects in the model's order, then the missed ones in the first order."""
-    candidates = [list(o) for o in orders] if orders is not None else [list(range(n_gt))]
-    matched = [j for _, j, _ in match.pairs]  # pairs are sorted by prediction index: the model's order
-    for order in candidates:
-        rank = {j: r for r, j in enumerate(order)}
-        if all(rank[a] < rank[b] for a, b in zip(matched, matched[1:], strict=False)):
-            return order
-    seen = set(matched)
-    return matched + [j for j in candidates[0] if j not in seen]
 
 
 def _ratio(num: float, den: float) -> float:
