@@ -161,6 +161,7 @@ def build_crowded_stage1(
     every: int,
     target_f1: float,
     device: str,
+    eval_from: int = 0,
     n_eval: int = 64,
     max_new_tokens: int = 1024,
     batch: int = 64,
@@ -168,14 +169,15 @@ def build_crowded_stage1(
     """Stage-1 of the crowded model, trained here and cached in ``model`` (``REPO``-relative).
 
     ``scripts/vlm_pretrain.py --fast`` trains the random-init ``tiny-qwen3-vl-crowded-init`` on ``data``'s
-    train split in SORTED object order whatever the task's order (``batch`` rows, lr 1e-3), scoring
-    ``n_eval`` held-out images and saving a snapshot every ``every`` steps. Sorted, because only that
-    localises within a device call (2026-11-27, one H200 each, ~1,150 steps in 400 s: held-out F1 0.78
-    sorted vs 0.16 in random order; bench/RESULTS.md "Crowded scenes"); the random-order task then
-    fine-tunes a model with an order habit on annotations in arbitrary order, as users fine-tune a
-    pretrained VLM. The base is the FIRST snapshot whose held-out F1 reaches ``target_f1`` (else the best),
-    so that every arm has room above it. The choice is written to ``stage1_choice.json``; a model folder
-    holding one is reused. ``--fast`` kernels are not bitwise reproducible: the choice file records the F1.
+    train split in SORTED object order whatever the task's order (``batch`` rows, lr 1e-3), scoring ``n_eval``
+    held-out images and saving a snapshot every ``every`` steps from step ``eval_from`` on (earlier snapshots
+    generate up to ``max_new_tokens`` of noise per image and cannot reach the target). Sorted, because only
+    that localises within a device call (2026-11-27, one H200 each, ~1,150 steps in 400 s: held-out F1 0.78
+    sorted vs 0.16 in random order; bench/RESULTS.md "Crowded scenes"); the random-order task then fine-tunes
+    a model with an order habit on annotations in arbitrary order, as users fine-tune a pretrained VLM. The
+    base is the FIRST snapshot whose held-out F1 reaches ``target_f1`` (else the best), so that every arm has
+    room above it. The choice is written to ``stage1_choice.json``; a model folder holding one is reused.
+    ``--fast`` kernels are not bitwise reproducible: the choice file records the F1.
     """
     model = REPO / model
     choice_file = model / "stage1_choice.json"
@@ -189,7 +191,7 @@ def build_crowded_stage1(
         stdout=subprocess.DEVNULL,
     )
     tmp, snapshots = model.with_name(model.name + ".build"), model.with_name(model.name + ".snapshots")
-    marks = ",".join(str(k) for k in range(every, steps + 1, every))
+    marks = ",".join(str(k) for k in range(every, steps + 1, every) if k >= eval_from)
     t0 = time.time()
     subprocess.run(
         [PY, "scripts/vlm_pretrain.py", "--model-dir", str(init), "--data", str(data), "--out", str(tmp)]
@@ -580,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
     parser.add_argument("--stage1-steps", type=int, default=1400, help="crowded tasks: stage-1 steps")
     parser.add_argument("--stage1-every", type=int, default=200, help="crowded: stage-1 eval/snapshot period")
+    parser.add_argument(
+        "--stage1-eval-from", type=int, default=0, help="crowded: first stage-1 step evaluated (saves time)"
+    )
     parser.add_argument("--stage1-target-f1", type=float, default=0.5, help="crowded: the base's F1")
     parser.add_argument("--stage1-device", default="cuda", help="crowded: where stage-1 trains")
     parser.add_argument(
@@ -612,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = build_data(task, out / "data", args.eval_samples, args.smoke)
     stage1 = {"steps": args.stage1_steps, "every": args.stage1_every, "target_f1": args.stage1_target_f1}
-    stage1["device"] = args.stage1_device
+    stage1 |= {"device": args.stage1_device, "eval_from": args.stage1_eval_from}
     if args.smoke:  # a throw-away stage-1 of its own, never the cached real one
         stage1 |= {"n_eval": 2, "max_new_tokens": 32, "batch": 2}
         task = {**task, "model": task["model"] + "-smoke"}

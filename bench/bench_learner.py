@@ -63,15 +63,19 @@ def write_configs(
     rollout: str = "server",
     base_config: Path = BASE_CONFIG,
     model: Path | None = None,
+    liger: bool = False,
 ) -> tuple[Path, dict[int, Path]]:
     """The server's config and one learner config per `m_steps`, all extending the demo config `base_config`
-    (with `model`: that model directory in bf16 instead of the demo's model).
+    (with `model`: that model directory in bf16 instead of the demo's model; with `liger`:
+    `model.liger_kernel: true`, CUDA only).
 
     `rollout="colocate-hf"` swaps the server for the in-process HF backend (the training model generates;
     no server is started), the set-up for a CUDA machine where vLLM is not installed.
     """
     out.mkdir(parents=True, exist_ok=True)
     base = out / "base.yaml"
+    model_keys = [f"path: {model}", "dtype: bfloat16"] if model is not None else []
+    model_keys += ["liger_kernel: true"] if liger else []
     if rollout == "colocate-hf":
         source = "rollout: {mode: colocate, backend: hf, decoding: {rollout_generate_batch_size: 16}}\n"
     else:
@@ -81,7 +85,7 @@ def write_configs(
         f"extends: {base_config}\n"
         f"server: {{port: {port}}}\n"
         + source
-        + (f"model: {{path: {model}, dtype: bfloat16}}\n" if model is not None else "")
+        + (f"model: {{{', '.join(model_keys)}}}\n" if model_keys else "")
     )
     runs = {}
     for m in m_values:
@@ -148,6 +152,12 @@ def summarize(
         "host_stage2_s_per_step": round(per_step(HOST_KEYS), 4),
         "outside_engine_s_per_step": round(runtime / n - rollout, 3),
         "rollout_share": round(rollout * n / runtime, 3),
+        # The learner's own throughput figures (learner/flops.py), mean over the steps that log them.
+        **{
+            key.split("/")[1] + "_mean": round(sum(vals) / len(vals), 4)
+            for key in ("perf/tokens_per_s", "perf/mfu", "perf/mfu_with_attn")
+            if (vals := [float(r[key]) for r in steps if r.get(key) is not None])
+        },
     }
 
 
@@ -228,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         help="--vlm on a random-init Qwen3-VL-2B-shaped model in bf16"
         " (built into OUT/qwen3-vl-2b-shapes; GPU)",
     )
+    parser.add_argument(
+        "--liger", action="store_true", help="model.liger_kernel: true (Triton kernels; CUDA and --vlm only)"
+    )
     args = parser.parse_args(argv)
     args.vlm = args.vlm or args.vlm_2b
     out = args.out.resolve()
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     base_config = VLM_BASE_CONFIG if args.vlm else BASE_CONFIG
     base, configs = write_configs(
-        out, port, args.max_steps, [1, args.m_steps], args.rollout, base_config, model
+        out, port, args.max_steps, [1, args.m_steps], args.rollout, base_config, model, args.liger
     )
     load_start = os.getloadavg()
     launcher: subprocess.Popen[str] | None = None

@@ -100,3 +100,23 @@ def test_bench_fleet_cpu_check_identity_throughput_and_a_killed_server() -> None
     assert (tput["decode_rounds_one_server"], tput["decode_rounds_per_server_fleet"]) == (2, 1)
     (kill,) = [line for line in lines if line["measure"] == "fleet_kill"]
     assert kill["matches_policy"] and kill["names_dead_server"] and not kill["hung"], kill
+
+
+def test_bench_learner_configs_load_with_liger_and_a_model_directory(tmp_path) -> None:
+    """`bench_learner.py --vlm-2b --liger` writes ONE `model:` mapping (path, dtype, liger_kernel) that the
+    learner's loader accepts; the learner itself refuses the switch on CPU at model load, not here."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import bench_learner
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from learner.config import load_run_config
+
+    model_dir = tmp_path / "qwen3-vl-2b-shapes"
+    _, configs = bench_learner.write_configs(
+        tmp_path, 8000, 8, [1, 4], "colocate-hf", bench_learner.VLM_BASE_CONFIG, model_dir, liger=True
+    )
+    for m, path in configs.items():
+        cfg = load_run_config(path)
+        assert cfg.model.liger_kernel is True and cfg.model.path == str(model_dir)
+        assert cfg.rollout.mode == "colocate" and cfg.stage2.rollout_buffer.m_steps == m
