@@ -40,23 +40,19 @@ def model_order(match: MatchResult, n_gt: int, orders: Sequence[Sequence[int]] |
     order."""
     candidates = [list(o) for o in orders] if orders is not None else [list(range(n_gt))]
     matched = [j for _, j, _ in match.pairs]  # pairs are sorted by prediction index: the model's order
-    pairs = len(matched) * (len(matched) - 1) // 2
-    best, best_concordant = candidates[0], -1
+    best, best_rank, best_concordant = candidates[0], {}, -1
     for order in candidates:
         rank = {j: r for r, j in enumerate(order)}
         concordant = sum(rank[a] < rank[b] for i, a in enumerate(matched) for b in matched[i + 1 :])
-        if concordant == pairs:
-            return order
         if concordant > best_concordant:
-            best, best_concordant = order, concordant
+            best, best_rank, best_concordant = order, rank, concordant
     seen = set(matched)
-    if best_concordant < REORDER_AGREEMENT * pairs:
+    if best_concordant < REORDER_AGREEMENT * len(matched) * (len(matched) - 1) / 2:
         return matched + [j for j in candidates[0] if j not in seen]
-    rank = {j: r for r, j in enumerate(best)}
     misses = [j for j in best if j not in seen]  # in rank order
     placed, m = [], 0
-    for j in matched:
-        while m < len(misses) and rank[misses[m]] < rank[j]:
+    for j in matched:  # each miss right before the first match ranked after it (a followed order: itself)
+        while m < len(misses) and best_rank[misses[m]] < best_rank[j]:
             placed.append(misses[m])
             m += 1
         placed.append(j)

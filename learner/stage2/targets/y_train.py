@@ -85,23 +85,19 @@ class TargetsConfig(ConfigSection):
     invalid object is used as is.
 
     `reorder`: the ground truth in the model's order — the GT objects the model matched, in the order it
-    emitted them, the ones it missed placed by the order its matches follow (`reorder_orders`; after them
-    where they follow none), every token supervised as in plain SFT. Only the ORDER comes from the rollout:
-    plain SFT of a set in arbitrary (random) order must learn an order it cannot predict; here the model
-    keeps its own. When the model's matches come in the GT's order, misses or not, `Y_train`, labels and
-    loss equal plain SFT's (`learner.stage2.targets.order`).
+    emitted them, the missed ones placed by the order the matches follow (`reorder_orders`), every token
+    supervised as in plain SFT. Only the ORDER comes from the rollout: plain SFT of a set in arbitrary
+    order must learn an order it cannot predict; here the model keeps its own. Matches in the GT's order,
+    misses or not, give plain SFT's `Y_train`, labels and loss (`learner.stage2.targets.order`).
 
     `rollout/` metrics describe the generated rollout in every mode. Measured: bench/RESULTS.md."""
     reorder_orders: list[Literal["listed", "sorted"]] = Field(
         default_factory=lambda: ["listed"], min_length=1
     )
-    """`reorder`: the orders that place the missed GT objects among the model's matches. The one the matches
-    agree with best (most pairs in its order; ties: the first named) puts each miss right before the first
-    match it ranks after: where the matches follow it, the target is that order itself; a swapped pair of
-    neighbours keeps the swap and the misses in place. Where the matches agree with none on 75 % of their
-    pairs (`REORDER_AGREEMENT`), the misses follow them in the first order. `listed`: as the record lists
-    the GT; `sorted`: by `(y, x)` anchor — for a stage-1 trained on sorted answers and fine-tuned on GT listed
-    otherwise, whose rollouts keep the sorted order."""
+    """`reorder`: the orders that place the missed GT objects among the model's matches (the one they agree
+    with best; a followed order comes back whole; `learner.stage2.targets.order`). `listed`: as the record
+    lists the GT; `sorted`: by `(y, x)` anchor — for a stage-1 trained on sorted answers and fine-tuned on GT
+    listed otherwise, whose rollouts keep the sorted order."""
 
     @field_validator("reorder_orders")
     @classmethod
