@@ -56,6 +56,12 @@ _KERNEL_KINDS = (
 )
 
 
+_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                       "cudaMemcpyAsync"})
+"""Ops whose count says how often the host waits for the GPU (``.item()``, data-dependent shapes, copies back):
+after each such wait the GPU idles until the host has launched the next kernels."""
+
+
 def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str | None) -> dict[str, Any]:
     """torch.profiler of one packed step (after the caller's warm-up).
 
@@ -64,7 +70,7 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
     ``forward_ms`` by part (GPU time of the kernels each part's forward launched; backward not split),
     ``forward_host_ms`` by part (host time inside each part's forward: Python, dispatch, launches),
     ``kernels_ms`` by kind (name patterns of `_KERNEL_KINDS`, forward + backward), ``host_ops_ms`` (CPU time
-    inside aten ops, a lower bound on host time). The full op table goes to ``out_path``.
+    inside aten ops, a lower bound on host time), ``host_syncs`` (counts of the `_SYNC_OPS`). The full op table goes to ``out_path``.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -113,6 +119,7 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
             forward[part] = max(forward.get(part, 0.0), round(e.device_time_total / 1e3, 2))
             forward_host[part] = max(forward_host.get(part, 0.0), round(e.cpu_time_total / 1e3, 2))
     host = sum(e.self_cpu_time_total for e in events if not e.key.startswith(("fwd::", "cuda"))) / 1e3
+    syncs = {e.key: e.count for e in events if e.key in _SYNC_OPS}
     if out_path:
         with open(out_path, "w") as fh:
             fh.write(events.table(sort_by="self_cuda_time_total", row_limit=60))
@@ -125,6 +132,7 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
         "forward_host_ms": forward_host,
         "kernels_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "host_ops_ms": round(host, 1),
+        "host_syncs": syncs,
     }
 
 
@@ -161,12 +169,14 @@ def matmul_ceiling_tflops(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / times[len(times) // 2] / 1e12
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """Regional ``torch.compile`` of every language-model decoder layer and vision block (``dynamic=True``:
-    packed rows of every length share one graph); returns how many modules were compiled."""
+def compile_blocks(model: torch.nn.Module, which: str = "all") -> int:
+    """Regional ``torch.compile`` of every vision block (``which="vision"``), or of them and every
+    language-model decoder layer (``"all"``), ``dynamic=True``: packed rows of every length share one graph;
+    returns how many modules were compiled."""
     n = 0
+    lists = ("visual.blocks",) if which == "vision" else ("language_model.layers", "visual.blocks")
     for name, module in model.named_modules():
-        if name.endswith(("language_model.layers", "visual.blocks")):
+        if name.endswith(lists):
             for block in module:
                 block.compile(dynamic=True)
                 n += 1

@@ -72,6 +72,9 @@ on the plain GT and the others roll out."""
 GRPO_ARMS: dict[str, dict[str, Any]] = {
     "grpo-detection": {"reward_preset": "detection"},
     "grpo-detection-dedup": {"reward_preset": "detection_dedup"},
+    # sampling at T 1.0 spreads ~600-token completions mostly by noise; a cooler policy gives groups whose
+    # rewards differ by the detections
+    "grpo-dedup-t07": {"reward_preset": "detection_dedup", "temperature": 0.7},
 }
 """Arm name → ``grpo`` override of a GRPO run from the seed's base checkpoint (:func:`grpo_run_config`)."""
 GRPO_GENERATIONS = 4

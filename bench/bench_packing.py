@@ -30,7 +30,8 @@ ceiling as ``mfu_bound``), peak memory, the same packed rows through the per-seg
 (``packed_loop``, the attention before the varlen kernel) with the speed-up beside its bound and a loss /
 gradient check of varlen vs loop (``--no-compare-loop`` skips them); ``--profile`` a torch.profiler breakdown
 of one packed step each way (``bench/_step_profile.py``); ``--memory-sweep 8192 16384`` the peak memory of
-such rows with and without gradient checkpointing; ``--compile`` regional torch.compile. ``--ddp`` under
+such rows with and without gradient checkpointing; ``--compile vision|all`` last, regional torch.compile of the
+ViT blocks (and the decoder layers). ``--ddp`` under
 torchrun: the data-parallel scaling of packed rows (1 GPU vs N, bound N). ``bench/mfu_gpu.sh`` runs the
 device set.
 
@@ -396,8 +397,6 @@ def run_gpu(args: argparse.Namespace) -> None:
                 out["mfu_bound"] = round(ceiling / peak, 4)
         return out
 
-    if args.compile:
-        base["compiled_blocks"] = compile_blocks(model)
     run = dict(eos_id=setup["eos_id"], compact=setup["compact"], flop_model=flop_model)
     varlen = not args.attn_loop
     padded_tps, padded_info = train_tokens_per_s(
@@ -472,6 +471,39 @@ def run_gpu(args: argparse.Namespace) -> None:
             table = f"{args.profile_table}.liger.txt" if args.profile_table else None
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
                      attention="varlen+liger")  # fmt: skip
+    if args.compile:  # last (after Liger where given): compiled blocks cannot be undone either
+        _guarded("packed_compiled", base, lambda: _compiled_phase(
+            args, model, packed_batches, warmup, step, coord_ids, device, flash, varlen, run, perf,
+            liger_tps if args.liger else packed_tps))  # fmt: skip
+        if args.profile:
+            table = f"{args.profile_table}.compiled.txt" if args.profile_table else None
+            _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
+                     attention=f"varlen{'+liger' if args.liger else ''}+compile-{args.compile}")  # fmt: skip
+
+
+def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, varlen, run, perf, before_tps):
+    """The same packed rows once ``compile_blocks`` compiled the model's blocks: every row once untimed (the
+    compilation and any recompile happen there), then the timed rows of the other phases. Returns tokens/s,
+    the speed-up over ``before_tps`` (the previous phase), the first row's loss before and after, the
+    seconds of the first compiled row (compilation) and dynamo's graph / recompile counts."""
+    from torch._dynamo.utils import counters
+
+    loss_before = float(step(rows[0]).detach())
+    model.zero_grad(set_to_none=True)
+    compiled = compile_blocks(model, args.compile)
+    start = time.perf_counter()
+    loss_after = float(step(rows[0]).detach())
+    model.zero_grad(set_to_none=True)
+    first_row_s = time.perf_counter() - start
+    tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
+                                   varlen=varlen, **run)  # fmt: skip
+    return dict(compiled=args.compile, compiled_blocks=compiled, tokens_per_s=round(tps, 1),
+                speedup=round(tps / before_tps, 3), loss_before=round(loss_before, 5),
+                loss_after=round(loss_after, 5), first_row_s=round(first_row_s, 1),
+                graphs=int(counters["stats"]["unique_graphs"]),
+                graph_breaks=int(sum(counters["graph_break"].values())),
+                recompiles=int(counters["recompiles"].get("total", 0)) if "recompiles" in counters else None,
+                **perf(info), **info)  # fmt: skip
 
 
 def run_ddp(args: argparse.Namespace) -> None:
@@ -596,7 +628,11 @@ def main(argv: list[str] | None = None) -> None:
         help="--vlm: packing lengths whose peak step memory to measure, checkpointing off / on",
     )
     p.add_argument(
-        "--compile", action="store_true", help="regional torch.compile of decoder layers and ViT blocks"
+        "--compile",
+        choices=["vision", "all"],
+        default=None,
+        help="--vlm: last, the same packed rows with regional torch.compile of the ViT blocks (vision) or of"
+        " them and the decoder layers (all)",
     )
     p.add_argument(
         "--liger", action="store_true", help="--vlm: then the same packed rows with Liger-Kernel's patches"

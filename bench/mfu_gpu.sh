@@ -4,7 +4,8 @@
 #      per-segment loop (the "before"), varlen-vs-loop check, profiles of one packed step each way, peak memory
 #      of 8k / 16k rows with and without gradient checkpointing, then the same rows with Liger-Kernel (--liger)
 #      and its profile;
-#   2. the same with regional torch.compile (--compile; optional: PHASES=1 skips it).
+#   2. the same rows with Liger and then regional torch.compile of the ViT blocks (COMPILE=vision) or of them and
+#      the decoder layers (COMPILE=all), and its profile (PHASES=1 skips it).
 # Output: one JSON line per record on stdout and in $OUT (or runs/mfu) as packing*.jsonl, profiler tables.
 #   SMOKE=1 bash bench/mfu_gpu.sh     # the tiny model on CPU, a dry run of this script
 set -uo pipefail
@@ -26,8 +27,9 @@ timeout "${T1:-300}" $PY bench/bench_packing.py --gpu --vlm "${smoke[@]}" --prof
   "${mem[@]}" 2>"$out/packing.err" | tee "$out/packing.jsonl"
 tail -3 "$out/packing.err"
 if [ "${PHASES:-2}" -ge 2 ]; then
-  timeout "${T2:-200}" $PY bench/bench_packing.py --gpu --vlm "${smoke[@]}" --compile --no-compare-loop \
-    --steps "${STEPS2:-10}" 2>"$out/compile.err" | tee "$out/packing_compile.jsonl"
+  timeout "${T2:-400}" $PY bench/bench_packing.py --gpu --vlm "${smoke[@]}" "${liger[@]}" --compile "${COMPILE:-vision}" \
+    --no-compare-loop --profile --profile-table "$out/profile2" --steps "${STEPS2:-10}" 2>"$out/compile.err" \
+    | tee "$out/packing_compile.jsonl"
   tail -3 "$out/compile.err"
 fi
 date -u

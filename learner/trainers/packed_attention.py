@@ -35,6 +35,7 @@ a stand-in kernel on CPU) and by `bench/bench_packing.py --gpu --vlm` on CUDA (l
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -74,10 +75,12 @@ forward that gradient checkpointing re-runs in it) runs on autograd's own thread
 _varlen_checked: dict[tuple[str, torch.dtype], bool] = {}
 
 
+@functools.cache
 def _varlen_op() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
     """`(torch.nn.attention.varlen.varlen_attn, its keyword parameters)`, or None where this torch lacks it.
     Its API moved between releases: causality as `is_causal` (first) or `window_size` (later), `scale` and
-    `enable_gqa` only in later ones; `_varlen_call` adapts to what is there."""
+    `enable_gqa` only in later ones; `_varlen_call` adapts to what is there. Cached: it runs in every
+    attention layer of every forward."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -214,7 +217,9 @@ def varlen_available(query: torch.Tensor) -> bool:
     d = query.shape[-1]
     if d > 256 or d % 8 or _varlen_op() is None:
         return False
-    return _varlen_works(query.device, query.dtype)
+    # Checked already: a plain lookup, so a compiled block does not break its graph at the (disabled) check.
+    known = _varlen_checked.get((str(query.device), query.dtype))
+    return known if known is not None else _varlen_works(query.device, query.dtype)
 
 
 def segment_sdpa(
