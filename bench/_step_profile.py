@@ -8,6 +8,8 @@ path.
 
 from __future__ import annotations
 
+import collections
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +92,7 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
             mod._rm_range.__exit__(None, None, None)
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    stacks = bool(os.environ.get("PROFILE_SYNC_STACKS"))  # where the host waits: Python stacks of the syncs
     cuda = next(model.parameters()).is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -123,6 +126,10 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
     if out_path:
         with open(out_path, "w") as fh:
             fh.write(events.table(sort_by="self_cuda_time_total", row_limit=60))
+            if stacks and cuda:
+                fh.write("\n\nPython stacks of the host syncs of one more step (count, innermost frame first):\n")
+                for stack, count in _sync_stacks(step, batch).most_common(40):
+                    fh.write(f"{count:5d} {stack}\n")
     return {
         "wall_ms": round(wall, 1),
         "gpu_busy_ms": round(busy, 1),
@@ -134,6 +141,35 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
         "host_ops_ms": round(host, 1),
         "host_syncs": syncs,
     }
+
+
+def _sync_stacks(step: Step, batch: Any) -> collections.Counter:
+    """Counts of the Python stacks (8 innermost frames) at which one step makes the host wait for the GPU,
+    from CUDA's sync debug mode (a warning at every synchronizing call)."""
+    import traceback
+    import warnings
+
+    where: collections.Counter = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        frames = traceback.extract_stack()[:-2][-8:]
+        where[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(batch)
+                torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    return where
 
 
 def _kernels(prof: Any) -> list[tuple[str, float]]:
