@@ -1,5 +1,5 @@
 """What `bench_packing.py --gpu --vlm` measures beside tokens/s: the varlen-vs-loop check of one packed step,
-a torch.profiler breakdown of one packed step, the matmul ceiling of the card, and regional compilation.
+a torch.profiler breakdown of one packed step and the matmul ceiling of the card.
 
 Every function takes ``step(batch)``: one learner step (``forward_for_loss`` + ``step_loss_sums`` + backward,
 attention set up as the trainer does) returning the loss tensor, so the numbers are those of the learner's own
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compare_varlen", "compile_blocks", "matmul_ceiling_tflops", "profile_step"]
+__all__ = ["compare_varlen", "matmul_ceiling_tflops", "profile_step"]
 
 Step = Callable[..., torch.Tensor]
 
@@ -58,10 +58,17 @@ _KERNEL_KINDS = (
 )
 
 
-_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-                       "cudaMemcpyAsync"})
-"""Ops whose count says how often the host waits for the GPU (``.item()``, data-dependent shapes, copies back):
-after each such wait the GPU idles until the host has launched the next kernels."""
+_SYNC_OPS = frozenset(
+    {
+        "aten::_local_scalar_dense",
+        "aten::nonzero",
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaMemcpyAsync",
+    }
+)
+"""Ops whose count says how often the host may wait for the GPU (``.item()``, data-dependent shapes, copies
+back): after each such wait the GPU idles until the host has launched the next kernels."""
 
 
 def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str | None) -> dict[str, Any]:
@@ -72,7 +79,9 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
     ``forward_ms`` by part (GPU time of the kernels each part's forward launched; backward not split),
     ``forward_host_ms`` by part (host time inside each part's forward: Python, dispatch, launches),
     ``kernels_ms`` by kind (name patterns of `_KERNEL_KINDS`, forward + backward), ``host_ops_ms`` (CPU time
-    inside aten ops, a lower bound on host time), ``host_syncs`` (counts of the `_SYNC_OPS`). The full op table goes to ``out_path``.
+    inside aten ops, a lower bound on host time), ``host_syncs`` (counts of the `_SYNC_OPS`). The full op
+    table goes to ``out_path``; with ``PROFILE_SYNC_STACKS=1`` also the Python stacks of one more step's
+    synchronising calls (`_sync_stacks`).
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -127,7 +136,9 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
         with open(out_path, "w") as fh:
             fh.write(events.table(sort_by="self_cuda_time_total", row_limit=60))
             if stacks and cuda:
-                fh.write("\n\nPython stacks of the host syncs of one more step (count, innermost frame first):\n")
+                fh.write(
+                    "\n\nPython stacks of the host syncs of one more step (count, innermost frame first):\n"
+                )
                 for stack, count in _sync_stacks(step, batch).most_common(40):
                     fh.write(f"{count:5d} {stack}\n")
     return {
@@ -154,7 +165,9 @@ def _sync_stacks(step: Step, batch: Any) -> collections.Counter:
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
         frames = traceback.extract_stack()[:-2][-8:]
-        where[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+        where[
+            " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))
+        ] += 1
 
     warnings.showwarning = record
     try:
@@ -203,17 +216,3 @@ def matmul_ceiling_tflops(n: int = 8192, reps: int = 10) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return 2 * n**3 / times[len(times) // 2] / 1e12
-
-
-def compile_blocks(model: torch.nn.Module, which: str = "all") -> int:
-    """Regional ``torch.compile`` of every vision block (``which="vision"``), or of them and every
-    language-model decoder layer (``"all"``), ``dynamic=True``: packed rows of every length share one graph;
-    returns how many modules were compiled."""
-    n = 0
-    lists = ("visual.blocks",) if which == "vision" else ("language_model.layers", "visual.blocks")
-    for name, module in model.named_modules():
-        if name.endswith(lists):
-            for block in module:
-                block.compile(dynamic=True)
-                n += 1
-    return n

@@ -64,10 +64,11 @@ def write_configs(
     base_config: Path = BASE_CONFIG,
     model: Path | None = None,
     liger: bool = False,
+    compile_blocks: bool = False,
 ) -> tuple[Path, dict[int, Path]]:
     """The server's config and one learner config per `m_steps`, all extending the demo config `base_config`
     (with `model`: that model directory in bf16 instead of the demo's model; with `liger`:
-    `model.liger_kernel: true`, CUDA only).
+    `model.liger_kernel: true`, CUDA only; with `compile_blocks`: `model.compile_blocks: true`).
 
     `rollout="colocate-hf"` swaps the server for the in-process HF backend (the training model generates;
     no server is started), the set-up for a CUDA machine where vLLM is not installed.
@@ -76,6 +77,7 @@ def write_configs(
     base = out / "base.yaml"
     model_keys = [f"path: {model}", "dtype: bfloat16"] if model is not None else []
     model_keys += ["liger_kernel: true"] if liger else []
+    model_keys += ["compile_blocks: true"] if compile_blocks else []
     if rollout == "colocate-hf":
         source = "rollout: {mode: colocate, backend: hf, decoding: {rollout_generate_batch_size: 16}}\n"
     else:
@@ -241,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--liger", action="store_true", help="model.liger_kernel: true (Triton kernels; CUDA and --vlm only)"
     )
+    parser.add_argument(
+        "--compile-blocks", action="store_true", help="model.compile_blocks: true (regional torch.compile)"
+    )
     args = parser.parse_args(argv)
     args.vlm = args.vlm or args.vlm_2b
     out = args.out.resolve()
@@ -254,7 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     base_config = VLM_BASE_CONFIG if args.vlm else BASE_CONFIG
     base, configs = write_configs(
-        out, port, args.max_steps, [1, args.m_steps], args.rollout, base_config, model, args.liger
+        out,
+        port,
+        args.max_steps,
+        [1, args.m_steps],
+        args.rollout,
+        base_config,
+        model,
+        args.liger,
+        args.compile_blocks,
     )
     load_start = os.getloadavg()
     launcher: subprocess.Popen[str] | None = None
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True,
                 )  # fmt: skip
             wait_ready(launcher, server_log, args.server_timeout)
-        for m in (args.m_steps, 1):
+        for m in dict.fromkeys((args.m_steps, 1)):  # --m-steps 1: the baseline run alone
             paths = run_learner(configs[m], out / f"m{m}")
             results[m] = summarize(m, *read_metrics(paths["metrics"]), warmup_steps=args.m_steps)
             print(json.dumps(results[m]), flush=True)

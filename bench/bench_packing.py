@@ -30,8 +30,8 @@ ceiling as ``mfu_bound``), peak memory, the same packed rows through the per-seg
 (``packed_loop``, the attention before the varlen kernel) with the speed-up beside its bound and a loss /
 gradient check of varlen vs loop (``--no-compare-loop`` skips them); ``--profile`` a torch.profiler breakdown
 of one packed step each way (``bench/_step_profile.py``); ``--memory-sweep 8192 16384`` the peak memory of
-such rows with and without gradient checkpointing; ``--compile vision|all`` last, regional torch.compile of the
-ViT blocks (and the decoder layers). ``--ddp`` under
+such rows with and without gradient checkpointing; ``--compile vision|all`` last, regional torch.compile of
+the ViT blocks (and the decoder layers). ``--ddp`` under
 torchrun: the data-parallel scaling of packed rows (1 GPU vs N, bound N). ``bench/mfu_gpu.sh`` runs the
 device set.
 
@@ -66,11 +66,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _step_profile import compare_varlen, compile_blocks, matmul_ceiling_tflops, profile_step  # noqa: E402
+from _step_profile import compare_varlen, matmul_ceiling_tflops, profile_step  # noqa: E402
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
-from learner.kernels import apply_liger  # noqa: E402
+from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -490,7 +490,8 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
 
     loss_before = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
-    compiled = compile_blocks(model, args.compile)
+    lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
+    compiled = compile_blocks(model, lists)
     start = time.perf_counter()
     loss_after = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)

@@ -89,12 +89,22 @@ class ModelConfig(ConfigSection):
     liger_kernel: bool = False
     """Qwen3-VL on CUDA only: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU (`learner.kernels`; the `gpu`
     extra). On the packed 2B image step of an H100: 1.26x tokens/s, peak memory 47.5 -> 38.7 GiB."""
+    compile_blocks: bool = False
+    """CUDA: regional `torch.compile` of every decoder layer and ViT block (`learner.kernels.compile_blocks`,
+    dynamic shapes; generation stays eager). On the packed 2B image step of an H100: 1.60x tokens/s over eager
+    (MFU 20 -> 32-33 %), peak memory 47.5 -> 38.8 GiB; the first steps compile (~20-30 s). Not with
+    `liger_kernel` (dynamo cannot trace Liger's RMSNorm). Not HF's `training.torch_compile` (whole model)."""
 
     @model_validator(mode="after")
     def _check_pixels(self) -> ModelConfig:
         lo, hi = self.image_min_pixels, self.image_max_pixels
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"model.image_min_pixels {lo} > model.image_max_pixels {hi}")
+        if self.compile_blocks and self.liger_kernel:
+            raise ValueError(
+                "model.compile_blocks and model.liger_kernel do not compose (torch.compile cannot trace"
+                " Liger's RMSNorm); set one of them false — compile_blocks measured faster (1.60x vs 1.26x)"
+            )
         return self
 
 

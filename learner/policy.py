@@ -235,6 +235,12 @@ def load_policy(cfg: ModelConfig, path: str | Path) -> Policy:
         logger.info("model.liger_kernel: patched %s", apply_liger(model))
     if cfg.adapter != "none":
         model = _adapt(model, cfg, is_vl, frozen)
+    if cfg.compile_blocks:  # after the adapter: its layers live inside the compiled blocks
+        from learner.kernels import compile_blocks
+
+        logger.info(
+            "model.compile_blocks: %d blocks compiled (the first steps compile)", compile_blocks(model)
+        )
     if is_vl:
         logger.info("loaded %s from %s: %s", type(_unwrap(model)).__name__, path, _trainable_summary(model))
     return Policy(model=model, tokenizer=tokenizer, processor=processor, is_vision_language=is_vl)
