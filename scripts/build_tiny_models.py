@@ -39,6 +39,9 @@ import shutil
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
+from learner.demo_data.files import one_builder_at_a_time  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 RECIPE_VERSION = 5
@@ -223,6 +226,7 @@ def _recipe(preset: str, seed: int, tie: bool) -> dict:
     }
 
 
+@one_builder_at_a_time
 def build_tiny_lm(
     out_dir: Path, seed: int = 0, preset: str = "tiny", tie_word_embeddings: bool = True
 ) -> Path:
@@ -282,6 +286,7 @@ def _key(recipe: dict) -> str:
 COPY_ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2-copy"
 
 
+@one_builder_at_a_time
 def build_copy_pretrained(out_dir: Path, base_dir: Path, *, rebuild: bool = False) -> Path:
     """The demo's starting model: ``base_dir`` after generic copy pretraining (shipped asset or trained here).
 

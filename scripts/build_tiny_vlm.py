@@ -32,6 +32,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
+from learner.demo_data.files import one_builder_at_a_time  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -195,6 +198,7 @@ def _build_processor(tmp: Path, image_processor_config: dict):
     return tokenizer
 
 
+@one_builder_at_a_time
 def build_tiny_vlm(out_dir: Path, seed: int = 0, preset: str = MODEL_NAME) -> Path:
     """Build (or keep, if already built with the same recipe) a tiny random Qwen3-VL model in ``out_dir``.
 
@@ -285,6 +289,7 @@ def _matches_preset(model_dir: Path, init_dir: Path) -> bool:
     )
 
 
+@one_builder_at_a_time
 def build_demo_stage1(out_dir: Path, init_dir: Path, *, rebuild: bool = False) -> Path:
     """The image demo's starting model: ``init_dir`` after stage-1 SFT, copied from ``DEMO_ASSET``.
 

@@ -1,10 +1,57 @@
-"""Idempotent writes of the demo sets: a file is rewritten only when its bytes change, and a finished set
-(its manifest written last and equal) is reused as it is."""
+"""Idempotent writes of the demo sets and models: a file is rewritten only when its bytes change, a finished
+set (its manifest written last and equal) is reused as it is, concurrent builders of one folder take turns."""
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+BUILD_LOCK_TIMEOUT_S = 3600.0
+"""How long a builder waits for another process building the same folder (a demo stage-1 on 2 CPU cores
+takes minutes)."""
+
+
+def one_builder_at_a_time(build: Callable[..., T]) -> Callable[..., T]:
+    """Decorates ``build(out_dir, ...)`` so that processes building the same ``out_dir`` run it one after the
+    other (an exclusive lock on ``<out_dir>.lock``): the second then finds the first's finished folder and
+    reuses it, instead of both writing the same temporary folder (seen: two bench processes started side by
+    side left a tokenizer without its coordinate tokens).
+
+    Raises:
+        TimeoutError: another process held the lock for ``BUILD_LOCK_TIMEOUT_S``.
+    """
+
+    @functools.wraps(build)
+    def locked(out_dir: Path, *args: Any, **kwargs: Any) -> T:
+        out_dir = Path(out_dir).resolve()
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock = out_dir.with_name(out_dir.name + ".lock")
+        deadline = time.monotonic() + BUILD_LOCK_TIMEOUT_S
+        with lock.open("w") as fh:
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{lock} held by another process for {BUILD_LOCK_TIMEOUT_S:.0f} s while building"
+                            f" {out_dir}; stop that process (or delete the lock file if none runs) and retry"
+                        ) from None
+                    time.sleep(0.5)
+            try:
+                return build(out_dir, *args, **kwargs)
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    return locked
 
 
 def write_if_changed(path: Path, data: bytes) -> bool:

@@ -4,7 +4,7 @@ The policy loaded with `compile_blocks: true` (`learner.kernels.compile_blocks`:
 block under `torch.compile(dynamic=True)`) against the same checkpoint loaded eagerly:
 
 - a packed row of three image segments (different image-token counts) through the learner's own training
-  step (`packed_attention` + `forward_for_loss` + `step_loss_sums` + backward) gives the same loss and the same
+  step (`packed_attention` + `forward_for_loss` + `step_loss_sums` + backward) gives the same loss and
   parameter gradients, and a second row of other lengths reuses the graphs (no recompilation);
 - the colocated HF rollout of an image prompt gives the same greedy tokens and compiles nothing (generation
   runs under `force_eager`);
