@@ -91,9 +91,10 @@ class ModelConfig(ConfigSection):
     extra). On the packed 2B image step of an H100: 1.26x tokens/s, peak memory 47.5 -> 38.7 GiB."""
     compile_blocks: bool = False
     """Regional `torch.compile` of every decoder layer and ViT block (`learner.kernels.compile_blocks`,
-    dynamic shapes; generation stays eager). On the packed 2B image step of an H100: 1.60x tokens/s over eager
-    (MFU 20 -> 32-33 %), peak memory 47.5 -> 38.8 GiB; the first steps compile (~20-30 s on CUDA; CPU works too). Not
-    with `liger_kernel` (dynamo cannot trace Liger's RMSNorm). Not HF's `training.torch_compile` (whole model)."""
+    dynamic shapes; generation stays eager). On the packed 2B image step of an H100: 1.60x tokens/s over
+    eager (MFU 20 -> 32-33 %), peak memory 47.5 -> 38.8 GiB; the first steps compile (~20-30 s on CUDA;
+    CPU works too). Not with `liger_kernel` (dynamo cannot trace Liger's RMSNorm). Not HF's
+    `training.torch_compile` (whole model)."""
 
     @model_validator(mode="after")
     def _check_pixels(self) -> ModelConfig:
