@@ -5,7 +5,8 @@ block under `torch.compile(dynamic=True)`) against the same checkpoint loaded ea
 
 - a packed row of three image segments (different image-token counts) through the learner's own training
   step (`packed_attention` + `forward_for_loss` + `step_loss_sums` + backward) gives the same loss and
-  parameter gradients, and a second row of other lengths reuses the graphs (no recompilation);
+  parameter gradients, also under gradient checkpointing, and a second row of other lengths reuses the graphs
+  (no recompilation);
 - the colocated HF rollout of an image prompt gives the same greedy tokens and compiles nothing (generation
   runs under `force_eager`);
 - the knob's validation: with `liger_kernel` it is a clear error.
@@ -99,10 +100,14 @@ def _segments(policy, tiny_vlm_dir: Path, folder: Path, sizes: list[tuple[int, i
     return segments, torch.tensor(ctx.coord_vocab.ids), ctx.eot_id
 
 
-def _train_step(model, batch, coord_ids, eos_id: int) -> tuple[float, dict[str, torch.Tensor]]:
+def _train_step(
+    model, batch, coord_ids, eos_id: int, checkpointing: bool = False
+) -> tuple[float, dict[str, torch.Tensor]]:
     """The learner's step on one packed row: (loss, {parameter name: gradient})."""
     model.train()
     model.zero_grad()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with packed_attention(model):
         out, columns = forward_for_loss(model, batch, compact=True)
         sums = step_loss_sums(
@@ -117,6 +122,7 @@ def _train_step(model, batch, coord_ids, eos_id: int) -> tuple[float, dict[str, 
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
+    model.gradient_checkpointing_disable()
     model.eval()
     return float(loss.detach()), grads
 
@@ -140,6 +146,20 @@ def test_compiled_training_step_equals_eager(policies, tiny_vlm_dir: Path, tmp_p
             assert graphs > 0  # the blocks did compile
     # A row of other lengths (same segment count: the CPU fallback unrolls its per-segment loop) reuses them.
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_blocks_under_gradient_checkpointing(policies, tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    """Checkpointing re-runs each compiled block in the backward: same loss and gradients as the eager step
+    without checkpointing."""
+    eager, compiled, _ = policies
+    segments, coord_ids, eos_id = _segments(eager, tiny_vlm_dir, tmp_path, [(64, 64), (128, 96), (96, 160)])
+    batch = pack_segments(segments)
+    loss_eager, grads_eager = _train_step(eager.model, batch, coord_ids, eos_id)
+    loss_compiled, grads_compiled = _train_step(compiled.model, batch, coord_ids, eos_id, checkpointing=True)
+    assert loss_compiled == pytest.approx(loss_eager, rel=1e-5)
+    assert grads_eager.keys() == grads_compiled.keys()
+    for name, grad in grads_eager.items():
+        torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_generation_stays_eager_and_equal(policies) -> None:
