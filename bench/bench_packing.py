@@ -485,7 +485,7 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     """The same packed rows once ``compile_blocks`` compiled the model's blocks: every row once untimed (the
     compilation and any recompile happen there), then the timed rows of the other phases. Returns tokens/s,
     the speed-up over ``before_tps`` (the previous phase), the first row's loss before and after, the
-    seconds of the first compiled row (compilation) and dynamo's graph / recompile counts."""
+    seconds of the first compiled row (compilation) and dynamo's graph / graph-break counts."""
     from torch._dynamo.utils import counters
 
     loss_before = float(step(rows[0]).detach())
@@ -503,7 +503,6 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
                 loss_after=round(loss_after, 5), first_row_s=round(first_row_s, 1),
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
-                recompiles=int(counters["recompiles"].get("total", 0)) if "recompiles" in counters else None,
                 **perf(info), **info)  # fmt: skip
 
 

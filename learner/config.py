@@ -101,6 +101,10 @@ class ModelConfig(ConfigSection):
         lo, hi = self.image_min_pixels, self.image_max_pixels
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"model.image_min_pixels {lo} > model.image_max_pixels {hi}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kernels(self) -> ModelConfig:
         if self.compile_blocks and self.liger_kernel:
             raise ValueError(
                 "model.compile_blocks and model.liger_kernel do not compose (torch.compile cannot trace"

@@ -46,9 +46,9 @@ def apply_liger(model: nn.Module) -> list[str]:
     return ["rms_norm", "rope", f"swiglu x{len(mlps)}"]
 
 
-BLOCK_LISTS = ("language_model.layers", "visual.blocks", "model.layers")
-"""Name suffixes of the module lists whose blocks `compile_blocks` compiles: a VL model's decoder layers and
-ViT blocks, a text model's decoder layers."""
+BLOCK_LISTS = ("model.layers", "visual.blocks")
+"""Name suffixes of the module lists whose blocks `compile_blocks` compiles: decoder layers (a text model's
+`model.layers`, a VL model's `language_model.layers`) and ViT blocks."""
 
 
 def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS) -> int:

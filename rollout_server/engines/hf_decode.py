@@ -375,37 +375,17 @@ def decode_requests(
     # Eager even where the learner compiled the model's blocks (`model.compile_blocks`): the compiled graphs
     # are the packed training forward's; a KV-cache decode of every length would only recompile them.
     with torch.compiler.set_stance("force_eager"):
-        outputs = _decode_chunks(model, prompts, rows, cfg, batch_size, pad_id, eos_ids, end_of_turn_id,
-                                 decode_text, vision)  # fmt: skip
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            outputs += decode_rows(
+                model,
+                [prompts[i] for i, _ in chunk],
+                [seed for _, seed in chunk],
+                cfg,
+                pad_id=pad_id,
+                eos_ids=eos_ids,
+                end_of_turn_id=end_of_turn_id,
+                decode_text=decode_text,
+                vision=None if vision is None else [vision[i] for i, _ in chunk],
+            )
     return [outputs[i * cfg.n : (i + 1) * cfg.n] for i in range(len(prompts))]
-
-
-def _decode_chunks(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    rows: list[tuple[int, int]],
-    cfg: RequestConfig,
-    batch_size: int,
-    pad_id: int,
-    eos_ids: Sequence[int],
-    end_of_turn_id: int,
-    decode_text: Callable[[list[int]], str],
-    vision: Sequence[VisionRow | None] | None,
-) -> list[RowOutput]:
-    """`decode_requests`' loop: `rows` (prompt index, row seed) in chunks of `batch_size`; outputs in
-    order."""
-    outputs: list[RowOutput] = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        outputs += decode_rows(
-            model,
-            [prompts[i] for i, _ in chunk],
-            [seed for _, seed in chunk],
-            cfg,
-            pad_id=pad_id,
-            eos_ids=eos_ids,
-            end_of_turn_id=end_of_turn_id,
-            decode_text=decode_text,
-            vision=None if vision is None else [vision[i] for i, _ in chunk],
-        )
-    return outputs
