@@ -9,9 +9,10 @@ path.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -81,7 +82,8 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
     ``kernels_ms`` by kind (name patterns of `_KERNEL_KINDS`, forward + backward), ``host_ops_ms`` (CPU time
     inside aten ops, a lower bound on host time), ``host_syncs`` (counts of the `_SYNC_OPS`). The full op
     table goes to ``out_path``; with ``PROFILE_SYNC_STACKS=1`` also the Python stacks of one more step's
-    synchronising calls (`_sync_stacks`).
+    synchronising calls (`_sync_stacks`); with ``PROFILE_GAPS=1`` the GPU's idle time by host place
+    (`_idle_places`).
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -102,12 +104,13 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     stacks = bool(os.environ.get("PROFILE_SYNC_STACKS"))  # where the host waits: Python stacks of the syncs
+    gaps = bool(os.environ.get("PROFILE_GAPS"))  # where the GPU idles: the host sync before each idle stretch
     cuda = next(model.parameters()).is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
     try:
-        with profile(activities=activities) as prof:
+        with profile(activities=activities) as prof, _sync_markers(gaps and cuda) as places:
             start = time.perf_counter()
             step(batch)
             sync()
@@ -141,6 +144,12 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
                 )
                 for stack, count in _sync_stacks(step, batch).most_common(40):
                     fh.write(f"{count:5d} {stack}\n")
+            if gaps and cuda:
+                fh.write("\n\nHost time by op (self CPU):\n")
+                fh.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
+                fh.write("\n\nGPU idle (ms, stretches) by the host sync before it (innermost frame first):\n")
+                for place, (ms, count) in _idle_places(prof, places)[:40]:
+                    fh.write(f"{ms:8.2f} {count:5d} {place}\n")
     return {
         "wall_ms": round(wall, 1),
         "gpu_busy_ms": round(busy, 1),
@@ -183,6 +192,80 @@ def _sync_stacks(step: Step, batch: Any) -> collections.Counter:
     finally:
         warnings.showwarning = shown
     return where
+
+
+@contextlib.contextmanager
+def _sync_markers(enabled: bool) -> Iterator[list[str]]:
+    """While enabled, every synchronising CUDA call (CUDA's sync debug mode) leaves a profiler marker
+    ``sync#i`` and its Python place (4 innermost frames) at index ``i`` of the yielded list."""
+    import sys
+    import warnings
+
+    places: list[str] = []
+    if not enabled:
+        yield places
+        return
+    from torch.profiler import record_function
+
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        frame, frames = sys._getframe(2), []
+        while frame is not None and len(frames) < 4:
+            name = frame.f_code.co_filename
+            if "/torch/" not in name and "/warnings" not in name:
+                frames.append(f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+            frame = frame.f_back
+        with record_function(f"sync#{len(places)}"):
+            places.append(" <- ".join(frames))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield places
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+
+
+def _idle_places(
+    prof: Any, places: list[str], min_gap_us: float = 5.0
+) -> list[tuple[str, tuple[float, int]]]:
+    """GPU idle time of one profiled step (gaps of ≥ ``min_gap_us`` between kernels and copies) summed by the
+    host sync (`_sync_markers`) issued since the GPU last resumed: the GPU drained while the host waited
+    there, then idled until the host launched again. Gaps with no sync before them are launch-bound."""
+    import bisect
+
+    events = prof.events()
+    device = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("fwd::", "sync#"))
+    )
+    marks = sorted(
+        (e.time_range.start, int(e.name.removeprefix("sync#")))
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("sync#")
+    )
+    times = [t for t, _ in marks]
+    totals: dict[str, list[float]] = {}
+    end = device[0][1] if device else 0.0
+    resumed = device[0][0] if device else 0.0
+    for start, stop in device[1:]:
+        if start - end >= min_gap_us:
+            i = bisect.bisect_right(times, start) - 1
+            place = "(no sync since the GPU resumed: launch-bound)"
+            if i >= 0 and times[i] >= resumed:
+                k = marks[i][1]
+                place = places[k] if k < len(places) else f"sync#{k}"
+            total = totals.setdefault(place, [0.0, 0])
+            total[0] += (start - end) / 1e3
+            total[1] += 1
+            resumed = start
+        end = max(end, stop)
+    return sorted(((k, (round(v[0], 2), int(v[1]))) for k, v in totals.items()), key=lambda kv: -kv[1][0])
 
 
 def _kernels(prof: Any) -> list[tuple[str, float]]:

@@ -70,7 +70,7 @@ from _step_profile import compare_varlen, matmul_ceiling_tflops, profile_step  #
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
-from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks  # noqa: E402
+from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks, index_deepstack  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -319,6 +319,8 @@ def vlm_setup(args: argparse.Namespace, device: torch.device, rng: random.Random
     if args.attn not in ("auto", "sdpa"):
         raise SystemExit("--vlm runs the learner's attention (sdpa); --attn must be auto or sdpa")
     parts = build_vlm(args.smoke, device, train=True, gradient_checkpointing=args.gradient_checkpointing)
+    if args.index_deepstack:
+        index_deepstack(parts.model)
     folder = Path(tempfile.mkdtemp(prefix="bench_packing_images_"))
     paths = write_images(folder, image_sizes(args.smoke), seed=args.seed)
     lo, hi = (20, 80) if args.smoke else (args.answer_min, args.answer_max)
@@ -491,14 +493,32 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     loss_before = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
-    compiled = compile_blocks(model, lists)
+    compiled = compile_blocks(
+        model, lists, cpp_wrapper=args.cpp_wrapper, skip_module_guards=args.skip_module_guards
+    )
     start = time.perf_counter()
     loss_after = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
     first_row_s = time.perf_counter() - start
     tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
                                    varlen=varlen, **run)  # fmt: skip
-    return dict(compiled=args.compile, compiled_blocks=compiled, tokens_per_s=round(tps, 1),
+    if args.ab_deepstack:  # interleaved rounds, transformers' deepstack merge vs the index form
+        speeds: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.ab_deepstack):
+            for indexed in (False, True):
+                index_deepstack(model, enabled=indexed)
+                speeds[indexed].append(train_tokens_per_s(model, rows, coord_ids, device, 1, flash,
+                                                          varlen=varlen, **run)[0])  # fmt: skip
+        index_deepstack(model, enabled=args.index_deepstack)
+        ratios = sorted(b / a for a, b in zip(speeds[False], speeds[True], strict=True))
+        emit(mode="ab_deepstack", rounds=args.ab_deepstack,
+             tokens_per_s_mask=[round(v) for v in speeds[False]],
+             tokens_per_s_index=[round(v) for v in speeds[True]],
+             ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
+             ratio_max=round(ratios[-1], 4))  # fmt: skip
+    return dict(compiled=args.compile, compiled_blocks=compiled, cpp_wrapper=args.cpp_wrapper,
+                skip_module_guards=args.skip_module_guards, index_deepstack=args.index_deepstack,
+                tokens_per_s=round(tps, 1),
                 speedup=round(tps / before_tps, 3), loss_before=round(loss_before, 5),
                 loss_after=round(loss_after, 5), first_row_s=round(first_row_s, 1),
                 graphs=int(counters["stats"]["unique_graphs"]),
@@ -633,6 +653,22 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="--vlm: last, the same packed rows with regional torch.compile of the ViT blocks (vision) or of"
         " them and the decoder layers (all)",
+    )
+    p.add_argument(
+        "--ab-deepstack",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="--compile: then ROUNDS interleaved timings of the compiled rows, deepstack by mask / by index",
+    )
+    p.add_argument("--cpp-wrapper", action="store_true", help="--compile: Inductor's C++ kernel launcher")
+    p.add_argument(
+        "--skip-module-guards", action="store_true", help="--compile: no guards on the blocks' modules"
+    )
+    p.add_argument(
+        "--index-deepstack",
+        action="store_true",
+        help="--vlm: the deepstack merge as an index_add (learner.kernels.index_deepstack), all phases",
     )
     p.add_argument(
         "--liger", action="store_true", help="--vlm: then the same packed rows with Liger-Kernel's patches"
