@@ -319,8 +319,7 @@ def vlm_setup(args: argparse.Namespace, device: torch.device, rng: random.Random
     if args.attn not in ("auto", "sdpa"):
         raise SystemExit("--vlm runs the learner's attention (sdpa); --attn must be auto or sdpa")
     parts = build_vlm(args.smoke, device, train=True, gradient_checkpointing=args.gradient_checkpointing)
-    if args.index_deepstack:
-        index_deepstack(parts.model)
+    index_deepstack(parts.model, enabled=args.index_deepstack)
     folder = Path(tempfile.mkdtemp(prefix="bench_packing_images_"))
     paths = write_images(folder, image_sizes(args.smoke), seed=args.seed)
     lo, hi = (20, 80) if args.smoke else (args.answer_min, args.answer_max)
@@ -493,9 +492,7 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     loss_before = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
-    compiled = compile_blocks(
-        model, lists, cpp_wrapper=args.cpp_wrapper, skip_module_guards=args.skip_module_guards
-    )
+    compiled = compile_blocks(model, lists)
     start = time.perf_counter()
     loss_after = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
@@ -516,8 +513,7 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
              tokens_per_s_index=[round(v) for v in speeds[True]],
              ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
              ratio_max=round(ratios[-1], 4))  # fmt: skip
-    return dict(compiled=args.compile, compiled_blocks=compiled, cpp_wrapper=args.cpp_wrapper,
-                skip_module_guards=args.skip_module_guards, index_deepstack=args.index_deepstack,
+    return dict(compiled=args.compile, compiled_blocks=compiled, index_deepstack=args.index_deepstack,
                 tokens_per_s=round(tps, 1),
                 speedup=round(tps / before_tps, 3), loss_before=round(loss_before, 5),
                 loss_after=round(loss_after, 5), first_row_s=round(first_row_s, 1),
@@ -661,14 +657,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROUNDS",
         help="--compile: then ROUNDS interleaved timings of the compiled rows, deepstack by mask / by index",
     )
-    p.add_argument("--cpp-wrapper", action="store_true", help="--compile: Inductor's C++ kernel launcher")
-    p.add_argument(
-        "--skip-module-guards", action="store_true", help="--compile: no guards on the blocks' modules"
-    )
     p.add_argument(
         "--index-deepstack",
-        action="store_true",
-        help="--vlm: the deepstack merge as an index_add (learner.kernels.index_deepstack), all phases",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--vlm: the deepstack merge as an index_add, as the learner loads Qwen3-VL"
+        " (learner.kernels.index_deepstack); --no-index-deepstack: transformers' boolean-mask merge",
     )
     p.add_argument(
         "--liger", action="store_true", help="--vlm: then the same packed rows with Liger-Kernel's patches"

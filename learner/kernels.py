@@ -51,38 +51,22 @@ BLOCK_LISTS = ("model.layers", "visual.blocks")
 `model.layers`, a VL model's `language_model.layers`) and ViT blocks."""
 
 
-def compile_blocks(
-    model: nn.Module,
-    lists: tuple[str, ...] = BLOCK_LISTS,
-    *,
-    cpp_wrapper: bool = False,
-    skip_module_guards: bool = False,
-) -> int:
+def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS) -> int:
     """Regional ``torch.compile`` of every block of ``model``'s block lists (in place), ``dynamic=True`` so
     that packed rows of every length share one graph; returns how many blocks were compiled.
 
     Compiling blocks rather than the model keeps the compile short (one graph per block type, reused by every
     layer) and leaves the data-dependent parts (image grids, position ids, the losses) eager. Generation stays
     eager (`rollout_server.engines.hf_decode` decodes under ``torch.compiler.set_stance("force_eager")``).
-    On the packed 2B image step of an H100: 1.60x tokens/s over eager, loss within bf16 noise.
-
-    The compiled forward is launch-bound on the host (a block's kernels take less GPU time than the Python
-    that launches them and checks its guards), hence two switches: ``cpp_wrapper`` (Inductor launches the
-    kernels from generated C++) and ``skip_module_guards``
-    (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``: no guard re-checks the blocks' own modules on
-    each call — safe here because a block's structure and parameters never change after compilation and its
-    ``training`` flag only matters to generation, which runs eager).
+    On the packed 2B image step of an H100: 1.60-1.73x tokens/s over eager, loss within bf16 noise. Measured
+    and left out (bench/RESULTS.md): Inductor's ``cpp_wrapper`` (fails on the varlen attention op) and
+    dropping the blocks' module guards (no gain beyond run-to-run noise).
     """
-    options: dict = {}
-    if cpp_wrapper:
-        options["cpp_wrapper"] = True
-    if skip_module_guards:
-        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     n = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.endswith(lists):
             for block in module:
-                block.compile(dynamic=True, options=options or None)
+                block.compile(dynamic=True)
                 n += 1
     return n
 

@@ -220,6 +220,9 @@ def load_policy(cfg: ModelConfig, path: str | Path) -> Policy:
             path, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
         frozen = _apply_freeze(model, cfg)
+        from learner.kernels import index_deepstack
+
+        index_deepstack(model)  # equal values, fewer host waits (see its docstring)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

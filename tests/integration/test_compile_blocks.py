@@ -9,7 +9,9 @@ block under `torch.compile(dynamic=True)`) against the same checkpoint loaded ea
   (no recompilation);
 - the colocated HF rollout of an image prompt gives the same greedy tokens and compiles nothing (generation
   runs under `force_eager`);
-- the knob's validation: with `liger_kernel` it is a clear error.
+- the knob's validation: with `liger_kernel` it is a clear error;
+- `load_policy` merges the deepstack features by index (`learner.kernels.index_deepstack`) and the training
+  step equals transformers' boolean-mask merge.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import ValidationError
 from learner.batching.packing import pack_segments
 from learner.config import ModelConfig, RunConfig
 from learner.data.prompt_encoding import PromptEncoder
+from learner.kernels import index_deepstack
 from learner.policy import load_policy
 from learner.rollout.colocate.hf import HfColocateBackend
 from learner.stage2.losses import CoordLossConfig, step_loss_sums
@@ -187,3 +190,25 @@ def test_generation_stays_eager_and_equal(policies) -> None:
 def test_compile_blocks_with_liger_is_rejected() -> None:
     with pytest.raises(ValidationError, match="do not compose"):
         ModelConfig.model_validate({"path": "x", "compile_blocks": True, "liger_kernel": True})
+
+
+def test_policy_merges_deepstack_by_index_as_transformers(
+    policies, tiny_vlm_dir: Path, tmp_path: Path
+) -> None:
+    eager, _, _ = policies
+    (text_model,) = [m for m in eager.model.modules() if type(m).__name__ == "Qwen3VLTextModel"]
+    assert "_deepstack_process" in vars(text_model)  # load_policy applied it
+    assert eager.model.config.vision_config.deepstack_visual_indexes  # the tiny model has deepstack layers
+    segments, coord_ids, eos_id = _segments(eager, tiny_vlm_dir, tmp_path, [(64, 64), (128, 96)])
+    batch = pack_segments(segments)
+    loss_index, grads_index = _train_step(eager.model, batch, coord_ids, eos_id)
+    index_deepstack(eager.model, enabled=False)
+    try:
+        assert "_deepstack_process" not in vars(text_model)
+        loss_mask, grads_mask = _train_step(eager.model, batch, coord_ids, eos_id)
+    finally:
+        index_deepstack(eager.model)
+    assert loss_index == pytest.approx(loss_mask, rel=1e-6)
+    assert grads_index.keys() == grads_mask.keys()
+    for name, grad in grads_mask.items():
+        torch.testing.assert_close(grads_index[name], grad, rtol=1e-5, atol=1e-7, msg=name)
