@@ -75,8 +75,13 @@ GRPO_ARMS: dict[str, dict[str, Any]] = {
     # sampling at T 1.0 spreads ~600-token completions mostly by noise; a cooler policy gives groups whose
     # rewards differ by the detections
     "grpo-dedup-t07": {"reward_preset": "detection_dedup", "temperature": 0.7},
+    # the field's GRPO rates are 1e-6 – 1e-5; these arms pin theirs whatever --grpo-learning-rate says, so one
+    # invocation compares rates on the same bases
+    "grpo-dedup-lr1e-5": {"reward_preset": "detection_dedup", "learning_rate": 1e-5},
+    "grpo-dedup-lr3e-6": {"reward_preset": "detection_dedup", "learning_rate": 3e-6},
 }
-"""Arm name → ``grpo`` override of a GRPO run from the seed's base checkpoint (:func:`grpo_run_config`)."""
+"""Arm name → ``grpo`` override of a GRPO run from the seed's base checkpoint (:func:`grpo_run_config`); an
+arm's ``learning_rate`` is the run's (else ``--grpo-learning-rate``), not a ``grpo`` key."""
 GRPO_GENERATIONS = 4
 """Completions per prompt of the GRPO arms."""
 
@@ -482,6 +487,11 @@ def plot_grpo(run_dirs: dict[int, Path], path: Path) -> None:
     plt.close(fig)
 
 
+def grpo_override(arm: str) -> dict[str, Any]:
+    """The ``grpo`` section override of GRPO arm ``arm`` (its ``learning_rate`` goes to ``training``)."""
+    return {k: v for k, v in GRPO_ARMS[arm].items() if k != "learning_rate"}
+
+
 def grpo_run_config(
     task_config: Path,
     common: dict[str, Any],
@@ -672,13 +682,13 @@ def main(argv: list[str] | None = None) -> int:
                         cfg = grpo_run_config(
                             task_config,
                             common,
-                            grpo=GRPO_ARMS[arm],
+                            grpo=grpo_override(arm),
                             model=str(base) if args.base_steps > 0 else base_model(task_config, common),
                             run_dir=run_dir,
                             seed=seed,
                             steps=args.steps,
                             eval_every=args.eval_every,
-                            learning_rate=args.grpo_learning_rate,
+                            learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
                         )
                         if not finished(run_dir, cfg, args.steps):
                             if args.summarize_only:

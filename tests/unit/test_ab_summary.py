@@ -30,3 +30,29 @@ def test_one_paired_seed_has_no_interval() -> None:
     curves = {("sft", 0): _curve(0.3), ("rm-reorder", 0): _curve(0.4)}
     line = {x["arm"]: x for x in ab_learning.summarize("t", curves)}["rm-reorder"]
     assert line["paired_mean"] == pytest.approx(0.1) and "paired_ci95" not in line
+
+
+@pytest.mark.parametrize("arm", sorted(ab_learning.GRPO_ARMS))
+def test_every_grpo_arm_gives_a_valid_run_config_with_its_learning_rate(arm: str, tmp_path: Path) -> None:
+    import yaml
+
+    from learner.grpo.main import resolve_grpo_config
+
+    task = ab_learning.TASKS["crowded-sorted"]
+    (tmp_path / "base").mkdir()
+    cfg = ab_learning.grpo_run_config(
+        ab_learning.REPO / task["config"],
+        {},
+        grpo=ab_learning.grpo_override(arm),
+        model=str(tmp_path / "base"),
+        run_dir=tmp_path / "run",
+        seed=3,
+        steps=20,
+        eval_every=10,
+        learning_rate=ab_learning.GRPO_ARMS[arm].get("learning_rate", 1e-4),
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    resolved, run = resolve_grpo_config(path)
+    assert run.training["learning_rate"] == ab_learning.GRPO_ARMS[arm].get("learning_rate", 1e-4)
+    assert resolved.grpo.reward_preset == ab_learning.GRPO_ARMS[arm]["reward_preset"]
