@@ -1,6 +1,6 @@
-"""Faster kernels for the policy's training step: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU on a Qwen3-VL
-model, or regional torch.compile of its blocks (the two do not compose: dynamo cannot trace Liger's RMSNorm
-function), and Qwen3-VL's deepstack merge without host waits.
+"""Faster kernels for the policy's training step: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU on a
+Qwen3-VL model, or regional torch.compile of its blocks (the two do not compose: dynamo cannot trace Liger's
+RMSNorm function), and Qwen3-VL's deepstack merge without host waits.
 
 Measured by `bench/bench_packing.py --gpu --vlm --liger / --compile all` (bench/RESULTS.md, "learner
 throughput").
