@@ -35,6 +35,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def fleet_model(args: Any, tmp: Path, emit: Any, preset: str, model_dir: Path, g
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 1400, (24,), generator=gen).tolist() for _ in range(args.prompts)]
     with ExitStack() as stack:
-        bases = []
+        bases, contexts = [], []
         started = time.perf_counter()
         for k, gpu in enumerate(gpus):
             config, base, _ = server_config(model_dir, tmp, f"fleet-{preset}-{k}", args.staging)
@@ -167,8 +168,10 @@ def fleet_model(args: Any, tmp: Path, emit: Any, preset: str, model_dir: Path, g
             if not cpu:
                 cmd = ["env", f"CUDA_VISIBLE_DEVICES={gpu}", *cmd]
             log = tmp / f"fleet-{preset}-{k}.log"
-            stack.enter_context(running(cmd, f"{base}/health", log, deadline_s=900))
+            contexts.append(running(cmd, f"{base}/health", log, deadline_s=900))
             bases.append(base)
+        with ThreadPoolExecutor(max_workers=len(contexts)) as pool:  # load the servers side by side
+            list(pool.map(stack.enter_context, contexts))
         emit({"measure": "servers_start", "model": preset, "servers": n,
               "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
         step, best = 0, {}
