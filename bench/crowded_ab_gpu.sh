@@ -11,7 +11,12 @@
 # STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128), STAGE1_STEPS (1400), STAGE1_EVERY (200), STAGE1_EVAL_FROM (0: from
 # STAGE1_EVERY on; 800 skips the snapshots that never reach the target), PREPARE_ONLY (1: stop
 # after the base), RUN_TIMEOUT (seconds the side-by-side runs get; the summary then covers those that finished:
-# a cut-off run is left out, and the next invocation trains it again).
+# a cut-off run is left out, and the next invocation trains it again), EXPORT_BASE (a folder: the base also as
+# crowded-base.tar.part00, 01, ... of <= 15 MiB).
+# One base for many A/Bs (the stage-1 takes ~7 min and a rebuild is another model, as its kernels are not
+# bitwise reproducible): `PREPARE_ONLY=1 EXPORT_BASE=$OUT bash bench/crowded_ab_gpu.sh` once, then
+# `cat crowded-base.tar.part* | tar -x -C .cache/models` where the A/Bs start; a folder holding the base's
+# stage1_choice.json is reused, not rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-crowded-random}
@@ -31,6 +36,11 @@ mkdir -p "$out/logs"
 t0=$(date +%s)
 CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} $PY bench/ab_learning.py "${common[@]}" --prepare-only
 echo "[crowded_ab] base ready after $(( $(date +%s) - t0 )) s: $(cat .cache/models/tiny-qwen3-vl-crowded*/stage1_choice.json | head -c 300)"
+if [ -n "${EXPORT_BASE:-}" ]; then  # the base as a tar in <= 15 MiB parts (what a device call hands back)
+  mkdir -p "$EXPORT_BASE"
+  tar -c -C .cache/models tiny-qwen3-vl-crowded | split -b 15M -d - "$EXPORT_BASE/crowded-base.tar.part"
+  ls -l "$EXPORT_BASE"/crowded-base.tar.part*
+fi
 [ "${PREPARE_ONLY:-0}" = 1 ] && exit 0
 i=0
 GRPO_SEEDS=${GRPO_SEEDS:-$SEEDS}
