@@ -164,40 +164,19 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
 
 
 def _sync_stacks(step: Step, batch: Any) -> collections.Counter:
-    """Counts of the Python stacks (8 innermost frames) at which one step makes the host wait for the GPU,
-    from CUDA's sync debug mode (a warning at every synchronizing call)."""
-    import traceback
-    import warnings
-
-    where: collections.Counter = collections.Counter()
-    shown = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
-        frames = traceback.extract_stack()[:-2][-8:]
-        where[
-            " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))
-        ] += 1
-
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step(batch)
-                torch.cuda.synchronize()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = shown
-    return where
+    """Counts of the Python places (8 innermost frames outside torch) at which one step makes the host wait
+    for the GPU."""
+    with _sync_markers(True, depth=8) as places:
+        step(batch)
+        torch.cuda.synchronize()
+    return collections.Counter(places)
 
 
 @contextlib.contextmanager
-def _sync_markers(enabled: bool) -> Iterator[list[str]]:
-    """While enabled, every synchronising CUDA call (CUDA's sync debug mode) leaves a profiler marker
-    ``sync#i`` and its Python place (4 innermost frames) at index ``i`` of the yielded list."""
+def _sync_markers(enabled: bool, depth: int = 4) -> Iterator[list[str]]:
+    """While enabled, every synchronising CUDA call (CUDA's sync debug mode: a warning at each) leaves a
+    profiler marker ``sync#i`` and its Python place (``depth`` innermost frames outside torch) at index ``i``
+    of the yielded list."""
     import sys
     import warnings
 
@@ -211,9 +190,10 @@ def _sync_markers(enabled: bool) -> Iterator[list[str]]:
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
         frame, frames = sys._getframe(2), []
-        while frame is not None and len(frames) < 4:
+        while frame is not None and len(frames) < depth:
             name = frame.f_code.co_filename
-            if "/torch/" not in name and "/warnings" not in name:
+            # site-packages/torch only: a venv may itself live under a folder named torch (/opt/torch/.venv)
+            if "/site-packages/torch/" not in name and "/warnings" not in name:
                 frames.append(f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
             frame = frame.f_back
         with record_function(f"sync#{len(places)}"):
