@@ -205,6 +205,75 @@ def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: st
         p.requires_grad_(trainable[n])
 
 
+def test_static_shape_row_gives_the_packed_rows_losses_gradients_and_flops(vl_parts) -> None:
+    """A packed row padded to a static shape (`with_static_shape`, what CUDA-graphed blocks replay) trains
+    exactly as the row itself through the learner's segment attention: the same loss sums, the same
+    parameter gradients (the padding segment and the empty ones are seen by no real token) and the same FLOP
+    count (`learner.flops`: the padding is not model work)."""
+    from learner.flops import FlopModel
+
+    model, segments, coord_ids, ctx = vl_parts
+    packed = pack_segments(segments)
+    static = packed.with_static_shape(packed.num_tokens + 37, 8, ctx.tokenizer.pad_token_id, seqlen_step=64)
+    results = []
+    for batch in (packed, static):
+        model.zero_grad()
+        out, columns, grads = _step(model, batch, coord_ids, ctx.eot_id, segment_attention=True)
+        sums = step_loss_sums(
+            out.logits, batch, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=ctx.eot_id,
+            columns=columns,
+        )  # fmt: skip
+        results.append((sums, grads, FlopModel.from_model(model).batch_step(batch, columns)))
+    (ref, ref_grads, ref_flops), (got, got_grads, got_flops) = results
+    assert (got.n_ce, got.n_coord) == (ref.n_ce, ref.n_coord) and ref.n_coord > 0
+    for name in ("s_ce", "s_coord"):
+        assert getattr(got, name).item() == pytest.approx(getattr(ref, name).item(), rel=1e-5, abs=1e-5), name
+    assert got_grads.keys() == ref_grads.keys() and ref_grads
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert got_flops == ref_flops and static.num_tokens == packed.num_tokens
+    model.zero_grad()
+
+
+def test_static_vision_blocks_give_the_towers_values_and_gradients(vl_parts) -> None:
+    """`learner.kernels.static_vision_blocks` (each ViT block on patches padded to a fixed multiple, its
+    bounds padded with empty segments: the shapes CUDA graphs replay) computes what the plain blocks compute:
+    the packed row's loss sums and every gradient, the vision tower's included."""
+    from learner.kernels import static_vision_blocks
+
+    model, segments, coord_ids, ctx = vl_parts
+    batch = pack_segments(segments)
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(True)
+    results = []
+    blocks = model.model.visual.blocks
+    for wrap in (False, True):
+        if wrap:
+            assert static_vision_blocks(model, patch_step=64, bounds=6) == len(blocks)
+        model.zero_grad()
+        out, columns, grads = _step(model, batch, coord_ids, ctx.eot_id, segment_attention=True)
+        results.append((out.logits.detach(), grads))
+    for block in blocks:
+        block._compiled_call_impl = None  # back to the plain call
+    (ref_logits, ref_grads), (got_logits, got_grads) = results
+    torch.testing.assert_close(got_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert any("visual" in n for n in ref_grads) and got_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
+    for n, p in model.named_parameters():
+        p.requires_grad_(trainable[n])
+    with pytest.raises(ValueError, match="raise static_vision_blocks"):
+        static_vision_blocks(model, patch_step=64, bounds=3)
+        try:
+            _step(model, batch, coord_ids, ctx.eot_id, segment_attention=True)
+        finally:
+            for block in blocks:
+                block._compiled_call_impl = None
+            model.zero_grad()
+
+
 def test_segment_attention_under_gradient_checkpointing(vl_parts) -> None:
     """Checkpointing re-runs the forward inside the backward: wrapped around forward AND backward (as the
     trainer's `training_step` is), the packed row's gradients equal the plain sdpa ones without
