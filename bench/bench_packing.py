@@ -70,13 +70,7 @@ from _step_profile import compare_varlen, matmul_ceiling_tflops, profile_step  #
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
-from learner.kernels import (  # noqa: E402
-    BLOCK_LISTS,
-    apply_liger,
-    compile_blocks,
-    index_deepstack,
-    static_vision_blocks,
-)
+from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks, index_deepstack  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -217,7 +211,6 @@ def learner_step(
     backward (checkpointing recomputes) under one attention set-up. Returns ``(loss, logit columns)``;
     ``compact=None`` calls the model directly with full logits (the text bench as first recorded)."""
     columns = None
-    torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA-graph outputs of the last one are dead
     with packed_attention(model, enabled=compact is not None, varlen=varlen):
         if compact is None:
             logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
@@ -480,31 +473,13 @@ def run_gpu(args: argparse.Namespace) -> None:
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
                      attention="varlen+liger")  # fmt: skip
     if args.compile:  # last (after Liger where given): compiled blocks cannot be undone either
-        compiled = {}
-        _guarded("packed_compiled", base, lambda: compiled.setdefault("info", _compiled_phase(
+        _guarded("packed_compiled", base, lambda: _compiled_phase(
             args, model, packed_batches, warmup, step, coord_ids, device, flash, varlen, run, perf,
-            liger_tps if args.liger else packed_tps)))  # fmt: skip
-        if args.cuda_graphs and "info" in compiled:
-            for tower in ("language", "vision"):
-                _guarded("packed_cuda_graphs", base, lambda t=tower: _cuda_graph_phase(
-                    t, args, model, packed_batches, warmup, step, coord_ids, device, flash, varlen, run, perf,
-                    compiled["info"], cap, setup["pad_id"]))  # fmt: skip
+            liger_tps if args.liger else packed_tps))  # fmt: skip
         if args.profile:
             table = f"{args.profile_table}.compiled.txt" if args.profile_table else None
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
                      attention=f"varlen{'+liger' if args.liger else ''}+compile-{args.compile}")  # fmt: skip
-
-
-def _first_row_then_timed(step, model, rows, warmup, coord_ids, device, flash, varlen, run):
-    """After a (re)compilation: the first row's loss and seconds (compilation, capture), every row once
-    untimed, then the timed rows; returns ``(loss, first row seconds, tokens/s, info)``."""
-    start = time.perf_counter()
-    loss = float(step(rows[0]).detach())
-    model.zero_grad(set_to_none=True)
-    first_row_s = time.perf_counter() - start
-    tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
-                                   varlen=varlen, **run)  # fmt: skip
-    return loss, first_row_s, tps, info
 
 
 def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, varlen, run, perf, before_tps):
@@ -518,8 +493,12 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     model.zero_grad(set_to_none=True)
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
     compiled = compile_blocks(model, lists)
-    loss_after, first_row_s, tps, info = _first_row_then_timed(step, model, rows, warmup, coord_ids, device,
-                                                               flash, varlen, run)  # fmt: skip
+    start = time.perf_counter()
+    loss_after = float(step(rows[0]).detach())
+    model.zero_grad(set_to_none=True)
+    first_row_s = time.perf_counter() - start
+    tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
+                                   varlen=varlen, **run)  # fmt: skip
     if args.ab_deepstack:  # interleaved rounds, transformers' deepstack merge vs the index form
         speeds: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.ab_deepstack):
@@ -541,57 +520,6 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 **perf(info), **info)  # fmt: skip
-
-
-def _cuda_graph_phase(
-    tower: str,
-    args,
-    model,
-    rows,
-    warmup,
-    step,
-    coord_ids,
-    device,
-    flash,
-    varlen,
-    run,
-    perf,
-    compiled: dict,
-    cap: int,
-    pad_id: int,
-) -> dict:
-    """The compiled rows again, each padded to one static shape (``PackedBatch.with_static_shape``: ``cap``
-    tokens, ``--static-bounds`` segment bounds), with a tower's blocks recompiled as CUDA graphs
-    (``mode="reduce-overhead"``, static shapes: the blocks' launches replay from one capture instead of being
-    issued one by one from Python). ``tower="language"``: the decoder layers, after timing the padded rows
-    with the blocks as compiled (the padding's own cost); ``"vision"`` (after it): the ViT blocks too, each on
-    its patches padded to a multiple of 4,096 (``learner.kernels.static_vision_blocks``). Tokens/s count
-    real tokens only and the FLOPs exclude the padding. Returns the speed, its ratio over the compiled phase
-    and the first row's loss against the eager one."""
-    from torch._dynamo.utils import counters
-
-    static = [r.with_static_shape(cap, args.static_bounds, pad_id) for r in rows]
-    options = {"mode": "reduce-overhead", "dynamic": False}
-    out: dict = {"static_length": cap, "static_bounds": args.static_bounds}
-    if tower == "language":
-        out["tokens_per_s_static_rows_compiled"] = round(
-            train_tokens_per_s(
-                model, static + static[warmup:], coord_ids, device, len(static), flash, varlen=varlen, **run
-            )[0],
-            1,
-        )
-        out["pad_fraction"] = round(sum(r.pad_tokens for r in static) / (cap * len(static)), 4)
-        out["graphed_blocks"] = compile_blocks(model, ("model.layers",), **options)
-    else:
-        out["graphed_blocks"] = static_vision_blocks(model, compile_options=options)
-    loss_after, first_row_s, tps, info = _first_row_then_timed(step, model, static, warmup, coord_ids, device,
-                                                               flash, varlen, run)  # fmt: skip
-    speedup = round(tps / compiled["tokens_per_s"], 3)
-    return out | dict(graphed=tower, tokens_per_s=round(tps, 1), speedup=speedup,
-                      loss_before=compiled["loss_before"], loss_after=round(loss_after, 5),
-                      first_row_s=round(first_row_s, 1),
-                      cudagraph_counters={k: v for k, v in counters["inductor"].items() if "cudagraph" in k},
-                      **perf(info), **info)  # fmt: skip
 
 
 def run_ddp(args: argparse.Namespace) -> None:
@@ -722,12 +650,6 @@ def main(argv: list[str] | None = None) -> None:
         help="--vlm: last, the same packed rows with regional torch.compile of the ViT blocks (vision) or of"
         " them and the decoder layers (all)",
     )
-    p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="--compile all: then the rows in one static shape, decoder layers as CUDA graphs",
-    )
-    p.add_argument("--static-bounds", type=int, default=33, help="--cuda-graphs: segment bounds per row")
     p.add_argument(
         "--ab-deepstack",
         type=int,

@@ -199,9 +199,7 @@ class FlopModel:
     def batch_step(self, batch: object, columns: torch.Tensor | None) -> StepFlops:
         """`step` for a prepared micro-batch (`learner.batching.packed_batch.PackedBatch`) and the logit
         columns `forward_for_loss` kept (None: full logits)."""
-        if hasattr(batch, "segment_lengths"):  # a PackedBatch: its real segments (no padding segment)
-            lengths = batch.segment_lengths
-        elif getattr(batch, "cu_seqlens", None) is not None:
+        if getattr(batch, "cu_seqlens", None) is not None:
             lengths = batch.cu_seqlens.diff().tolist()  # type: ignore[attr-defined]
         elif getattr(batch, "attention_mask", None) is not None:
             lengths = batch.attention_mask.sum(dim=1).tolist()  # type: ignore[attr-defined]

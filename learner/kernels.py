@@ -8,8 +8,6 @@ throughput").
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -54,11 +52,9 @@ BLOCK_LISTS = ("model.layers", "visual.blocks")
 `model.layers`, a VL model's `language_model.layers`) and ViT blocks."""
 
 
-def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS, **options: object) -> int:
+def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS) -> int:
     """Regional ``torch.compile`` of every block of ``model``'s block lists (in place), ``dynamic=True`` so
-    that packed rows of every length share one graph; returns how many blocks were compiled. ``options``
-    go to ``torch.compile`` over that default (e.g. ``mode="reduce-overhead", dynamic=False`` for CUDA
-    graphs of rows in one static shape, `PackedBatch.with_static_shape`); compiling again replaces them.
+    that packed rows of every length share one graph; returns how many blocks were compiled.
 
     Compiling blocks rather than the model keeps the compile short (one graph per block type, reused by every
     layer) and leaves the data-dependent parts (image grids, position ids, the losses) eager. Generation stays
@@ -71,80 +67,9 @@ def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS, **opt
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.endswith(lists):
             for block in module:
-                block.compile(**{"dynamic": True, **options})
+                block.compile(dynamic=True)
                 n += 1
     return n
-
-
-def static_vision_blocks(
-    model: nn.Module, patch_step: int = 4096, bounds: int = 65, compile_options: dict | None = None
-) -> int:
-    """Runs every ViT block of ``model`` on its patches padded to a multiple of ``patch_step`` (one trailing
-    padding segment), its ``cu_seqlens`` padded to ``bounds`` entries and ``max_seqlen`` fixed, so that a
-    block compiled with ``compile_options`` (e.g. ``{"mode": "reduce-overhead", "dynamic": False}``: CUDA
-    graphs) sees a few static shapes instead of one per row; returns how many blocks were wrapped.
-
-    The padding segment attends only to itself and its outputs are sliced off, so values and gradients equal
-    the unpadded block's; parameter names are unchanged. ``compile_options=None`` pads without compiling
-    (tests); ``block._compiled_call_impl = None`` undoes it.
-    """
-    # In the module's compiled-call slot (where `nn.Module.compile` puts torch.compile of `_call_impl`), so
-    # that the padding stays outside the compiled call, which must see the padded shapes.
-    call = (
-        nn.Module._call_impl
-        if compile_options is None
-        else torch.compile(nn.Module._call_impl, **compile_options)
-    )
-    n = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.endswith("visual.blocks"):
-            for block in module:
-                block._compiled_call_impl = _StaticPatches(functools.partial(call, block), patch_step, bounds)
-                n += 1
-    return n
-
-
-class _StaticPatches:
-    """A ViT block's ``forward`` on padded patches (`static_vision_blocks`); the padded ``cu_seqlens`` and
-    rotary tables are built once per tower forward (every block gets the same tensors) and reused."""
-
-    def __init__(self, inner, step: int, bounds: int) -> None:
-        self.inner, self.step, self.bounds = inner, step, bounds
-        self._source: tuple = ()  # the tensors the padded ones were built from (held: ids are not reused)
-        self._padded: dict = {}
-
-    def __call__(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        size = -(-n // self.step) * self.step
-        cu = kwargs["cu_seqlens"] if "cu_seqlens" in kwargs else args[0]
-        rotary = kwargs.get("position_embeddings")
-        source = (cu, None if rotary is None else rotary[0], n)
-        if (
-            not self._source
-            or self._source[0] is not cu
-            or self._source[1] is not source[1]
-            or self._source[2] != n
-        ):
-            if cu.numel() + 1 > self.bounds:
-                raise ValueError(
-                    f"{cu.numel() - 1} images in one row exceed the static ViT shape's {self.bounds - 1} "
-                    "segments; raise static_vision_blocks(bounds=...)"
-                )
-            tail = torch.full((self.bounds - cu.numel(),), size, dtype=cu.dtype, device=cu.device)
-            padded = {"cu_seqlens": torch.cat([cu, tail])}
-            if rotary is not None:
-                padded["position_embeddings"] = tuple(
-                    torch.nn.functional.pad(t, (0, 0, 0, size - n)) for t in rotary
-                )
-            if "max_seqlen" in kwargs:  # an upper bound for the kernel's grid: one value for every row
-                longest = max(int(kwargs["max_seqlen"]), size - n)
-                padded["max_seqlen"] = -(-longest // self.step) * self.step
-            self._source, self._padded = source, padded
-        kwargs = {**kwargs, **{k: v for k, v in self._padded.items() if k != "cu_seqlens" or k in kwargs}}
-        if "cu_seqlens" not in kwargs:  # passed by position
-            args = (self._padded["cu_seqlens"], *args[1:])
-        out = self.inner(torch.nn.functional.pad(hidden_states, (0, 0, 0, size - n)), *args, **kwargs)
-        return out[:n]
 
 
 def index_deepstack(model: nn.Module, enabled: bool = True) -> int:

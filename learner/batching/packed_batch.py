@@ -21,7 +21,7 @@ consumes images in (placeholders left to right).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,7 +52,6 @@ class PackedBatch:
         meta: segment metas as dicts (packed: concatenation order; padded: one per row).
         mm_inputs: multimodal tensors concatenated along dim 0 in segment order.
         packed: True for the single padding-free row.
-        pad_tokens: packed only: length of a trailing padding segment (:meth:`with_static_shape`), 0 without.
     """
 
     input_ids: torch.Tensor
@@ -68,7 +67,6 @@ class PackedBatch:
     meta: list[dict[str, Any]]
     mm_inputs: dict[str, Any] = field(default_factory=dict)
     packed: bool = False
-    pad_tokens: int = 0
 
     @property
     def n_ce(self) -> int:
@@ -84,60 +82,8 @@ class PackedBatch:
     def num_tokens(self) -> int:
         """Real (non-padding) tokens."""
         if self.attention_mask is None:
-            return int(self.input_ids.numel()) - self.pad_tokens
+            return int(self.input_ids.numel())
         return int(self.attention_mask.sum())
-
-    @property
-    def segment_lengths(self) -> list[int]:
-        """Real tokens of each packed segment (padding and empty segments left out); padded rows: per row."""
-        if self.cu_seqlens is None:
-            return [int(n) for n in self.attention_mask.sum(dim=1).tolist()]
-        lengths = [int(n) for n in self.cu_seqlens.diff().tolist()]
-        if self.pad_tokens:
-            lengths.remove(self.pad_tokens)  # the padding segment: any one of that length is the same count
-        return [n for n in lengths if n]
-
-    def with_static_shape(
-        self, length: int, bounds: int, pad_id: int, seqlen_step: int = 1024
-    ) -> PackedBatch:
-        """This packed row in a fixed shape, so that blocks compiled with CUDA graphs replay it (one capture
-        serves every row): ``length`` tokens, ``cu_seqlens`` of exactly ``bounds`` entries, ``max_seqlen`` a
-        multiple of ``seqlen_step``.
-
-        The padding is one trailing segment (``pad_id``, labels -100, positions from 0; it attends only to
-        itself, so no real token sees it and no loss reads it); the missing bounds repeat the row's end (empty
-        segments, which the varlen kernel skips); ``max_seqlen`` only bounds the kernel's grid, so rounding it
-        up changes no value. ``num_tokens`` and :attr:`segment_lengths` exclude the padding.
-
-        Raises:
-            ValueError: not a packed row, the row is longer than ``length``, or it has too many segments for
-                ``bounds`` (the segments + the padding segment + 1).
-        """
-        if not self.packed or self.cu_seqlens is None or self.pad_tokens:
-            raise ValueError("with_static_shape takes a packed row (pack_segments) that is not padded yet")
-        n = int(self.input_ids.shape[1])
-        pad = length - n
-        segments = int(self.cu_seqlens.numel()) - 1 + (pad > 0)
-        if pad < 0 or segments + 1 > bounds:
-            raise ValueError(
-                f"a packed row of {n} tokens in {int(self.cu_seqlens.numel()) - 1} segments does not fit a "
-                f"static shape of {length} tokens and {bounds} bounds; raise the static length (the packing "
-                "length) or the bound count"
-            )
-        tail = torch.full((bounds - int(self.cu_seqlens.numel()),), length, dtype=self.cu_seqlens.dtype)
-        cu = torch.cat([self.cu_seqlens, tail.to(self.cu_seqlens.device)])
-        steps = -(-max(self.max_seqlen, pad) // seqlen_step)
-        fill = torch.arange(pad, dtype=torch.long)
-        position_ids = torch.cat([self.position_ids, fill.expand(*self.position_ids.shape[:-1], pad)], dim=-1)
-        return replace(
-            self,
-            input_ids=torch.cat([self.input_ids, torch.full((1, pad), pad_id, dtype=torch.long)], dim=1),
-            labels=torch.cat([self.labels, torch.full((1, pad), IGNORE_INDEX, dtype=torch.long)], dim=1),
-            position_ids=position_ids,
-            cu_seqlens=cu.to(torch.int32),
-            max_seqlen=steps * seqlen_step,
-            pad_tokens=pad,
-        )
 
     def model_inputs(self, *, flash_varlen_kwargs: bool = False) -> dict[str, Any]:
         """Keyword arguments for the model's forward (labels are never passed, §13.1).
@@ -173,18 +119,20 @@ class PackedBatch:
         def mv(x: Any) -> Any:
             return x.to(device) if isinstance(x, torch.Tensor) else x
 
-        return replace(
-            self,
+        return PackedBatch(
             input_ids=mv(self.input_ids),
             labels=mv(self.labels),
             position_ids=mv(self.position_ids),
             attention_mask=mv(self.attention_mask),
             cu_seqlens=mv(self.cu_seqlens),
+            max_seqlen=self.max_seqlen,
             coord_batch_idx=mv(self.coord_batch_idx),
             coord_pos=mv(self.coord_pos),
             coord_bins=mv(self.coord_bins),
             coord_is_prefix=mv(self.coord_is_prefix),
+            meta=self.meta,
             mm_inputs={k: mv(v) for k, v in self.mm_inputs.items()},
+            packed=self.packed,
         )
 
 

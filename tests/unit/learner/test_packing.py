@@ -251,42 +251,6 @@ def test_packed_equivalence_two_segments() -> None:
     assert inputs["max_length_k"] == packed.max_seqlen
 
 
-def test_static_shape_pads_with_one_segment_and_empty_bounds() -> None:
-    """`with_static_shape`: the row padded to a fixed length by ONE trailing segment (pad ids, labels -100,
-    positions from 0), the bounds filled with empty segments, max_seqlen rounded up; the real tokens, labels,
-    coord slots and counts are untouched."""
-    a, b = _seg_a(), _seg_b()
-    packed = pack_segments([a, b])
-    la, lb = a.encoded_len, b.encoded_len
-    static = packed.with_static_shape(32, bounds=6, pad_id=0, seqlen_step=16)
-    pad = 32 - la - lb
-    assert static.input_ids.shape == (1, 32) and static.pad_tokens == pad
-    assert static.input_ids[0, la + lb :].tolist() == [0] * pad
-    assert static.labels[0, : la + lb].tolist() == packed.labels[0].tolist()
-    assert static.labels[0, la + lb :].tolist() == [-100] * pad
-    assert (
-        static.cu_seqlens.tolist() == [0, la, la + lb, 32, 32, 32] and static.cu_seqlens.dtype == torch.int32
-    )
-    assert static.position_ids[0].tolist() == packed.position_ids[0].tolist() + list(range(pad))
-    assert static.max_seqlen == 16 * -(-max(la, lb, pad) // 16)
-    assert (static.num_tokens, static.n_ce, static.n_coord) == (
-        packed.num_tokens,
-        packed.n_ce,
-        packed.n_coord,
-    )
-    assert static.segment_lengths == packed.segment_lengths == [la, lb]
-    assert static.coord_pos.tolist() == packed.coord_pos.tolist()
-    exact = packed.with_static_shape(la + lb, bounds=4, pad_id=0)  # full row: no padding segment
-    assert exact.pad_tokens == 0 and exact.cu_seqlens.tolist() == [0, la, la + lb, la + lb]
-    assert exact.segment_lengths == [la, lb]
-    with pytest.raises(ValueError, match="static shape"):
-        packed.with_static_shape(la + lb - 1, bounds=6, pad_id=0)  # longer than the shape
-    with pytest.raises(ValueError, match="bound count"):
-        packed.with_static_shape(32, bounds=3, pad_id=0)  # 2 segments + padding need 4 bounds
-    with pytest.raises(ValueError, match="not padded yet"):
-        static.with_static_shape(40, bounds=8, pad_id=0)
-
-
 def test_spec_positions_example() -> None:
     packed = pack_segments([sized_segment(5), sized_segment(3)])
     assert packed.cu_seqlens.tolist() == [0, 5, 8]
