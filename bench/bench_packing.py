@@ -473,9 +473,14 @@ def run_gpu(args: argparse.Namespace) -> None:
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
                      attention="varlen+liger")  # fmt: skip
     if args.compile:  # last (after Liger where given): compiled blocks cannot be undone either
-        _guarded("packed_compiled", base, lambda: _compiled_phase(
+        compiled = {}
+        _guarded("packed_compiled", base, lambda: compiled.setdefault("info", _compiled_phase(
             args, model, packed_batches, warmup, step, coord_ids, device, flash, varlen, run, perf,
-            liger_tps if args.liger else packed_tps))  # fmt: skip
+            liger_tps if args.liger else packed_tps)))  # fmt: skip
+        for options in args.inductor_options if "info" in compiled else []:
+            _guarded("packed_compiled_tuned", base, lambda o=options: _tuned_phase(
+                json.loads(o), args, model, packed_batches, warmup, coord_ids, device, flash, varlen, run,
+                perf, compiled["info"]))  # fmt: skip
         if args.profile:
             table = f"{args.profile_table}.compiled.txt" if args.profile_table else None
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
@@ -520,6 +525,24 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 **perf(info), **info)  # fmt: skip
+
+
+def _tuned_phase(
+    options: dict, args, model, rows, warmup, coord_ids, device, flash, varlen, run, perf, compiled: dict
+) -> dict:
+    """The compiled rows again with the blocks recompiled under Inductor ``options`` (e.g.
+    ``{"coordinate_descent_tuning": true}``: block sizes of the fused kernels tuned; ``"max_autotune"``:
+    matmuls and fused kernels benchmarked against Triton templates): every row once untimed (compilation and
+    tuning), then the timed rows; tokens/s, its ratio over the plain compiled phase, the seconds the tuning
+    took."""
+    lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
+    compile_blocks(model, lists, options=options)
+    start = time.perf_counter()
+    tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
+                                   varlen=varlen, **run)  # fmt: skip
+    return dict(inductor_options=options, tokens_per_s=round(tps, 1),
+                speedup=round(tps / compiled["tokens_per_s"], 3),
+                seconds_with_tuning=round(time.perf_counter() - start, 1), **perf(info), **info)  # fmt: skip
 
 
 def run_ddp(args: argparse.Namespace) -> None:
@@ -649,6 +672,14 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="--vlm: last, the same packed rows with regional torch.compile of the ViT blocks (vision) or of"
         " them and the decoder layers (all)",
+    )
+    p.add_argument(
+        "--inductor-options",
+        nargs="*",
+        default=[],
+        metavar="JSON",
+        help="--compile: then per JSON (e.g. '{\"coordinate_descent_tuning\": true}') the blocks recompiled"
+        " with those Inductor options and the same rows timed",
     )
     p.add_argument(
         "--ab-deepstack",

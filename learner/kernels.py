@@ -52,9 +52,11 @@ BLOCK_LISTS = ("model.layers", "visual.blocks")
 `model.layers`, a VL model's `language_model.layers`) and ViT blocks."""
 
 
-def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS) -> int:
+def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS, **compile_kwargs: object) -> int:
     """Regional ``torch.compile`` of every block of ``model``'s block lists (in place), ``dynamic=True`` so
     that packed rows of every length share one graph; returns how many blocks were compiled.
+    ``compile_kwargs`` go to ``torch.compile`` as well (the bench's ``--inductor-options``); compiling again
+    replaces the earlier compilation.
 
     Compiling blocks rather than the model keeps the compile short (one graph per block type, reused by every
     layer) and leaves the data-dependent parts (image grids, position ids, the losses) eager. Generation stays
@@ -67,7 +69,7 @@ def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS) -> in
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.endswith(lists):
             for block in module:
-                block.compile(dynamic=True)
+                block.compile(**{"dynamic": True, **compile_kwargs})
                 n += 1
     return n
 
