@@ -459,9 +459,9 @@ def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path:
     plt.close(fig)
 
 
-def plot_grpo(run_dirs: dict[int, Path], path: Path) -> None:
-    """``grpo.png``: per GRPO run (seed), the training reward, the KL to the reference and the mean completion
-    length by step, from its ``metrics.jsonl``."""
+def plot_grpo(run_dirs: dict[tuple[str, int], Path], path: Path) -> None:
+    """``grpo.png``: per GRPO run (arm, seed), the training reward, the KL to the reference and the mean
+    completion length by step, from its ``metrics.jsonl``; one colour per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -473,12 +473,13 @@ def plot_grpo(run_dirs: dict[int, Path], path: Path) -> None:
         ("completions/mean_length", "completion length (tokens)"),
     )
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.4))
-    for seed, run_dir in sorted(run_dirs.items()):
+    colours = {arm: f"C{i}" for i, arm in enumerate(sorted({arm for arm, _ in run_dirs}))}
+    for (arm, seed), run_dir in sorted(run_dirs.items()):
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         for ax, (key, title) in zip(axes, keys, strict=True):
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:
-                ax.plot(*zip(*points, strict=True), label=f"seed {seed}", alpha=0.8)
+                ax.plot(*zip(*points, strict=True), label=f"{arm} s{seed}", color=colours[arm], alpha=0.6)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("GRPO step")
     axes[0].legend(fontsize=8)
@@ -752,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             stop_server(server)
     plot(args.task, curves, out / "ab.png")
-    grpo_runs = {seed: out / f"{arm}-s{seed}-{args.steps}" for arm, seed in curves if arm.startswith("grpo")}
+    grpo_runs = {(arm, seed): out / f"{arm}-s{seed}-{args.steps}" for arm, seed in curves if arm in GRPO_ARMS}
     if grpo_runs:
         plot_grpo(grpo_runs, out / "grpo.png")
     print(f"[ab] {results} and {out / 'ab.png'}", flush=True)
