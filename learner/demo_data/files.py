@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import io
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
+
+from PIL import Image
 
 T = TypeVar("T")
 
@@ -64,6 +69,22 @@ def write_if_changed(path: Path, data: bytes) -> bool:
     tmp.write_bytes(data)
     tmp.replace(path)
     return True
+
+
+def write_pngs_if_changed(images: Sequence[tuple[Path, Image.Image]]) -> None:
+    """`write_if_changed` of each ``(path, image)`` as PNG (zlib level 9). The compression, about half of a
+    demo set's writing time, runs on up to 16 threads (Pillow's encoder releases the GIL); the bytes are
+    one thread's."""
+
+    def png(image: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG", optimize=False, compress_level=9)
+        return buf.getvalue()
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        encoded = list(pool.map(png, [image for _, image in images]))
+    for (path, _), data in zip(images, encoded, strict=True):
+        write_if_changed(path, data)
 
 
 def finished_set(out: Path, manifest_bytes: bytes, jsonl: list[Path]) -> bool:

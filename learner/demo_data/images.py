@@ -32,13 +32,10 @@ pixels, and the train and eval splits come from independent RNG streams
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import os
 import random
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageDraw
 
-from learner.demo_data.files import finished_set, write_if_changed
+from learner.demo_data.files import finished_set, write_if_changed, write_pngs_if_changed
 from learner.demo_data.scenes import SceneObject, canonical_ring, record_objects
 from learner.stage2.coords import bbox_to_bins, pixel_to_bin
 
@@ -453,12 +450,6 @@ GENERATOR_VERSION = 1
 seed and config draw, so that sets written before are drawn again instead of reused."""
 
 
-def _png_bytes(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", optimize=False, compress_level=9)
-    return buf.getvalue()
-
-
 def write_image_dataset(
     out_dir: Path | str, n_train: int, n_eval: int, seed: int, cfg: ImageDemoConfig | None = None
 ) -> tuple[Path, Path]:
@@ -488,16 +479,9 @@ def write_image_dataset(
     (out / "images").mkdir(parents=True, exist_ok=True)
     paths = []
     for split, n in (("train", n_train), ("eval", n_eval)):
-        lines = []
         pairs = generate_images(n, seed, split, cfg)
-        # PNG compression is most of the writing time (~11 ms an image) and Pillow releases the GIL in its
-        # encoder, so threads spread it over the cores; the bytes are the same as one thread's.
-        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            for (record, _), png in zip(
-                pairs, pool.map(_png_bytes, [image for _, image in pairs]), strict=True
-            ):
-                write_if_changed(out / record["images"][0], png)
-                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        write_pngs_if_changed([(out / record["images"][0], image) for record, image in pairs])
+        lines = [json.dumps(record, ensure_ascii=False) + "\n" for record, _ in pairs]
         path = out / f"{split}.jsonl"
         write_if_changed(path, "".join(lines).encode("utf-8"))
         paths.append(path)
