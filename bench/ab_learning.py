@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,10 @@ on the plain GT and the others roll out."""
 GRPO_ARMS: dict[str, dict[str, Any]] = {
     "grpo-detection": {"reward_preset": "detection"},
     "grpo-detection-dedup": {"reward_preset": "detection_dedup"},
+    # dedup's precision term paid for dropping real objects (pred ÷ GT 0.73 on the image demo): the count term
+    # prices a wrong count from both sides instead
+    "grpo-detection-count": {"reward_preset": "detection_count"},
+    "grpo-count-lr1e-5": {"reward_preset": "detection_count", "learning_rate": 1e-5},
     # sampling at T 1.0 spreads ~600-token completions mostly by noise; a cooler policy gives groups whose
     # rewards differ by the detections
     "grpo-dedup-t07": {"reward_preset": "detection_dedup", "temperature": 0.7},
@@ -488,6 +493,60 @@ def plot_grpo(run_dirs: dict[tuple[str, int], Path], path: Path) -> None:
     plt.close(fig)
 
 
+def summarize_copied_runs(
+    task: str, out: Path, steps: int, at_step: int | None, arms: Sequence[str] | None = None
+) -> int:
+    """``--from-runs``: the summary, ``ab.png`` and ``grpo.png`` of the run folders ``<arm>-s<seed>-<steps>``
+    in ``out`` as they are — runs copied back from another host (their ``run.yaml`` names that host's paths,
+    so they are not checked against this invocation's config) or cut off by a time limit. ``at_step`` (the
+    learner's step; a GRPO arm's steps count from its base checkpoint) cuts every curve there and leaves out
+    the runs that did not evaluate there, so that a comparison of equal samples covers every seed that got
+    that far; ``arms`` keeps those arms only (default: every arm found). A seed's runs must start from one
+    base (the same first held-out F1 in every arm), else the pairing would compare different bases: that is an
+    error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` / ``ab_at<step>.png`` with ``at_step``).
+    """
+    curves: dict[tuple[str, int], list[dict[str, float]]] = {}
+    seconds: dict[tuple[str, int], float | None] = {}
+    grpo_runs: dict[tuple[str, int], Path] = {}
+    for run_dir in sorted(out.glob(f"*-s*-{steps}")):
+        arm, _, seed = run_dir.name.removesuffix(f"-{steps}").rpartition("-s")
+        metrics = run_dir / "metrics.jsonl"
+        if arm not in ARMS and arm not in GRPO_ARMS or not seed.isdigit() or not metrics.exists():
+            continue
+        if arms is not None and arm not in arms:
+            continue
+        curve = [p for p in eval_curve(metrics) if at_step is None or p["step"] <= at_step]
+        if not curve or (at_step is not None and curve[-1]["step"] != at_step):
+            print(f"[ab] {run_dir.name}: no evaluation at step {at_step}, left out", flush=True)
+            continue
+        curves[(arm, int(seed))] = curve
+        seconds[(arm, int(seed))] = train_seconds(metrics) if at_step is None else None
+        if arm in GRPO_ARMS:
+            grpo_runs[(arm, int(seed))] = run_dir
+    if not curves:
+        raise SystemExit(f"no run folders *-s<seed>-{steps} with evaluations in {out}")
+    for seed in sorted({s for _, s in curves}):
+        starts = {arm: c[0]["f1"] for (arm, s), c in curves.items() if s == seed}
+        if len(set(starts.values())) > 1:
+            raise SystemExit(
+                f"seed {seed}: the runs in {out} start from different bases (first held-out F1 by arm: "
+                f"{starts}); pass --arms of one base, or move the other runs out of the folder"
+            )
+    suffix = "" if at_step is None else f"_at{at_step}"
+    with (out / f"ab{suffix}.jsonl").open("w") as fh:
+        for (arm, seed), curve in sorted(curves.items()):
+            for point in curve:
+                fh.write(json.dumps({"task": task, "arm": arm, "seed": seed, **point}) + "\n")
+        for line in summarize(task, curves, seconds):
+            fh.write(json.dumps({"summary": True, **line}) + "\n")
+            print(json.dumps(line), flush=True)
+    plot(task, curves, out / f"ab{suffix}.png")
+    if grpo_runs:
+        plot_grpo(grpo_runs, out / "grpo.png")
+    print(f"[ab] {out / f'ab{suffix}.jsonl'} and {out / f'ab{suffix}.png'}", flush=True)
+    return 0
+
+
 def grpo_override(arm: str) -> dict[str, Any]:
     """The ``grpo`` section override of GRPO arm ``arm`` (its ``learning_rate`` goes to ``training``)."""
     return {k: v for k, v in GRPO_ARMS[arm].items() if k != "learning_rate"}
@@ -609,7 +668,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prepare-only", action="store_true", help="build the data and the base model, then stop"
     )
+    parser.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="train and build nothing: summarize the run folders in --out as they are (e.g. copied back)",
+    )
+    parser.add_argument(
+        "--at-step",
+        type=int,
+        default=None,
+        help="with --from-runs: compare the arms at this step (runs without an evaluation there left out)",
+    )
     args = parser.parse_args(argv)
+    if args.at_step is not None and not args.from_runs:
+        parser.error("--at-step goes with --from-runs")
+    if args.from_runs:
+        out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
+        arms = args.arms.split(",") if args.arms else None
+        return summarize_copied_runs(args.task, out, args.steps, args.at_step, arms)
     if args.smoke:
         args.seeds, args.base_steps, args.steps = "0", 2, 2
         args.eval_every, args.eval_samples = 2, 8

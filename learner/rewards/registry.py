@@ -15,6 +15,7 @@ from typing import Any
 from learner.rewards.detection import (
     DetectionSample,
     DetectionScorer,
+    count_reward,
     detection_samples,
     f1_reward,
     maskiou_reward,
@@ -84,6 +85,7 @@ DETECTION_REWARDS: Mapping[str, DetectionReward] = {
     "detection.precision": precision_reward,
     "detection.recall": recall_reward,
     "detection.no_duplicates": no_duplicates_reward,
+    "detection.count": count_reward,
 }
 """Detection-row rewards (``task_mode: detection``); they need a :class:`DetectionScorer` (the tokenizer)."""
 
@@ -134,6 +136,7 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "detection.precision": 0.0,
         "detection.recall": 0.0,
         "detection.no_duplicates": 0.0,
+        "detection.count": 0.0,
     },
     "detection_dedup": {
         "detection.f1": 1.0,
@@ -142,14 +145,26 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "detection.precision": 0.5,
         "detection.recall": 0.0,
         "detection.no_duplicates": 0.5,
+        "detection.count": 0.0,
+    },
+    "detection_count": {
+        "detection.f1": 1.0,
+        "detection.maskiou": 0.5,
+        "detection.format": 0.25,
+        "detection.precision": 0.0,
+        "detection.recall": 0.0,
+        "detection.no_duplicates": 0.5,
+        "detection.count": 0.5,
     },
 }
 """§5.3 weights of the summary presets (the six rewards no preset lists are included with weight 0 so they are
 logged), and the detection presets: ``detection`` — F1 at the matching gate, the matches' mean maskIoU, the
-format term; precision, recall and duplicates logged; ``detection_dedup`` — the same plus precision and the
-duplicate-free rate at 0.5 each, which price every unmatched and every repeated prediction (what the
-``detection`` preset let GRPO add: learner.rewards.detection). Its A/B is ``bench/ab_learning.py --arms
-grpo-detection-dedup``; not yet measured on a GPU."""
+format term; precision, recall, duplicates and count logged; ``detection_dedup`` — the same plus precision and
+the duplicate-free rate at 0.5 each, which price every unmatched and every repeated prediction (what the
+``detection`` preset let GRPO add: learner.rewards.detection); ``detection_count`` — the duplicate-free rate
+and the count term at 0.5 each instead: duplicates priced, leaving out a real object priced too (the precision
+term paid for it: pred ÷ GT 0.73 on the image demo). A/B arms: ``bench/ab_learning.py --arms
+grpo-detection-dedup,grpo-detection-count`` (bench/RESULTS.md)."""
 
 
 def uses_detection(weights: Mapping[str, float]) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -56,3 +57,51 @@ def test_every_grpo_arm_gives_a_valid_run_config_with_its_learning_rate(arm: str
     resolved, run = resolve_grpo_config(path)
     assert run.training["learning_rate"] == ab_learning.GRPO_ARMS[arm].get("learning_rate", 1e-4)
     assert resolved.grpo.reward_preset == ab_learning.GRPO_ARMS[arm]["reward_preset"]
+
+
+def _write_run(out: Path, name: str, points: list[tuple[int, float]]) -> None:
+    """A run folder as the learner leaves it: ``metrics.jsonl`` with a training line and evaluations."""
+    (out / name).mkdir(parents=True)
+    lines = [{"step": 1, "loss": 1.0}]
+    lines += [{"step": s, "eval_rollout_f1": f1, "eval_rollout_pred_objects": 10.0} for s, f1 in points]
+    (out / name / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _from_runs(out: Path, *extra: str) -> dict[str, dict]:
+    """``ab_learning --from-runs`` on ``out`` (20-step runs); the summary lines by arm."""
+    assert (
+        ab_learning.main(
+            ["--task", "crowded-random", "--steps", "20", "--from-runs", "--out", str(out), *extra]
+        )
+        == 0
+    )
+    name = f"ab_at{extra[extra.index('--at-step') + 1]}.jsonl" if "--at-step" in extra else "ab.jsonl"
+    lines = [json.loads(x) for x in (out / name).read_text().splitlines()]
+    return {x["arm"]: x for x in lines if x.get("summary")}
+
+
+def test_copied_runs_compare_at_a_step_every_seed_reached(tmp_path: Path) -> None:
+    """`--from-runs --at-step`: a run cut off after its step-10 evaluation counts at step 10 and is left out
+    at step 20; `--arms` keeps the named arms; unknown folders are ignored."""
+    for seed, (sft10, sft20) in enumerate([(0.35, 0.27), (0.33, 0.26)]):
+        _write_run(tmp_path, f"sft-s{seed}-20", [(0, 0.58), (10, sft10), (20, sft20)])
+    _write_run(tmp_path, "rm-reorder-sorted-s0-20", [(0, 0.58), (10, 0.65), (20, 0.66)])
+    _write_run(tmp_path, "rm-reorder-sorted-s1-20", [(0, 0.58), (10, 0.64)])  # cut off before step 20
+    _write_run(tmp_path, "notes-s0-20", [(0, 0.1)])
+    at10 = _from_runs(tmp_path, "--at-step", "10")
+    assert at10["rm-reorder-sorted"]["paired_diff"] == pytest.approx([0.30, 0.31])
+    assert (tmp_path / "ab_at10.png").stat().st_size > 0
+    at20 = _from_runs(tmp_path, "--at-step", "20")
+    assert at20["rm-reorder-sorted"]["seeds"] == [0] and at20["sft"]["seeds"] == [0, 1]
+    assert set(_from_runs(tmp_path, "--arms", "sft")) == {"sft"}
+
+
+def test_copied_runs_of_different_bases_are_refused(tmp_path: Path) -> None:
+    _write_run(tmp_path, "sft-s0-20", [(0, 0.58), (20, 0.27)])
+    _write_run(tmp_path, "rm-reorder-s0-20", [(0, 0.66), (20, 0.21)])  # another stage-1 build
+    with pytest.raises(SystemExit, match=r"seed 0: the runs .* start from different bases .*--arms"):
+        ab_learning.main(["--task", "crowded-random", "--steps", "20", "--from-runs", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no run folders"):
+        ab_learning.main(
+            ["--task", "crowded-random", "--steps", "20", "--from-runs", "--out", str(tmp_path / "empty")]
+        )

@@ -162,6 +162,7 @@ def test_registry_names_and_errors(scorer: DetectionScorer) -> None:
         "detection.precision",
         "detection.recall",
         "detection.no_duplicates",
+        "detection.count",
     }
     assert set(PRESETS["detection_dedup"]) == set(DETECTION_REWARDS)
     assert get_reward("detection.f1") is DETECTION_REWARDS["detection.f1"]
@@ -211,3 +212,35 @@ def test_duplicate_free_rate_and_the_dedup_preset(scorer: DetectionScorer) -> No
         pytest.approx(f1 + 0.5 + 0.25 + 0.5 * 0.8 + 0.5 * 0.8),
         pytest.approx(f1 + 0.5 + 0.25 + 0.5 * 0.8 + 0.5),
     ]
+
+
+def test_count_term_prices_missing_and_extra_objects_alike(scorer: DetectionScorer) -> None:
+    """`detection.count` is ``1 − min(1, |pred − gt| / gt)``: one object left out costs what one duplicate
+    costs, so the `detection_count` preset (unlike `detection_dedup`'s precision term) does not pay for
+    leaving out an uncertain object; an empty GT wants `{}`."""
+    count = get_reward("detection.count")
+    texts = [answer(GT), answer(GT[:3]), answer([*GT, GT[0]]), answer([*GT, *GT]), "{}", answer(GT + GT + GT)]
+    samples = [scorer.sample(ROW, t) for t in texts]
+    assert [count(s) for s in samples] == [1.0, 0.75, 0.75, 0.0, 0.0, 0.0]
+    empty = {"task_mode": DETECTION_TASK, "objects": []}
+    assert [count(scorer.sample(empty, t)) for t in ("{}", answer(GT[:1]))] == [1.0, 0.0]
+    assert count(scorer.sample({"task_mode": "summary"}, answer(GT))) == 0.0
+    assert set(PRESETS["detection_count"]) == set(DETECTION_REWARDS)
+    assert PRESETS["detection_count"]["detection.precision"] == 0.0
+    # Where the policy already predicts too few, the dedup preset pays for dropping an uncertain (unmatched)
+    # guess: +0.23 here, through precision and F1. The count preset leaves the choice to F1 and the count,
+    # which pull opposite ways: the guess is kept (it would match a real object if better placed).
+    stray = {"desc": "x", "bbox_2d": [10, 950, 40, 990]}
+    guessed, dropped = answer([*GT[:3], stray]), answer(GT[:3])
+    dedup, _ = total_reward([guessed, dropped], [ROW] * 2, PRESETS["detection_dedup"], detection=scorer)
+    counted, _ = total_reward([guessed, dropped], [ROW] * 2, PRESETS["detection_count"], detection=scorer)
+    f1_guessed, f1_dropped = 2 * 3 / 8, 2 * 3 / 7
+    assert dedup == [
+        pytest.approx(f1_guessed + 0.5 + 0.25 + 0.5 * 0.75 + 0.5),
+        pytest.approx(f1_dropped + 0.5 + 0.25 + 0.5 * 1.0 + 0.5),
+    ]
+    assert counted == [
+        pytest.approx(f1_guessed + 0.5 + 0.25 + 0.5 + 0.5 * 1.0),
+        pytest.approx(f1_dropped + 0.5 + 0.25 + 0.5 + 0.5 * 0.75),
+    ]
+    assert dedup[1] - dedup[0] > 0.2 and counted[0] > counted[1]
