@@ -77,6 +77,8 @@ GRPO_ARMS: dict[str, dict[str, Any]] = {
     # prices a wrong count from both sides instead
     "grpo-detection-count": {"reward_preset": "detection_count"},
     "grpo-count-lr1e-5": {"reward_preset": "detection_count", "learning_rate": 1e-5},
+    # with the count right, GRPO still lost box tightness to plain SFT: F1 at maskIoU 0.5, not at the gate
+    "grpo-detection-iou50": {"reward_preset": "detection_iou50"},
     # sampling at T 1.0 spreads ~600-token completions mostly by noise; a cooler policy gives groups whose
     # rewards differ by the detections
     "grpo-dedup-t07": {"reward_preset": "detection_dedup", "temperature": 0.7},

@@ -17,6 +17,7 @@ from learner.rewards.detection import (
     DetectionScorer,
     count_reward,
     detection_samples,
+    f1_iou50_reward,
     f1_reward,
     maskiou_reward,
     no_duplicates_reward,
@@ -86,6 +87,7 @@ DETECTION_REWARDS: Mapping[str, DetectionReward] = {
     "detection.recall": recall_reward,
     "detection.no_duplicates": no_duplicates_reward,
     "detection.count": count_reward,
+    "detection.f1_iou50": f1_iou50_reward,
 }
 """Detection-row rewards (``task_mode: detection``); they need a :class:`DetectionScorer` (the tokenizer)."""
 
@@ -137,6 +139,7 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "detection.recall": 0.0,
         "detection.no_duplicates": 0.0,
         "detection.count": 0.0,
+        "detection.f1_iou50": 0.0,
     },
     "detection_dedup": {
         "detection.f1": 1.0,
@@ -146,6 +149,7 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "detection.recall": 0.0,
         "detection.no_duplicates": 0.5,
         "detection.count": 0.0,
+        "detection.f1_iou50": 0.0,
     },
     "detection_count": {
         "detection.f1": 1.0,
@@ -155,6 +159,17 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "detection.recall": 0.0,
         "detection.no_duplicates": 0.5,
         "detection.count": 0.5,
+        "detection.f1_iou50": 0.0,
+    },
+    "detection_iou50": {
+        "detection.f1": 0.0,
+        "detection.maskiou": 0.5,
+        "detection.format": 0.25,
+        "detection.precision": 0.0,
+        "detection.recall": 0.0,
+        "detection.no_duplicates": 0.5,
+        "detection.count": 0.5,
+        "detection.f1_iou50": 1.0,
     },
 }
 """§5.3 weights of the summary presets (the six rewards no preset lists are included with weight 0 so they are
@@ -163,8 +178,10 @@ format term; precision, recall, duplicates and count logged; ``detection_dedup``
 the duplicate-free rate at 0.5 each, which price every unmatched and every repeated prediction (what the
 ``detection`` preset let GRPO add: learner.rewards.detection); ``detection_count`` — the duplicate-free rate
 and the count term at 0.5 each instead: duplicates priced, leaving out a real object priced too (the precision
-term paid for it: pred ÷ GT 0.73 on the image demo). A/B arms: ``bench/ab_learning.py --arms
-grpo-detection-dedup,grpo-detection-count`` (bench/RESULTS.md)."""
+term paid for it: pred ÷ GT 0.73 on the image demo); ``detection_iou50`` — ``detection_count`` with F1 at
+maskIoU 0.5 in place of F1 at the gate (a loose box no longer earns the F1 term). A/B arms:
+``bench/ab_learning.py --arms grpo-detection-dedup,grpo-detection-count,grpo-detection-iou50``
+(bench/RESULTS.md)."""
 
 
 def uses_detection(weights: Mapping[str, float]) -> bool:

@@ -57,12 +57,16 @@ class GrpoConfig(ConfigSection):
     freeze_vision_tower: bool = True
     """Freeze the vision tower of a VL model (GRPO's spelling of `model.freeze_vision`; the two must agree
     when both are set). The server presets keep it frozen."""
-    reward_preset: Literal["server", "attr_key", "detection", "detection_dedup", "detection_count"] = "server"
+    reward_preset: Literal[
+        "server", "attr_key", "detection", "detection_dedup", "detection_count", "detection_iou50"
+    ] = "server"
     """Reward weight preset: the §5.3 summary presets, or `detection` (stage-2 records: F1 at the matching
     gate, mean maskIoU of the matches, format; docs/GRPO.md), or `detection_dedup` (the same plus precision
     and the duplicate-free rate, 0.5 each: prices repeated and unmatched predictions), or `detection_count`
     (F1, maskIoU, format, the duplicate-free rate and `1 − |pred − GT| / GT`, 0.5 each: prices duplicates and
-    a wrong count from both sides, not leaving out an uncertain object)."""
+    a wrong count from both sides, not leaving out an uncertain object), or `detection_iou50`
+    (`detection_count` with F1 at maskIoU 0.5 in place of F1 at the matching gate: only tight boxes earn the
+    F1 term)."""
     reward_weights: dict[str, float] = Field(default_factory=dict)
     """Per-reward overrides on top of the preset (weight 0 = logged only)."""
     reward_schema_path: str | None = None

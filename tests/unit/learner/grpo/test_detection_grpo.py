@@ -59,8 +59,8 @@ def test_preset_names_are_the_registry_presets() -> None:
         (
             "reward_preset",
             "detect",
-            r"^grpo\.reward_preset: .*'server', 'attr_key', 'detection', 'detection_dedup' or "
-            r"'detection_count'",
+            r"^grpo\.reward_preset: .*'server', 'attr_key', 'detection', 'detection_dedup', "
+            r"'detection_count' or 'detection_iou50'",
         ),
         (
             "reward_weights",

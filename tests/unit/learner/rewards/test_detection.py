@@ -163,6 +163,7 @@ def test_registry_names_and_errors(scorer: DetectionScorer) -> None:
         "detection.recall",
         "detection.no_duplicates",
         "detection.count",
+        "detection.f1_iou50",
     }
     assert set(PRESETS["detection_dedup"]) == set(DETECTION_REWARDS)
     assert get_reward("detection.f1") is DETECTION_REWARDS["detection.f1"]
@@ -244,3 +245,26 @@ def test_count_term_prices_missing_and_extra_objects_alike(scorer: DetectionScor
         pytest.approx(f1_dropped + 0.5 + 0.25 + 0.5 + 0.5 * 0.75),
     ]
     assert dedup[1] - dedup[0] > 0.2 and counted[0] > counted[1]
+
+
+def test_f1_at_iou50_counts_only_tight_boxes(scorer: DetectionScorer) -> None:
+    """`detection.f1_iou50` is the evaluator's F1 at maskIoU 0.5: a box shifted to maskIoU ~0.3 of its object
+    still matches at the gate (0.3), so `detection.f1` pays it in full; at 0.5 it is a miss and a stray. The
+    `detection_iou50` preset swaps the two F1 terms and keeps the rest of `detection_count`."""
+    loose_cat = {"desc": "cat", "bbox_2d": [160, 160, 360, 360]}  # 140² ∩ of 200² boxes: IoU 19600 / 60400
+    loose = answer([loose_cat, *GT[1:]])
+    iou = mask_iou(("bbox_2d", loose_cat["bbox_2d"]), ("bbox_2d", GT[0]["bbox_2d"]))
+    assert 0.3 <= iou < 0.5
+    exact_s, loose_s = (scorer.sample(ROW, t) for t in (answer(GT), loose))
+    f1, f1_50 = get_reward("detection.f1"), get_reward("detection.f1_iou50")
+    assert (f1(exact_s), f1_50(exact_s)) == (1.0, 1.0)
+    assert f1(loose_s) == 1.0 and f1_50(loose_s) == pytest.approx(2 * 3 / 8)
+    assert loose_s.matched == 4 and loose_s.matched_iou50 == 3
+    assert f1_50(scorer.sample({"task_mode": DETECTION_TASK, "objects": []}, "{}")) == 1.0
+    preset = PRESETS["detection_iou50"]
+    assert set(preset) == set(DETECTION_REWARDS) and preset["detection.f1"] == 0.0
+    assert {k: v for k, v in preset.items() if k not in ("detection.f1", "detection.f1_iou50")} == {
+        k: v for k, v in PRESETS["detection_count"].items() if k not in ("detection.f1", "detection.f1_iou50")
+    }
+    totals, _ = total_reward([answer(GT), loose], [ROW] * 2, preset, detection=scorer)
+    assert totals[0] - totals[1] == pytest.approx((1 - 0.75) + 0.5 * (1 - (3 + iou) / 4))
