@@ -102,6 +102,14 @@ _LOGGED_ONLY = {
     "summary.notes_bbu": 0.0,
 }
 
+_DETECTION = {
+    **dict.fromkeys(DETECTION_REWARDS, 0.0),  # every detection reward is logged
+    "detection.f1": 1.0,
+    "detection.maskiou": 0.5,
+    "detection.format": 0.25,
+}
+_DETECTION_COUNT = {**_DETECTION, "detection.no_duplicates": 0.5, "detection.count": 0.5}
+
 PRESETS: Mapping[str, Mapping[str, float]] = {
     "server": {
         "summary.format": 1.0,
@@ -131,46 +139,10 @@ PRESETS: Mapping[str, Mapping[str, float]] = {
         "summary.group_stats_presence": 0.2,
         **_LOGGED_ONLY,
     },
-    "detection": {
-        "detection.f1": 1.0,
-        "detection.maskiou": 0.5,
-        "detection.format": 0.25,
-        "detection.precision": 0.0,
-        "detection.recall": 0.0,
-        "detection.no_duplicates": 0.0,
-        "detection.count": 0.0,
-        "detection.f1_iou50": 0.0,
-    },
-    "detection_dedup": {
-        "detection.f1": 1.0,
-        "detection.maskiou": 0.5,
-        "detection.format": 0.25,
-        "detection.precision": 0.5,
-        "detection.recall": 0.0,
-        "detection.no_duplicates": 0.5,
-        "detection.count": 0.0,
-        "detection.f1_iou50": 0.0,
-    },
-    "detection_count": {
-        "detection.f1": 1.0,
-        "detection.maskiou": 0.5,
-        "detection.format": 0.25,
-        "detection.precision": 0.0,
-        "detection.recall": 0.0,
-        "detection.no_duplicates": 0.5,
-        "detection.count": 0.5,
-        "detection.f1_iou50": 0.0,
-    },
-    "detection_iou50": {
-        "detection.f1": 0.0,
-        "detection.maskiou": 0.5,
-        "detection.format": 0.25,
-        "detection.precision": 0.0,
-        "detection.recall": 0.0,
-        "detection.no_duplicates": 0.5,
-        "detection.count": 0.5,
-        "detection.f1_iou50": 1.0,
-    },
+    "detection": _DETECTION,
+    "detection_dedup": {**_DETECTION, "detection.precision": 0.5, "detection.no_duplicates": 0.5},
+    "detection_count": _DETECTION_COUNT,
+    "detection_iou50": {**_DETECTION_COUNT, "detection.f1": 0.0, "detection.f1_iou50": 1.0},
 }
 """§5.3 weights of the summary presets (the six rewards no preset lists are included with weight 0 so they are
 logged), and the detection presets: ``detection`` — F1 at the matching gate, the matches' mean maskIoU, the
