@@ -37,6 +37,7 @@ in-process; a run's first rollout step syncs its weights, so runs can share a se
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -333,12 +334,29 @@ def eval_curve(metrics: Path) -> list[dict[str, float]]:
     ]
 
 
-def finished(run_dir: Path, cfg: dict[str, Any], total: int) -> bool:
-    """Whether ``run_dir`` holds this run already: its last evaluation is at step ``total`` and its
+BASE_STAMP = "base.sha256"
+"""File in a run folder: the sha256 of the task's base weights the run started from."""
+
+
+def base_fingerprint(task: dict[str, Any]) -> str:
+    """sha256 of the task's base ``model.safetensors`` ('' when it has none): a rebuilt base (the crowded
+    stage-1 is not bitwise reproducible) keeps its path, so the path alone cannot tell its runs apart."""
+    weights = REPO / task["model"] / "model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.exists() else ""
+
+
+def finished(run_dir: Path, cfg: dict[str, Any], total: int, base: str = "") -> bool:
+    """Whether ``run_dir`` holds this run already: its last evaluation is at step ``total``, its
     ``run.yaml`` is ``cfg`` apart from where rollouts came from (the server's address and staging dir change
-    from one harness invocation to the next; the runs are deterministic whichever server serves them)."""
+    from one harness invocation to the next; the runs are deterministic whichever server serves them), and it
+    started from the base whose fingerprint is ``base`` (a run folder without a stamp predates stamping and
+    is taken as it is)."""
     metrics, path = run_dir / "metrics.jsonl", run_dir / "run.yaml"
     if not metrics.exists() or not path.exists():
+        return False
+    stamp = run_dir / BASE_STAMP
+    if base and stamp.exists() and stamp.read_text().strip() != base:
+        print(f"[ab] {run_dir.name}: trained from another build of the base; training it again", flush=True)
         return False
     curve = eval_curve(metrics)
     if not curve or curve[-1]["step"] != total:
@@ -716,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     build_model(task, out / "data", stage1)
     if args.prepare_only:
         return 0
+    base = base_fingerprint(task)
     task_config = REPO / task["config"]
     batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if args.smoke else {}
     smoke_decoding = {"decoding": {"max_new_tokens": 48}} if args.smoke else {}
@@ -769,13 +788,14 @@ def main(argv: list[str] | None = None) -> int:
                             eval_every=args.eval_every,
                             learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
                         )
-                        if not finished(run_dir, cfg, args.steps):
+                        if not finished(run_dir, cfg, args.steps, base):
                             if args.summarize_only:
                                 print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
                                 continue
                             t0 = time.time()
                             metrics.unlink(missing_ok=True)
                             run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
+                            (run_dir / BASE_STAMP).write_text(base + "\n")
                             print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
                         curve = [{**p, "step": p["step"] + args.base_steps} for p in eval_curve(metrics)]
                         samples[(arm, seed)] = args.steps * samples_per_step(cfg)
@@ -808,13 +828,14 @@ def main(argv: list[str] | None = None) -> int:
                             "save_final_model": False,
                         },
                     )
-                    if not finished(run_dir, cfg, total):
+                    if not finished(run_dir, cfg, total, base):
                         if args.summarize_only:
                             print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
                             continue
                         t0 = time.time()
                         metrics.unlink(missing_ok=True)
                         run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
+                        (run_dir / BASE_STAMP).write_text(base + "\n")
                         print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
                     curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
                     curves[(arm, seed)] = curve

@@ -105,3 +105,27 @@ def test_copied_runs_of_different_bases_are_refused(tmp_path: Path) -> None:
         ab_learning.main(
             ["--task", "crowded-random", "--steps", "20", "--from-runs", "--out", str(tmp_path / "empty")]
         )
+
+
+def test_a_run_from_another_build_of_the_base_is_not_reused(tmp_path: Path) -> None:
+    """A rebuilt base keeps its path, so `finished` also checks the run's stamp of the base's weights."""
+    import yaml
+
+    cfg = {"output_dir": str(tmp_path / "sft-s0-20"), "training": {"max_steps": 20}}
+    _write_run(tmp_path, "sft-s0-20", [(0, 0.58), (20, 0.27)])
+    run = tmp_path / "sft-s0-20"
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert ab_learning.finished(run, cfg, 20, "a1")  # no stamp: a run from before stamping, taken as it is
+    (run / ab_learning.BASE_STAMP).write_text("a1\n")
+    assert ab_learning.finished(run, cfg, 20, "a1") and not ab_learning.finished(run, cfg, 20, "b2")
+    assert not ab_learning.finished(run, cfg, 30, "a1")
+
+
+def test_base_fingerprint_is_the_weights_sha256(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    monkeypatch.setattr(ab_learning, "REPO", tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"weights")
+    assert ab_learning.base_fingerprint({"model": "m"}) == hashlib.sha256(b"weights").hexdigest()
+    assert ab_learning.base_fingerprint({"model": "absent"}) == ""
