@@ -734,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     build_model(task, out / "data", stage1)
     if args.prepare_only:
         return 0
-    base = base_fingerprint(task)
+    base_sha = base_fingerprint(task)
     task_config = REPO / task["config"]
     batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if args.smoke else {}
     smoke_decoding = {"decoding": {"max_new_tokens": 48}} if args.smoke else {}
@@ -788,14 +788,14 @@ def main(argv: list[str] | None = None) -> int:
                             eval_every=args.eval_every,
                             learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
                         )
-                        if not finished(run_dir, cfg, args.steps, base):
+                        if not finished(run_dir, cfg, args.steps, base_sha):
                             if args.summarize_only:
                                 print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
                                 continue
                             t0 = time.time()
                             metrics.unlink(missing_ok=True)
                             run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
-                            (run_dir / BASE_STAMP).write_text(base + "\n")
+                            (run_dir / BASE_STAMP).write_text(base_sha + "\n")
                             print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
                         curve = [{**p, "step": p["step"] + args.base_steps} for p in eval_curve(metrics)]
                         samples[(arm, seed)] = args.steps * samples_per_step(cfg)
@@ -828,14 +828,14 @@ def main(argv: list[str] | None = None) -> int:
                             "save_final_model": False,
                         },
                     )
-                    if not finished(run_dir, cfg, total, base):
+                    if not finished(run_dir, cfg, total, base_sha):
                         if args.summarize_only:
                             print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
                             continue
                         t0 = time.time()
                         metrics.unlink(missing_ok=True)
                         run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
-                        (run_dir / BASE_STAMP).write_text(base + "\n")
+                        (run_dir / BASE_STAMP).write_text(base_sha + "\n")
                         print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
                     curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
                     curves[(arm, seed)] = curve
