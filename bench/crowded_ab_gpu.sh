@@ -11,9 +11,9 @@
 # STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128), STAGE1_STEPS (1400), STAGE1_EVERY (200), STAGE1_EVAL_FROM (0: from
 # STAGE1_EVERY on; 800 skips the snapshots that never reach the target), PREPARE_ONLY (1: stop
 # after the base), RUN_TIMEOUT (seconds the side-by-side runs get; the summary then covers those that finished:
-# a cut-off run is left out, and the next invocation trains it again; a `reorder` run beside 21 others needs
-# ~440 s, and `ab_learning.py --from-runs --at-step N` compares cut runs at a step they all reached), EXPORT_BASE (a folder: the base also as
-# crowded-base.tar.part00, 01, ... of <= 15 MiB).
+# a cut-off run is left out, and the next invocation trains it again; a `reorder` run beside 21 others
+# needs ~440 s, and `ab_learning.py --from-runs --at-step N` compares cut runs at a step they all reached),
+# EXPORT_BASE (a folder: the base also as crowded-base.tar.part00, 01, ... of <= 15 MiB).
 # One base for many A/Bs (the stage-1 takes ~7 min and a rebuild is another model, as its kernels are not
 # bitwise reproducible): `PREPARE_ONLY=1 EXPORT_BASE=$OUT bash bench/crowded_ab_gpu.sh` once, then
 # `cat crowded-base.tar.part* | tar -x -C .cache/models` where the A/Bs start; a folder holding the base's

@@ -46,7 +46,7 @@ from typing import Any
 
 from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import extract_gt
-from learner.stage2.matching.breakdown import detection_breakdown
+from learner.stage2.matching.breakdown import IOU_THRESHOLDS, detection_breakdown
 from learner.stage2.matching.match import MatchingConfig, match
 from learner.stage2.parse.detok import encode_text
 from learner.stage2.parse.parser import DEFAULT_STOP_MARKERS, ParseResult, parse_rollout
@@ -68,8 +68,8 @@ __all__ = [
     "well_formed",
 ]
 
-IOU50 = 0.5
-"""The maskIoU of ``detection.f1_iou50``'s matching."""
+IOU50 = IOU_THRESHOLDS[0]
+"""The maskIoU of ``detection.f1_iou50``'s matching: the evaluator's ``*_iou50`` threshold (0.5)."""
 
 DETECTION_TASK = "detection"
 """``task_mode`` of a detection reward row (``learner.grpo.data`` sets it for stage-2 records)."""
