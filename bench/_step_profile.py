@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["compare_varlen", "matmul_ceiling_tflops", "profile_step"]
+__all__ = ["compare_varlen", "matmul_ceiling_tflops", "phase_split", "profile_step"]
 
 Step = Callable[..., torch.Tensor]
 
@@ -83,7 +85,7 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
     inside aten ops, a lower bound on host time), ``host_syncs`` (counts of the `_SYNC_OPS`). The full op
     table goes to ``out_path``; with ``PROFILE_SYNC_STACKS=1`` also the Python stacks of one more step's
     synchronising calls (`_sync_stacks`); with ``PROFILE_GAPS=1`` the GPU's idle time by host place
-    (`_idle_places`).
+    (`_idle_places`); with ``PROFILE_STEPS=n`` n back-to-back steps of ``batch`` profiled, figures per step.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -105,6 +107,7 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     stacks = bool(os.environ.get("PROFILE_SYNC_STACKS"))  # where the host waits: Python stacks of the syncs
     gaps = bool(os.environ.get("PROFILE_GAPS"))  # where the GPU idles: the host sync before each idle stretch
+    repeats = int(os.environ.get("PROFILE_STEPS", "1"))  # back-to-back steps, figures per step
     cuda = next(model.parameters()).is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -112,27 +115,28 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
     try:
         with profile(activities=activities) as prof, _sync_markers(gaps and cuda) as places:
             start = time.perf_counter()
-            step(batch)
+            for _ in range(repeats):
+                step(batch)
             sync()
-            wall = (time.perf_counter() - start) * 1e3
+            wall = (time.perf_counter() - start) * 1e3 / repeats
     finally:
         for h in handles:
             h.remove()
     events = prof.key_averages()
     kernels = _kernels(prof)
-    busy = sum(us for _, us in kernels) / 1e3
+    busy = sum(us for _, us in kernels) / 1e3 / repeats
     kinds: dict[str, float] = {}
     for name, us in kernels:
         low = name.lower()
         kind = next((k for k, pats in _KERNEL_KINDS if any(p in low for p in pats)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / repeats
     forward: dict[str, float] = {}
     forward_host: dict[str, float] = {}
     for e in events:
         if e.key.startswith("fwd::"):
             part = e.key.removeprefix("fwd::")
-            forward[part] = max(forward.get(part, 0.0), round(e.device_time_total / 1e3, 2))
-            forward_host[part] = max(forward_host.get(part, 0.0), round(e.cpu_time_total / 1e3, 2))
+            forward[part] = max(forward.get(part, 0.0), round(e.device_time_total / 1e3 / repeats, 2))
+            forward_host[part] = max(forward_host.get(part, 0.0), round(e.cpu_time_total / 1e3 / repeats, 2))
     host = sum(e.self_cpu_time_total for e in events if not e.key.startswith(("fwd::", "cuda"))) / 1e3
     syncs = {e.key: e.count for e in events if e.key in _SYNC_OPS}
     if out_path:
@@ -154,7 +158,8 @@ def profile_step(step: Step, batch: Any, model: torch.nn.Module, out_path: str |
         "wall_ms": round(wall, 1),
         "gpu_busy_ms": round(busy, 1),
         "gpu_idle_ms": round(wall - busy, 1),
-        "kernels": len(kernels),
+        "kernels": len(kernels) // repeats,
+        "steps": repeats,
         "forward_ms": forward,
         "forward_host_ms": forward_host,
         "kernels_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
@@ -222,7 +227,7 @@ def _idle_places(
     device = sorted(
         (e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("fwd::", "sync#"))
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("fwd::", "sync#", "phase::"))
     )
     marks = sorted(
         (e.time_range.start, int(e.name.removeprefix("sync#")))
@@ -248,6 +253,95 @@ def _idle_places(
     return sorted(((k, (round(v[0], 2), int(v[1]))) for k, v in totals.items()), key=lambda kv: -kv[1][0])
 
 
+_PHASE_HOOKS = (("vision", "merge", lambda n: n.endswith("visual")), ("lm", "head", lambda n: n.endswith("language_model")))
+"""(phase at a module's forward start, phase at its end, module-name test): where `phase_split` cuts the
+forward (Qwen3-VL naming; a module that does not exist cuts nothing)."""
+
+
+def phase_split(step: Step, rows: list[Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Where one packed step's GPU idle time sits: the step cut into phases (``embed`` from the forward's
+    start to the vision tower, ``vision``, ``merge`` (the image features into the text embeddings), ``lm``,
+    ``head``, ``loss`` (from the forward's return to ``backward()``), ``backward``), each phase's host span
+    and GPU span (CUDA events at the cuts, nothing profiled) averaged over ``rows[1:]``, and each phase's
+    kernel time from one profiled step of ``rows[0]`` (the backward's launches come from autograd's
+    threads: its kernel time is the rest of the step's). ``idle_ms`` = GPU span − kernel time.
+
+    ``step(batch, mark=...)`` must call ``mark("loss")`` after the forward and ``mark("backward")`` before
+    ``backward()``. Times in ms."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    marks: list[tuple[str, float, Any]] = []
+    ranges: list[Any] = []
+    profiling = [False]
+
+    cuda = next(model.parameters()).is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def mark(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True) if cuda else _HostEvent()
+        event.record()
+        marks.append((name, time.perf_counter(), event))
+        if profiling[0]:
+            while ranges:
+                ranges.pop().__exit__(None, None, None)
+            if name != "end":
+                ranges.append(record_function(f"phase::{name}"))
+                ranges[-1].__enter__()
+
+    handles = [model.register_forward_pre_hook(lambda m, a: mark("embed"))]
+    for start, end, test in _PHASE_HOOKS:
+        for name, module in model.named_modules():
+            if name and test(name):
+                handles += [module.register_forward_pre_hook(lambda m, a, s=start: mark(s)),
+                            module.register_forward_hook(lambda m, a, o, e=end: mark(e))]  # fmt: skip
+                break
+    try:
+        host: dict[str, list[float]] = collections.defaultdict(list)
+        gpu: dict[str, list[float]] = collections.defaultdict(list)
+        for batch in rows[1:]:
+            marks.clear()
+            sync()
+            step(batch, mark=mark)
+            mark("end")
+            sync()
+            for (name, t0, e0), (_, t1, e1) in itertools.pairwise(marks):
+                host[name].append((t1 - t0) * 1e3)
+                gpu[name].append(e0.elapsed_time(e1))
+        marks.clear()
+        profiling[0] = True
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step(rows[0], mark=mark)
+            mark("end")
+            sync()
+        profiling[0] = False
+    finally:
+        for h in handles:
+            h.remove()
+    kernel = {e.key.removeprefix("phase::"): e.device_time_total / 1e3 for e in prof.key_averages()
+              if e.key.startswith("phase::")}  # fmt: skip
+    total = sum(us for _, us in _kernels(prof)) / 1e3
+    kernel["backward"] = total - sum(v for k, v in kernel.items() if k != "backward")
+    out = {}
+    for name in host:
+        span = statistics.fmean(gpu[name])
+        out[name] = {"host_ms": round(statistics.fmean(host[name]), 2), "gpu_span_ms": round(span, 2),
+                     "kernel_ms": round(kernel.get(name, 0.0), 2),
+                     "idle_ms": round(span - kernel.get(name, 0.0), 2)}  # fmt: skip
+    return {"phases": out, "step_ms": round(sum(v["gpu_span_ms"] for v in out.values()), 1),
+            "idle_ms": round(sum(v["idle_ms"] for v in out.values()), 1)}  # fmt: skip
+
+
+class _HostEvent:
+    """`torch.cuda.Event`'s timing interface on the host clock (a CPU run of `phase_split`)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: _HostEvent) -> float:
+        return (other.t - self.t) * 1e3
+
+
 def _kernels(prof: Any) -> list[tuple[str, float]]:
     """`(name, µs)` of every GPU kernel of a profile: the device-side events where the profiler lists them,
     else the kernels attached to the host events (older layouts)."""
@@ -255,7 +349,7 @@ def _kernels(prof: Any) -> list[tuple[str, float]]:
     device = [
         e
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("fwd::")
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("fwd::", "phase::"))
     ]
     if device:
         return [(e.name, float(e.time_range.elapsed_us())) for e in device]

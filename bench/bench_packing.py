@@ -66,11 +66,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _step_profile import compare_varlen, matmul_ceiling_tflops, profile_step  # noqa: E402
+from _step_profile import compare_varlen, matmul_ceiling_tflops, phase_split, profile_step  # noqa: E402
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
-from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks, index_deepstack  # noqa: E402
+from learner.kernels import (  # noqa: E402
+    BLOCK_LISTS,
+    apply_liger,
+    compile_blocks,
+    index_deepstack,
+    use_block_runs,
+)
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -206,6 +212,7 @@ def learner_step(
     packed_kwargs: bool = False,
     *,
     varlen: bool = True,
+    mark: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward + loss + backward of one batch on the device, as the trainer's ``training_step``: forward and
     backward (checkpointing recomputes) under one attention set-up. Returns ``(loss, logit columns)``;
@@ -217,10 +224,14 @@ def learner_step(
         else:
             outputs, columns = forward_for_loss(model, b, compact=compact)
             logits = outputs.logits
+        if mark:
+            mark("loss")
         sums = step_loss_sums(
             logits, b, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=eos_id, columns=columns
         )
         loss = micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1)
+        if mark:
+            mark("backward")
         loss.backward()
     return loss.detach(), columns
 
@@ -430,8 +441,8 @@ def run_gpu(args: argparse.Namespace) -> None:
         return
     step_args = (coord_ids, setup["eos_id"], setup["compact"])
 
-    def step(batch, varlen: bool = True) -> torch.Tensor:
-        return learner_step(model, batch.to(device), *step_args, varlen=varlen)[0]
+    def step(batch, varlen: bool = True, mark: Callable[[str], None] | None = None) -> torch.Tensor:
+        return learner_step(model, batch.to(device), *step_args, varlen=varlen, mark=mark)[0]
 
     if args.compare_loop and varlen:  # the same packed rows through the per-segment loop: the "before"
         loop_tps, loop_info = train_tokens_per_s(
@@ -481,6 +492,10 @@ def run_gpu(args: argparse.Namespace) -> None:
             _guarded("packed_compiled_tuned", base, lambda o=options: _tuned_phase(
                 json.loads(o), args, model, packed_batches, warmup, coord_ids, device, flash, varlen, run,
                 perf, compiled["info"]))  # fmt: skip
+        if args.phases:  # where the compiled step's GPU idle sits
+            rows = [b.to(device) for b in packed_batches[: args.phases + 1]]
+            _guarded("phases", base, lambda: phase_split(step, rows, model),
+                     attention=f"varlen+compile-{args.compile}")  # fmt: skip
         if args.profile:
             table = f"{args.profile_table}.compiled.txt" if args.profile_table else None
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
@@ -497,34 +512,45 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     loss_before = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
-    compiled = compile_blocks(model, lists)
+    compiled = compile_blocks(model, lists, runs=args.block_runs)
     start = time.perf_counter()
     loss_after = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
     first_row_s = time.perf_counter() - start
     tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
                                    varlen=varlen, **run)  # fmt: skip
+    timed = functools.partial(train_tokens_per_s, model, rows, coord_ids, device, 1, flash, varlen=varlen, **run)
     if args.ab_deepstack:  # interleaved rounds, transformers' deepstack merge vs the index form
-        speeds: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.ab_deepstack):
-            for indexed in (False, True):
-                index_deepstack(model, enabled=indexed)
-                speeds[indexed].append(train_tokens_per_s(model, rows, coord_ids, device, 1, flash,
-                                                          varlen=varlen, **run)[0])  # fmt: skip
+        _interleaved("ab_deepstack", args.ab_deepstack, ("mask", "index"), timed,
+                     lambda indexed: index_deepstack(model, enabled=bool(indexed)))  # fmt: skip
         index_deepstack(model, enabled=args.index_deepstack)
-        ratios = sorted(b / a for a, b in zip(speeds[False], speeds[True], strict=True))
-        emit(mode="ab_deepstack", rounds=args.ab_deepstack,
-             tokens_per_s_mask=[round(v) for v in speeds[False]],
-             tokens_per_s_index=[round(v) for v in speeds[True]],
-             ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
-             ratio_max=round(ratios[-1], 4))  # fmt: skip
+    if args.ab_runs:  # interleaved rounds, one compiled region per block vs per run of blocks
+        _interleaved("ab_runs", args.ab_runs, ("blocks", "runs"), timed,
+                     lambda runs: use_block_runs(model, enabled=bool(runs)))  # fmt: skip
+        use_block_runs(model, enabled=args.block_runs)
     return dict(compiled=args.compile, compiled_blocks=compiled, index_deepstack=args.index_deepstack,
+                block_runs=args.block_runs,
                 tokens_per_s=round(tps, 1),
                 speedup=round(tps / before_tps, 3), loss_before=round(loss_before, 5),
                 loss_after=round(loss_after, 5), first_row_s=round(first_row_s, 1),
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 **perf(info), **info)  # fmt: skip
+
+
+def _interleaved(mode: str, rounds: int, names: tuple[str, str], timed: Callable[[], tuple[float, dict]],
+                 switch: Callable[[int], object]) -> None:
+    """``rounds`` interleaved timings of the same rows with ``switch(0)`` then ``switch(1)`` applied; emits
+    both sides' tokens/s and the median, min and max of the per-round ratio (second / first)."""
+    speeds: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for side in (0, 1):
+            switch(side)
+            speeds[side].append(timed()[0])
+    ratios = sorted(b / a for a, b in zip(*speeds, strict=True))
+    emit(mode=mode, rounds=rounds, **{f"tokens_per_s_{n}": [round(v) for v in speeds[i]] for i, n in
+         enumerate(names)}, ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
+         ratio_max=round(ratios[-1], 4))  # fmt: skip
 
 
 def _tuned_phase(
@@ -536,7 +562,7 @@ def _tuned_phase(
     tuning), then the timed rows; tokens/s, its ratio over the plain compiled phase, the seconds the tuning
     took."""
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
-    compile_blocks(model, lists, options=options)
+    compile_blocks(model, lists, runs=args.block_runs, options=options)
     start = time.perf_counter()
     tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
                                    varlen=varlen, **run)  # fmt: skip
@@ -687,6 +713,29 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         metavar="ROUNDS",
         help="--compile: then ROUNDS interleaved timings of the compiled rows, deepstack by mask / by index",
+    )
+    p.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="--compile: the compiled step cut into phases over ROWS rows: host and GPU span, kernel time and"
+        " GPU idle of each (bench/_step_profile.py phase_split)",
+    )
+    p.add_argument(
+        "--ab-runs",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="--compile: then ROUNDS interleaved timings of the compiled rows, one region per block / per run"
+        " of blocks (learner.kernels.use_block_runs)",
+    )
+    p.add_argument(
+        "--block-runs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--compile: runs of blocks compiled as one region each, as the learner compiles"
+        " (learner.kernels.compile_blocks); --no-block-runs: one region per block",
     )
     p.add_argument(
         "--index-deepstack",
