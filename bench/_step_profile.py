@@ -227,7 +227,8 @@ def _idle_places(
     device = sorted(
         (e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("fwd::", "sync#", "phase::"))
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith(("fwd::", "sync#", "phase::"))
     )
     marks = sorted(
         (e.time_range.start, int(e.name.removeprefix("sync#")))
@@ -253,7 +254,10 @@ def _idle_places(
     return sorted(((k, (round(v[0], 2), int(v[1]))) for k, v in totals.items()), key=lambda kv: -kv[1][0])
 
 
-_PHASE_HOOKS = (("vision", "merge", lambda n: n.endswith("visual")), ("lm", "head", lambda n: n.endswith("language_model")))
+_PHASE_HOOKS = (
+    ("vision", "merge", lambda n: n.endswith("visual")),
+    ("lm", "head", lambda n: n.endswith("language_model")),
+)
 """(phase at a module's forward start, phase at its end, module-name test): where `phase_split` cuts the
 forward (Qwen3-VL naming; a module that does not exist cuts nothing)."""
 

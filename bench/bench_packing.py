@@ -31,7 +31,8 @@ ceiling as ``mfu_bound``), peak memory, the same packed rows through the per-seg
 gradient check of varlen vs loop (``--no-compare-loop`` skips them); ``--profile`` a torch.profiler breakdown
 of one packed step each way (``bench/_step_profile.py``); ``--memory-sweep 8192 16384`` the peak memory of
 such rows with and without gradient checkpointing; ``--compile vision|all`` last, regional torch.compile of
-the ViT blocks (and the decoder layers). ``--ddp`` under
+the ViT blocks (and the decoder layers), with ``--phases N`` the compiled step's host / GPU span and idle per
+phase and ``--skip-eager`` only the compiled rows (lengths whose eager step does not fit). ``--ddp`` under
 torchrun: the data-parallel scaling of packed rows (1 GPU vs N, bound N). ``bench/mfu_gpu.sh`` runs the
 device set.
 
@@ -70,13 +71,7 @@ from _step_profile import compare_varlen, matmul_ceiling_tflops, phase_split, pr
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
-from learner.kernels import (  # noqa: E402
-    BLOCK_LISTS,
-    apply_liger,
-    compile_blocks,
-    index_deepstack,
-    use_block_runs,
-)
+from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks, index_deepstack  # noqa: E402
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
@@ -411,32 +406,35 @@ def run_gpu(args: argparse.Namespace) -> None:
 
     run = dict(eos_id=setup["eos_id"], compact=setup["compact"], flop_model=flop_model)
     varlen = not args.attn_loop
-    padded_tps, padded_info = train_tokens_per_s(
-        model, padded_batches, coord_ids, device, pad_warmup, False, varlen=varlen, **run
-    )
-    emit(**base, mode="padded", batch=args.padded_batch, tokens_per_s=round(padded_tps, 1),
-         pad_fraction=round(1 - padded_info["tokens"] / padded_info["slots"], 4), **perf(padded_info),
-         **padded_info)  # fmt: skip
-    packed_tps, packed_info = train_tokens_per_s(
-        model, packed_batches, coord_ids, device, warmup, flash, varlen=varlen, **run
-    )
-    packed_perf = perf(packed_info)
-    emit(**base, mode="packed", packing_length=cap, tokens_per_s=round(packed_tps, 1),
-         fill_mean=round(statistics.fmean(fills), 4), varlen=varlen and _varlen_ran(model, packed_batches[0],
-         device), **packed_perf, **packed_info)  # fmt: skip
-    ratio = packed_tps / padded_tps
-    if args.vlm:  # ≥ 2x, or ≥ 90 % of the padding-free bound where the bound is below 2
-        target = 2.0 if bound >= 2.0 else round(0.9 * bound, 3)
-        emit(**base, mode="ratio", packed_over_padded=round(ratio, 3), padding_free_bound=round(bound, 3),
-             ratio_over_bound=round(ratio / bound, 3), target=target, met=ratio >= target)  # fmt: skip
-    else:
-        emit(
-            **base,
-            mode="ratio",
-            packed_over_padded=round(ratio, 3),
-            padding_free_bound=round(bound, 3),
-            target=1.9,
+    packed_tps = None
+    if not args.skip_eager:
+        padded_tps, padded_info = train_tokens_per_s(
+            model, padded_batches, coord_ids, device, pad_warmup, False, varlen=varlen, **run
         )
+        emit(**base, mode="padded", batch=args.padded_batch, tokens_per_s=round(padded_tps, 1),
+             pad_fraction=round(1 - padded_info["tokens"] / padded_info["slots"], 4), **perf(padded_info),
+             **padded_info)  # fmt: skip
+        packed_tps, packed_info = train_tokens_per_s(
+            model, packed_batches, coord_ids, device, warmup, flash, varlen=varlen, **run
+        )
+        packed_perf = perf(packed_info)
+        ran = varlen and _varlen_ran(model, packed_batches[0], device)
+        emit(**base, mode="packed", packing_length=cap, tokens_per_s=round(packed_tps, 1),
+             fill_mean=round(statistics.fmean(fills), 4), varlen=ran, **packed_perf,
+             **packed_info)  # fmt: skip
+        ratio = packed_tps / padded_tps
+        if args.vlm:  # ≥ 2x, or ≥ 90 % of the padding-free bound where the bound is below 2
+            target = 2.0 if bound >= 2.0 else round(0.9 * bound, 3)
+            emit(**base, mode="ratio", packed_over_padded=round(ratio, 3), padding_free_bound=round(bound, 3),
+                 ratio_over_bound=round(ratio / bound, 3), target=target, met=ratio >= target)  # fmt: skip
+        else:
+            emit(
+                **base,
+                mode="ratio",
+                packed_over_padded=round(ratio, 3),
+                padding_free_bound=round(bound, 3),
+                target=1.9,
+            )
     if not args.vlm:
         return
     step_args = (coord_ids, setup["eos_id"], setup["compact"])
@@ -509,37 +507,41 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     seconds of the first compiled row (compilation) and dynamo's graph / graph-break counts."""
     from torch._dynamo.utils import counters
 
-    loss_before = float(step(rows[0]).detach())
-    model.zero_grad(set_to_none=True)
+    loss_before = None
+    if before_tps is not None:  # no eager step where it would not fit (--skip-eager)
+        loss_before = float(step(rows[0]).detach())
+        model.zero_grad(set_to_none=True)
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
-    compiled = compile_blocks(model, lists, runs=args.block_runs)
+    compiled = compile_blocks(model, lists)
     start = time.perf_counter()
     loss_after = float(step(rows[0]).detach())
     model.zero_grad(set_to_none=True)
     first_row_s = time.perf_counter() - start
     tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
                                    varlen=varlen, **run)  # fmt: skip
-    timed = functools.partial(train_tokens_per_s, model, rows, coord_ids, device, 1, flash, varlen=varlen, **run)
+    timed = functools.partial(train_tokens_per_s, model, rows, coord_ids, device, 1, flash, varlen=varlen,
+                              **run)  # fmt: skip
     if args.ab_deepstack:  # interleaved rounds, transformers' deepstack merge vs the index form
         _interleaved("ab_deepstack", args.ab_deepstack, ("mask", "index"), timed,
                      lambda indexed: index_deepstack(model, enabled=bool(indexed)))  # fmt: skip
         index_deepstack(model, enabled=args.index_deepstack)
-    if args.ab_runs:  # interleaved rounds, one compiled region per block vs per run of blocks
-        _interleaved("ab_runs", args.ab_runs, ("blocks", "runs"), timed,
-                     lambda runs: use_block_runs(model, enabled=bool(runs)))  # fmt: skip
-        use_block_runs(model, enabled=args.block_runs)
     return dict(compiled=args.compile, compiled_blocks=compiled, index_deepstack=args.index_deepstack,
-                block_runs=args.block_runs,
                 tokens_per_s=round(tps, 1),
-                speedup=round(tps / before_tps, 3), loss_before=round(loss_before, 5),
+                speedup=round(tps / before_tps, 3) if before_tps else None,
+                loss_before=round(loss_before, 5) if loss_before is not None else None,
                 loss_after=round(loss_after, 5), first_row_s=round(first_row_s, 1),
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 **perf(info), **info)  # fmt: skip
 
 
-def _interleaved(mode: str, rounds: int, names: tuple[str, str], timed: Callable[[], tuple[float, dict]],
-                 switch: Callable[[int], object]) -> None:
+def _interleaved(
+    mode: str,
+    rounds: int,
+    names: tuple[str, str],
+    timed: Callable[[], tuple[float, dict]],
+    switch: Callable[[int], object],
+) -> None:
     """``rounds`` interleaved timings of the same rows with ``switch(0)`` then ``switch(1)`` applied; emits
     both sides' tokens/s and the median, min and max of the per-round ratio (second / first)."""
     speeds: list[list[float]] = [[], []]
@@ -562,7 +564,7 @@ def _tuned_phase(
     tuning), then the timed rows; tokens/s, its ratio over the plain compiled phase, the seconds the tuning
     took."""
     lists = ("visual.blocks",) if args.compile == "vision" else BLOCK_LISTS
-    compile_blocks(model, lists, runs=args.block_runs, options=options)
+    compile_blocks(model, lists, options=options)
     start = time.perf_counter()
     tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
                                    varlen=varlen, **run)  # fmt: skip
@@ -708,6 +710,12 @@ def main(argv: list[str] | None = None) -> None:
         " with those Inductor options and the same rows timed",
     )
     p.add_argument(
+        "--skip-eager",
+        action="store_true",
+        help="--compile: no eager timing (padded, packed, the loss before): only the compiled rows, for"
+        " lengths whose eager step does not fit (with a memory cap)",
+    )
+    p.add_argument(
         "--ab-deepstack",
         type=int,
         default=0,
@@ -721,21 +729,6 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROWS",
         help="--compile: the compiled step cut into phases over ROWS rows: host and GPU span, kernel time and"
         " GPU idle of each (bench/_step_profile.py phase_split)",
-    )
-    p.add_argument(
-        "--ab-runs",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="--compile: then ROUNDS interleaved timings of the compiled rows, one region per block / per run"
-        " of blocks (learner.kernels.use_block_runs)",
-    )
-    p.add_argument(
-        "--block-runs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="--compile: runs of blocks compiled as one region each, as the learner compiles"
-        " (learner.kernels.compile_blocks); --no-block-runs: one region per block",
     )
     p.add_argument(
         "--index-deepstack",

@@ -8,8 +8,6 @@ throughput").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -54,32 +52,20 @@ BLOCK_LISTS = ("model.layers", "visual.blocks")
 `model.layers`, a VL model's `language_model.layers`) and ViT blocks."""
 
 
-def compile_blocks(
-    model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS, *, runs: bool = True, **compile_kwargs: object
-) -> int:
-    """Regional ``torch.compile`` of ``model``'s block lists (in place), ``dynamic=True`` so that packed rows
-    of every length share one graph; returns how many blocks were compiled. ``compile_kwargs`` go to
-    ``torch.compile`` as well (the bench's ``--inductor-options``); compiling again replaces the earlier
-    compilation.
+def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS, **compile_kwargs: object) -> int:
+    """Regional ``torch.compile`` of every block of ``model``'s block lists (in place), ``dynamic=True`` so
+    that packed rows of every length share one graph; returns how many blocks were compiled.
+    ``compile_kwargs`` go to ``torch.compile`` as well (the bench's ``--inductor-options``); compiling again
+    replaces the earlier compilation.
 
-    Two region sizes, the same arithmetic:
-
-    - every block compiled on its own (``runs=False``; always installed): one graph per block type, reused
-      by every layer;
-    - ``runs=True``: each run of consecutive blocks that nothing outside reads in between compiled as ONE
-      region (`_BlockRuns`): Qwen3-VL's language model reads its layers' output only after the deepstack
-      layers 0..n-1 (runs [0], [1], [2], [3..27] on the 2B shapes), its ViT after the deepstack taps (runs
-      of 6 blocks), a text model after none (one run). A region call costs the host ~1 ms (dynamo's guards,
-      AOTAutograd's and Inductor's wrappers) on top of its kernel launches, and the packed step's forward
-      was launch-bound; one call per run instead of per block, and Inductor fuses across block bounds (a
-      block's residual add with the next block's norm). Under gradient checkpointing the blocks run one by
-      one (a checkpointed run would hold the whole run's activations in its backward).
-
-    Blocks rather than the model keep the data-dependent parts (image grids, position ids, the losses)
-    eager. Generation stays eager (`rollout_server.engines.hf_decode` decodes under
-    ``torch.compiler.set_stance("force_eager")``). Measured and left out (bench/RESULTS.md): Inductor's
-    ``cpp_wrapper`` (fails on the varlen attention op), dropping the blocks' module guards (no gain) and CUDA
-    graphs of the blocks (slower).
+    Compiling blocks rather than the model keeps the compile short (one graph per block type, reused by every
+    layer) and leaves the data-dependent parts (image grids, position ids, the losses) eager. Generation stays
+    eager (`rollout_server.engines.hf_decode` decodes under ``torch.compiler.set_stance("force_eager")``).
+    On the packed 2B image step of an H100: 1.60-1.73x tokens/s over eager, loss within bf16 noise. Measured
+    and left out (bench/RESULTS.md): Inductor's ``cpp_wrapper`` (fails on the varlen attention op) and
+    dropping the blocks' module guards (no gain beyond run-to-run noise), CUDA graphs of the blocks (slower)
+    and one region per run of blocks between the deepstack taps (no gain, 6x the compile time; commit
+    5bdbfaa).
     """
     n = 0
     for name, module in model.named_modules():
@@ -87,94 +73,7 @@ def compile_blocks(
             for block in module:
                 block.compile(**{"dynamic": True, **compile_kwargs})
                 n += 1
-            _BlockRuns.install(module, _run_bounds(model, name, len(module)) if runs else None,
-                               {"dynamic": True, **compile_kwargs})  # fmt: skip
     return n
-
-
-def use_block_runs(model: nn.Module, enabled: bool = True) -> int:
-    """Switches the compiled runs of `compile_blocks` on or off (off: the blocks' own compiled calls, one per
-    block) without recompiling anything; returns how many block lists were switched. For A/B timing."""
-    lists = [m for m in model.modules() if type(m) is _BlockRuns]
-    for blocks in lists:
-        blocks.__dict__["_rm_runs_on"] = enabled
-    return len(lists)
-
-
-def _run_bounds(model: nn.Module, list_name: str, n_blocks: int) -> list[range]:
-    """The runs of ``list_name``'s blocks that nothing outside the list reads in between: a run ends after
-    each block whose output the model reads (Qwen3-VL's deepstack taps) and at the last block."""
-    config = getattr(model, "config", None)
-    vision = getattr(config, "vision_config", None)
-    taps = list(getattr(vision, "deepstack_visual_indexes", None) or [])
-    if list_name.endswith("visual.blocks"):
-        ends = set(taps)
-    elif taps and "language_model" in list_name:  # deepstack adds to the output of text layers 0..n-1
-        ends = set(range(len(taps)))
-    else:
-        ends = set()
-    ends = sorted(e for e in ends if 0 <= e < n_blocks - 1) + [n_blocks - 1]
-    starts = [0] + [e + 1 for e in ends[:-1]]
-    return [range(a, b + 1) for a, b in zip(starts, ends, strict=True)]
-
-
-class _RunCall:
-    """One compiled call running a run of blocks in order, each with the same extra arguments (what the
-    model's own loop passes every block). Not an ``nn.Module``: the blocks stay where they are registered."""
-
-    def __init__(self, blocks: list[nn.Module], compile_kwargs: dict) -> None:
-        self.blocks = blocks
-        self.compiled = torch.compile(self._run, **compile_kwargs)
-
-    def _run(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        for block in self.blocks:  # `_call_impl`: the block's hooks and forward, not its own compiled call
-            hidden_states = block._call_impl(hidden_states, *args, **kwargs)
-        return hidden_states
-
-    def __call__(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return self.compiled(hidden_states, *args, **kwargs)
-
-
-def _passthrough(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    """A block that its run's first block already ran."""
-    return hidden_states
-
-
-class _BlockRuns(nn.ModuleList):
-    """A block list whose iteration (the model's own ``for i, block in enumerate(self.layers)``) yields one
-    compiled `_RunCall` at the first block of each run and a pass-through at the others, so indices, the
-    model's reads between runs and every registered name, parameter and state-dict key stay as they were.
-    Iterates the plain blocks where no runs are installed or gradient checkpointing is on."""
-
-    @classmethod
-    def install(cls, blocks: nn.ModuleList, bounds: list[range] | None, compile_kwargs: dict) -> None:
-        """Turns ``blocks`` into a `_BlockRuns` (in place) with ``bounds``' runs; None or all runs of one
-        block: the plain list back."""
-        if not bounds or all(len(r) == 1 for r in bounds):
-            if type(blocks) is cls:
-                blocks.__class__ = nn.ModuleList
-            blocks.__dict__.pop("_rm_calls", None)
-            return
-        members = list(blocks._modules.values())
-        calls: list = []
-        for run in bounds:
-            head = members[run.start] if len(run) == 1 else _RunCall(members[run.start : run.stop], compile_kwargs)
-            calls += [head] + [_passthrough] * (len(run) - 1)
-        blocks.__class__ = cls
-        blocks.__dict__["_rm_calls"] = calls  # not via nn.Module.__setattr__: nothing new is registered
-        blocks.__dict__["_rm_runs_on"] = True
-
-    def __iter__(self) -> Iterator:
-        blocks = list(self._modules.values())
-        calls = self.__dict__.get("_rm_calls")
-        checkpointing = any(getattr(b, "gradient_checkpointing", False) and b.training for b in blocks)
-        on = calls is not None and self.__dict__.get("_rm_runs_on", False) and not checkpointing
-        return iter(calls if on else blocks)
-
-    def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:
-        if isinstance(idx, slice) and range(len(self))[idx] == range(len(self)):
-            return self  # `self.layers[: config.num_hidden_layers]` (Qwen2's loop) keeps the runs
-        return super().__getitem__(idx)
 
 
 def index_deepstack(model: nn.Module, enabled: bool = True) -> int:

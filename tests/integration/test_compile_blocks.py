@@ -47,21 +47,10 @@ def _cfg(model_dir: Path, compile_blocks: bool) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def vlm_dir() -> Path:
-    """The image demo's random-init model: 4 text layers and 4 ViT blocks with a deepstack tap at block 1,
-    so that both towers have a run of several blocks (the tiny test model's runs are single blocks)."""
-    from build_tiny_vlm import DEMO_INIT_NAME, DEMO_MODEL_NAME, build_tiny_vlm
-
-    from tests.conftest import MODEL_CACHE
-
-    return build_tiny_vlm(MODEL_CACHE / DEMO_INIT_NAME, seed=0, preset=DEMO_MODEL_NAME)
-
-
-@pytest.fixture(scope="module")
-def policies(vlm_dir: Path):
+def policies(tiny_vlm_dir: Path):
     """(eager policy, compiled policy, the compiled blocks' count) of the same checkpoint."""
-    eager = load_policy(_cfg(vlm_dir, False).model, vlm_dir)
-    compiled = load_policy(_cfg(vlm_dir, True).model, vlm_dir)
+    eager = load_policy(_cfg(tiny_vlm_dir, False).model, tiny_vlm_dir)
+    compiled = load_policy(_cfg(tiny_vlm_dir, True).model, tiny_vlm_dir)
     n = sum(getattr(m, "_compiled_call_impl", None) is not None for m in compiled.model.modules())
     return eager, compiled, n
 
@@ -73,25 +62,7 @@ def test_compile_blocks_compiles_every_decoder_layer_and_vit_block(policies) -> 
     assert not any(getattr(m, "_compiled_call_impl", None) is not None for m in eager.model.modules())
 
 
-def test_runs_of_blocks_between_the_deepstack_taps(policies) -> None:
-    """The text layers after the deepstack layer(s) and the ViT blocks between taps run as one compiled
-    region each; every block stays registered under its own name."""
-    from learner.kernels import _BlockRuns, _RunCall
-
-    eager, compiled, _ = policies
-    model = compiled.model
-    layers = model.model.language_model.layers
-    blocks = model.model.visual.blocks
-    assert type(layers) is _BlockRuns and type(blocks) is _BlockRuns
-    # text: deepstack adds to layer 0's output -> runs [0], [1..3]; ViT: tap after block 1 -> [0..1], [2..3]
-    assert [type(c).__name__ for c in layers] == ["Qwen3VLTextDecoderLayer", "_RunCall", "function", "function"]
-    assert [type(c) is _RunCall for c in blocks] == [True, False, True, False]
-    assert [len(c.blocks) for c in blocks if isinstance(c, _RunCall)] == [2, 2]
-    assert list(model.state_dict()) == list(eager.model.state_dict())
-    assert len(list(layers._modules.values())) == 4 and layers[2] is layers._modules["2"]
-
-
-def _segments(policy, vlm_dir: Path, folder: Path, sizes: list[tuple[int, int]]):
+def _segments(policy, tiny_vlm_dir: Path, folder: Path, sizes: list[tuple[int, int]]):
     from PIL import Image
 
     from learner.data.records import build_sample, validate_record
@@ -99,7 +70,7 @@ def _segments(policy, vlm_dir: Path, folder: Path, sizes: list[tuple[int, int]])
     from learner.trainers.build import sample_context
     from shared_schemas.infer import Choice, InferResult
 
-    cfg = _cfg(vlm_dir, False)
+    cfg = _cfg(tiny_vlm_dir, False)
     encoder = PromptEncoder.for_model(policy.model, policy.tokenizer, policy.processor)
     ctx = sample_context(cfg, policy.tokenizer, encoder)
     objects = [
@@ -159,12 +130,12 @@ def _train_step(
     return float(loss.detach()), grads
 
 
-def test_compiled_training_step_equals_eager(policies, vlm_dir: Path, tmp_path: Path) -> None:
+def test_compiled_training_step_equals_eager(policies, tiny_vlm_dir: Path, tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 
     eager, compiled, _ = policies
-    first, coord_ids, eos_id = _segments(eager, vlm_dir, tmp_path, [(64, 64), (128, 96), (96, 160)])
-    second, _, _ = _segments(eager, vlm_dir, tmp_path, [(160, 96), (64, 64), (96, 96)])
+    first, coord_ids, eos_id = _segments(eager, tiny_vlm_dir, tmp_path, [(64, 64), (128, 96), (96, 160)])
+    second, _, _ = _segments(eager, tiny_vlm_dir, tmp_path, [(160, 96), (64, 64), (96, 96)])
     for segments in (first, second):
         batch = pack_segments(segments)
         loss_eager, grads_eager = _train_step(eager.model, batch, coord_ids, eos_id)
@@ -180,11 +151,11 @@ def test_compiled_training_step_equals_eager(policies, vlm_dir: Path, tmp_path: 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_compiled_blocks_under_gradient_checkpointing(policies, vlm_dir: Path, tmp_path: Path) -> None:
+def test_compiled_blocks_under_gradient_checkpointing(policies, tiny_vlm_dir: Path, tmp_path: Path) -> None:
     """Checkpointing re-runs each compiled block in the backward: same loss and gradients as the eager step
     without checkpointing."""
     eager, compiled, _ = policies
-    segments, coord_ids, eos_id = _segments(eager, vlm_dir, tmp_path, [(64, 64), (128, 96), (96, 160)])
+    segments, coord_ids, eos_id = _segments(eager, tiny_vlm_dir, tmp_path, [(64, 64), (128, 96), (96, 160)])
     batch = pack_segments(segments)
     loss_eager, grads_eager = _train_step(eager.model, batch, coord_ids, eos_id)
     loss_compiled, grads_compiled = _train_step(compiled.model, batch, coord_ids, eos_id, checkpointing=True)
@@ -222,13 +193,13 @@ def test_compile_blocks_with_liger_is_rejected() -> None:
 
 
 def test_policy_merges_deepstack_by_index_as_transformers(
-    policies, vlm_dir: Path, tmp_path: Path
+    policies, tiny_vlm_dir: Path, tmp_path: Path
 ) -> None:
     eager, _, _ = policies
     (text_model,) = [m for m in eager.model.modules() if type(m).__name__ == "Qwen3VLTextModel"]
     assert "_deepstack_process" in vars(text_model)  # load_policy applied it
     assert eager.model.config.vision_config.deepstack_visual_indexes  # the tiny model has deepstack layers
-    segments, coord_ids, eos_id = _segments(eager, vlm_dir, tmp_path, [(64, 64), (128, 96)])
+    segments, coord_ids, eos_id = _segments(eager, tiny_vlm_dir, tmp_path, [(64, 64), (128, 96)])
     batch = pack_segments(segments)
     loss_index, grads_index = _train_step(eager.model, batch, coord_ids, eos_id)
     index_deepstack(eager.model, enabled=False)
