@@ -490,6 +490,9 @@ def run_gpu(args: argparse.Namespace) -> None:
             _guarded("packed_compiled_tuned", base, lambda o=options: _tuned_phase(
                 json.loads(o), args, model, packed_batches, warmup, coord_ids, device, flash, varlen, run,
                 perf, compiled["info"]))  # fmt: skip
+    if args.ab_copy and cuda:  # the batch's host -> GPU copy inside the step, as the trainer has it
+        _guarded("ab_copy", base, lambda: _ab_copy(args.ab_copy, packed_batches, step, model, device))
+    if args.compile:
         if args.phases:  # where the compiled step's GPU idle sits
             rows = [b.to(device) for b in packed_batches[: args.phases + 1]]
             _guarded("phases", base, lambda: phase_split(step, rows, model),
@@ -533,6 +536,35 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 **perf(info), **info)  # fmt: skip
+
+
+def _ab_copy(rounds: int, rows: list, step: Callable, model, device: torch.device) -> dict:
+    """The rows back to back with their host -> GPU copy inside the timing, as the trainer's micro-steps run
+    (no sync between them): copied from pageable memory (blocking: the host waits for the previous step's
+    backward, then the GPU for the copy) vs from page-locked memory with ``non_blocking`` (what the
+    planner's ``pin_memory`` builds). ``rounds`` interleaved rounds; the ratio is pinned / pageable."""
+    pinned = [r.pin_memory() for r in rows]  # built pinned by the planner, before the micro-steps
+    tokens = sum(r.num_tokens for r in rows)
+    losses = []
+    for src, nb in ((rows, False), (pinned, True)):
+        losses.append(float(step(src[0].to(device, non_blocking=nb)).detach()))
+        model.zero_grad(set_to_none=True)
+    speeds: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for side, (src, nb) in enumerate(((rows, False), (pinned, True))):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for row in src:
+                step(row.to(device, non_blocking=nb))
+                model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            speeds[side].append(tokens / (time.perf_counter() - start))
+    ratios = sorted(b / a for a, b in zip(*speeds, strict=True))
+    return dict(rounds=rounds, rows=len(rows), tokens_per_s_pageable=[round(v) for v in speeds[0]],
+                tokens_per_s_pinned=[round(v) for v in speeds[1]],
+                ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
+                ratio_max=round(ratios[-1], 4), loss_pageable=round(losses[0], 5),
+                loss_pinned=round(losses[1], 5))  # fmt: skip
 
 
 def _interleaved(
@@ -714,6 +746,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="--compile: no eager timing (padded, packed, the loss before): only the compiled rows, for"
         " lengths whose eager step does not fit (with a memory cap)",
+    )
+    p.add_argument(
+        "--ab-copy",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="CUDA: then ROUNDS interleaved timings of the packed rows back to back with their host -> GPU"
+        " copy inside: from pageable memory vs pinned + non_blocking (the planner's pin_memory)",
     )
     p.add_argument(
         "--ab-deepstack",

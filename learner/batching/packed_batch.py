@@ -113,11 +113,19 @@ class PackedBatch:
         out.update(self.mm_inputs)
         return out
 
-    def to(self, device: torch.device | str) -> PackedBatch:
-        """Copy with every tensor moved to ``device`` (meta untouched)."""
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """Copy with every tensor moved to ``device`` (meta untouched). ``non_blocking`` from a pinned batch
+        (`pin_memory`) queues the copies on the current stream and returns at once."""
+        return self._map(lambda x: x.to(device, non_blocking=non_blocking))
 
+    def pin_memory(self) -> PackedBatch:
+        """Copy in page-locked host memory (tensors already pinned are kept), so that ``to(cuda,
+        non_blocking=True)`` neither blocks the host nor waits for the GPU's queue. CUDA hosts only."""
+        return self._map(lambda x: x if x.is_pinned() else x.pin_memory())
+
+    def _map(self, fn: Any) -> PackedBatch:
         def mv(x: Any) -> Any:
-            return x.to(device) if isinstance(x, torch.Tensor) else x
+            return fn(x) if isinstance(x, torch.Tensor) else x
 
         return PackedBatch(
             input_ids=mv(self.input_ids),
@@ -190,14 +198,20 @@ def _rope_rows(seg: Segment) -> list[list[int]]:
     return segment_rope_positions(seg.rope_positions, length)
 
 
-def _concat_mm(segments: Sequence[Segment]) -> dict[str, Any]:
+def _concat_mm(segments: Sequence[Segment], pin_memory: bool = False) -> dict[str, Any]:
+    """The segments' multimodal tensors concatenated per key; ``pin_memory``: written straight into
+    page-locked memory (the image patches are the bulk of a batch: no second copy to pin them)."""
     keys: list[str] = []
     for seg in segments:
         keys += [k for k in seg.mm_inputs if k not in keys]
     out: dict[str, Any] = {}
     for key in keys:
         parts = [torch.as_tensor(seg.mm_inputs[key]) for seg in segments if key in seg.mm_inputs]
-        out[key] = torch.cat(parts, dim=0)
+        buffer = None
+        if pin_memory:
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            buffer = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
+        out[key] = torch.cat(parts, dim=0, out=buffer)
     return out
 
 
@@ -212,11 +226,12 @@ def _coord_tensors(
     )
 
 
-def pack_segments(segments: Sequence[Segment]) -> PackedBatch:
+def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> PackedBatch:
     """Concatenate segments (insertion order) into one padding-free row ``[1, ΣL]`` (§14.4–14.6).
 
     Packed labels are the concatenation of the per-segment labels; coord positions are shifted by the
     lengths of the preceding segments; bins and ``is_prefix`` are preserved; batch index 0.
+    ``pin_memory`` (CUDA hosts): the batch in page-locked memory (`PackedBatch.pin_memory`).
 
     Raises:
         ValueError: no segment, or a violated §14.6 invariant (e.g. a segment whose ids do not start
@@ -249,7 +264,7 @@ def pack_segments(segments: Sequence[Segment]) -> PackedBatch:
     if any(seg.rope_positions is not None for seg in segments):
         rope = [sum((_rope_rows(seg)[axis] for seg in segments), []) for axis in range(3)]
         position_ids = torch.cat([position_ids[None], torch.tensor(rope, dtype=torch.long)[:, None]], dim=0)
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
         position_ids=position_ids,
@@ -261,15 +276,17 @@ def pack_segments(segments: Sequence[Segment]) -> PackedBatch:
         coord_bins=bins,
         coord_is_prefix=pref,
         meta=[seg.meta.as_dict() for seg in segments],
-        mm_inputs=_concat_mm(segments),
+        mm_inputs=_concat_mm(segments, pin_memory),
         packed=True,
     )
+    return batch.pin_memory() if pin_memory else batch
 
 
-def pad_segments(segments: Sequence[Segment], pad_id: int) -> PackedBatch:
+def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool = False) -> PackedBatch:
     """Right-padded rows, one segment per row (packing off, §14.4): ``len(meta) == B``.
 
     Padding has label -100 and attention mask 0; ``position_ids`` is ``arange(T)`` per row.
+    ``pin_memory``: as in `pack_segments`.
 
     Raises:
         ValueError: no segment, or a violated segment invariant.
@@ -303,7 +320,7 @@ def pad_segments(segments: Sequence[Segment], pad_id: int) -> PackedBatch:
         for r, seg in enumerate(segments):
             rope[:, r, : len(seg.input_ids)] = torch.tensor(_rope_rows(seg), dtype=torch.long)
         position_ids = torch.cat([position_ids[None], rope], dim=0)
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=input_ids,
         labels=labels,
         position_ids=position_ids,
@@ -315,6 +332,7 @@ def pad_segments(segments: Sequence[Segment], pad_id: int) -> PackedBatch:
         coord_bins=bins,
         coord_is_prefix=pref,
         meta=[seg.meta.as_dict() for seg in segments],
-        mm_inputs=_concat_mm(segments),
+        mm_inputs=_concat_mm(segments, pin_memory),
         packed=False,
     )
+    return batch.pin_memory() if pin_memory else batch

@@ -284,6 +284,7 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         per_device_batch_size=args.per_device_train_batch_size,
         pad_id=int(tokenizer.pad_token_id),
         adapter_name=lambda: sync.request_adapter,
+        pin_memory=args.device.type == "cuda",
     )
     overlap = RolloutOverlap(
         lambda batch: source.infer(batch),  # looked up per call: tests instrument the instance

@@ -84,6 +84,9 @@ class StepPlanner:
         per_device_batch_size: samples per micro-batch on this rank.
         pad_id: padding id for unpacked rows.
         adapter_name: callable giving the adapter name requests must reference (adapter sync), else None.
+        carry: the packing carry buffer (built from `stage2.packing` when None and packing is on).
+        pin_memory: micro-batches built in page-locked memory (a CUDA learner: the trainer's copy to the
+            GPU then neither blocks the host nor waits for the previous micro-step's backward).
     """
 
     source: RolloutSource
@@ -97,6 +100,7 @@ class StepPlanner:
     pad_id: int
     adapter_name: Callable[[], str | None] = lambda: None
     carry: CarryBuffer | None = None
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.stage2.packing.enabled and self.carry is None:
@@ -240,9 +244,9 @@ class StepPlanner:
             if stats is not None:
                 metrics.add(stats.metric_values())
             segments = chosen
-            packed = pack_segments(segments) if segments else None
+            packed = pack_segments(segments, pin_memory=self.pin_memory) if segments else None
         else:
-            packed = pad_segments(segments, self.pad_id) if segments else None
+            packed = pad_segments(segments, self.pad_id, pin_memory=self.pin_memory) if segments else None
         if packed is None:
             return {"empty": True, "n_ce": 0, "n_coord": 0, "samples": 0}
         return {

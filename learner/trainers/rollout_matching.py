@@ -237,7 +237,7 @@ class RolloutMatchingTrainer(Trainer):
             loss = zero_loss(model)
             return (loss, None) if return_outputs else loss
         t0 = time.perf_counter()
-        batch = inputs["batch"].to(self.args.device)
+        batch = inputs["batch"].to(self.args.device, non_blocking=True)  # pinned on CUDA (planner)
         outputs, columns = forward_for_loss(
             model, batch, compact=loss_cfg.compact_logits, segment_attention=loss_cfg.segment_attention
         )
