@@ -268,7 +268,9 @@ def phase_split(step: Step, rows: list[Any], model: torch.nn.Module) -> dict[str
     ``head``, ``loss`` (from the forward's return to ``backward()``), ``backward``), each phase's host span
     and GPU span (CUDA events at the cuts, nothing profiled) averaged over ``rows[1:]``, and each phase's
     kernel time from one profiled step of ``rows[0]`` (the backward's launches come from autograd's
-    threads: its kernel time is the rest of the step's). ``idle_ms`` = GPU span − kernel time.
+    threads: its kernel time is the rest of the step's). ``idle_ms`` = GPU span − kernel time. Kernels count
+    in the phase that LAUNCHED them: where the GPU lags the host, a forward phase's kernel time exceeds its
+    span (negative idle) and the next phase's is short; the spans and the step's total idle are exact.
 
     ``step(batch, mark=...)`` must call ``mark("loss")`` after the forward and ``mark("backward")`` before
     ``backward()``. Times in ms."""
