@@ -31,8 +31,8 @@ ceiling as ``mfu_bound``), peak memory, the same packed rows through the per-seg
 gradient check of varlen vs loop (``--no-compare-loop`` skips them); ``--profile`` a torch.profiler breakdown
 of one packed step each way (``bench/_step_profile.py``); ``--memory-sweep 8192 16384`` the peak memory of
 such rows with and without gradient checkpointing; ``--compile vision|all`` last, regional torch.compile of
-the ViT blocks (and the decoder layers), with ``--phases N`` the compiled step's host / GPU span and idle per
-phase and ``--skip-eager`` only the compiled rows (lengths whose eager step does not fit). ``--ddp`` under
+the ViT blocks (and the decoder layers), with ``--skip-eager`` only the compiled rows (lengths whose eager
+step does not fit); ``--phases N`` the step's host / GPU span and idle per phase. ``--ddp`` under
 torchrun: the data-parallel scaling of packed rows (1 GPU vs N, bound N). ``bench/mfu_gpu.sh`` runs the
 device set.
 
@@ -492,11 +492,11 @@ def run_gpu(args: argparse.Namespace) -> None:
                 perf, compiled["info"]))  # fmt: skip
     if args.ab_copy and cuda:  # the batch's host -> GPU copy inside the step, as the trainer has it
         _guarded("ab_copy", base, lambda: _ab_copy(args.ab_copy, packed_batches, step, model, device))
+    if args.phases:  # where the step's GPU idle sits (the compiled step with --compile)
+        rows = [b.to(device) for b in packed_batches[: args.phases + 1]]
+        _guarded("phases", base, lambda: phase_split(step, rows, model),
+                 attention=f"varlen+compile-{args.compile}" if args.compile else "varlen")  # fmt: skip
     if args.compile:
-        if args.phases:  # where the compiled step's GPU idle sits
-            rows = [b.to(device) for b in packed_batches[: args.phases + 1]]
-            _guarded("phases", base, lambda: phase_split(step, rows, model),
-                     attention=f"varlen+compile-{args.compile}")  # fmt: skip
         if args.profile:
             table = f"{args.profile_table}.compiled.txt" if args.profile_table else None
             _guarded("profile", base, lambda: profile_step(step, packed_batches[1], model, table),
@@ -767,8 +767,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         metavar="ROWS",
-        help="--compile: the compiled step cut into phases over ROWS rows: host and GPU span, kernel time and"
-        " GPU idle of each (bench/_step_profile.py phase_split)",
+        help="--vlm: last, the step (compiled with --compile) cut into phases over ROWS rows: host and GPU"
+        " span, kernel time and GPU idle of each (bench/_step_profile.py phase_split)",
     )
     p.add_argument(
         "--index-deepstack",

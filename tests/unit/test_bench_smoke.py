@@ -122,17 +122,10 @@ def test_bench_learner_configs_load_with_liger_and_a_model_directory(tmp_path) -
         assert cfg.rollout.mode == "colocate" and cfg.stage2.rollout_buffer.m_steps == m
 
 
-def test_bench_packing_vlm_compiled_phase_split() -> None:
-    """`--skip-eager` times only the compiled rows; `--phases` cuts the compiled step into its phases, whose
-    spans add up to the step (on CPU the spans are host time)."""
-    lines = run_bench(
-        "bench_packing.py", "--gpu", "--vlm", "--smoke", "--no-compare-loop", "--compile", "all",
-        "--skip-eager", "--phases", "1",
-    )  # fmt: skip
-    modes = [line.get("mode") for line in lines]
-    assert "packed" not in modes and "padded" not in modes
-    (compiled,) = [line for line in lines if line.get("mode") == "packed_compiled"]
-    assert compiled["tokens_per_s"] > 0 and compiled["speedup"] is None and compiled["loss_before"] is None
+def test_bench_packing_vlm_phase_split() -> None:
+    """`--phases` cuts the packed step into its phases, whose spans add up to the step (on CPU the spans are
+    host time); the compiled variant (`--compile all --skip-eager`) ran on an H200 (bench/RESULTS.md)."""
+    lines = run_bench("bench_packing.py", "--gpu", "--vlm", "--smoke", "--no-compare-loop", "--phases", "1")
     (split,) = [line for line in lines if line.get("mode") == "phases"]
     assert "error" not in split, split
     phases = split["phases"]
