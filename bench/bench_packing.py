@@ -522,11 +522,13 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
     first_row_s = time.perf_counter() - start
     tps, info = train_tokens_per_s(model, rows + rows[warmup:], coord_ids, device, len(rows), flash,
                                    varlen=varlen, **run)  # fmt: skip
-    timed = functools.partial(train_tokens_per_s, model, rows, coord_ids, device, 1, flash, varlen=varlen,
-                              **run)  # fmt: skip
     if args.ab_deepstack:  # interleaved rounds, transformers' deepstack merge vs the index form
-        _interleaved("ab_deepstack", args.ab_deepstack, ("mask", "index"), timed,
-                     lambda indexed: index_deepstack(model, enabled=bool(indexed)))  # fmt: skip
+
+        def timed(indexed: int) -> float:
+            index_deepstack(model, enabled=bool(indexed))
+            return train_tokens_per_s(model, rows, coord_ids, device, 1, flash, varlen=varlen, **run)[0]
+
+        emit(mode="ab_deepstack", **_interleaved(args.ab_deepstack, ("mask", "index"), timed))
         index_deepstack(model, enabled=args.index_deepstack)
     return dict(compiled=args.compile, compiled_blocks=compiled, index_deepstack=args.index_deepstack,
                 tokens_per_s=round(tps, 1),
@@ -543,48 +545,39 @@ def _ab_copy(rounds: int, rows: list, step: Callable, model, device: torch.devic
     (no sync between them): copied from pageable memory (blocking: the host waits for the previous step's
     backward, then the GPU for the copy) vs from page-locked memory with ``non_blocking`` (what the
     planner's ``pin_memory`` builds). ``rounds`` interleaved rounds; the ratio is pinned / pageable."""
-    pinned = [r.pin_memory() for r in rows]  # built pinned by the planner, before the micro-steps
+    sides = ((rows, False), ([r.pin_memory() for r in rows], True))  # pinned: as the planner builds them
     tokens = sum(r.num_tokens for r in rows)
     losses = []
-    for src, nb in ((rows, False), (pinned, True)):
+    for src, nb in sides:
         losses.append(float(step(src[0].to(device, non_blocking=nb)).detach()))
         model.zero_grad(set_to_none=True)
-    speeds: list[list[float]] = [[], []]
-    for _ in range(rounds):
-        for side, (src, nb) in enumerate(((rows, False), (pinned, True))):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for row in src:
-                step(row.to(device, non_blocking=nb))
-                model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            speeds[side].append(tokens / (time.perf_counter() - start))
-    ratios = sorted(b / a for a, b in zip(*speeds, strict=True))
-    return dict(rounds=rounds, rows=len(rows), tokens_per_s_pageable=[round(v) for v in speeds[0]],
-                tokens_per_s_pinned=[round(v) for v in speeds[1]],
-                ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
-                ratio_max=round(ratios[-1], 4), loss_pageable=round(losses[0], 5),
-                loss_pinned=round(losses[1], 5))  # fmt: skip
+
+    def timed(side: int) -> float:
+        src, nb = sides[side]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for row in src:
+            step(row.to(device, non_blocking=nb))
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return tokens / (time.perf_counter() - start)
+
+    return _interleaved(rounds, ("pageable", "pinned"), timed) | dict(
+        rows=len(rows), loss_pageable=round(losses[0], 5), loss_pinned=round(losses[1], 5)
+    )
 
 
-def _interleaved(
-    mode: str,
-    rounds: int,
-    names: tuple[str, str],
-    timed: Callable[[], tuple[float, dict]],
-    switch: Callable[[int], object],
-) -> None:
-    """``rounds`` interleaved timings of the same rows with ``switch(0)`` then ``switch(1)`` applied; emits
-    both sides' tokens/s and the median, min and max of the per-round ratio (second / first)."""
+def _interleaved(rounds: int, names: tuple[str, str], timed: Callable[[int], float]) -> dict:
+    """``rounds`` interleaved timings ``timed(0)``, ``timed(1)`` (tokens/s of the same rows, side 0 / 1):
+    both sides' tokens/s and the median, min and max of the per-round ratio (side 1 / side 0)."""
     speeds: list[list[float]] = [[], []]
     for _ in range(rounds):
         for side in (0, 1):
-            switch(side)
-            speeds[side].append(timed()[0])
+            speeds[side].append(timed(side))
     ratios = sorted(b / a for a, b in zip(*speeds, strict=True))
-    emit(mode=mode, rounds=rounds, **{f"tokens_per_s_{n}": [round(v) for v in speeds[i]] for i, n in
-         enumerate(names)}, ratio_median=round(statistics.median(ratios), 4), ratio_min=round(ratios[0], 4),
-         ratio_max=round(ratios[-1], 4))  # fmt: skip
+    return dict(rounds=rounds, **{f"tokens_per_s_{n}": [round(v) for v in speeds[i]] for i, n in
+                enumerate(names)}, ratio_median=round(statistics.median(ratios), 4),
+                ratio_min=round(ratios[0], 4), ratio_max=round(ratios[-1], 4))  # fmt: skip
 
 
 def _tuned_phase(
