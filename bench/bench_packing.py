@@ -206,14 +206,17 @@ def learner_step(
     compact: bool | None,
     packed_kwargs: bool = False,
     *,
-    varlen: bool = True,
+    varlen: bool | str = True,
     mark: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward + loss + backward of one batch on the device, as the trainer's ``training_step``: forward and
     backward (checkpointing recomputes) under one attention set-up. Returns ``(loss, logit columns)``;
-    ``compact=None`` calls the model directly with full logits (the text bench as first recorded)."""
+    ``compact=None`` calls the model directly with full logits (the text bench as first recorded).
+    ``varlen``: False = the per-segment loop; True or a ``model.varlen_kernel`` choice (``auto``, ``fa4``,
+    ``torch``) = that varlen kernel where it runs."""
     columns = None
-    with packed_attention(model, enabled=compact is not None, varlen=varlen):
+    kernel = varlen if isinstance(varlen, str) else "auto"
+    with packed_attention(model, enabled=compact is not None, varlen=bool(varlen), kernel=kernel):
         if compact is None:
             logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
         else:
@@ -241,7 +244,7 @@ def train_tokens_per_s(
     *,
     eos_id: int = 2,
     compact: bool | None = None,
-    varlen: bool = True,
+    varlen: bool | str = True,
     flop_model: FlopModel | None = None,
 ) -> tuple[float, dict]:
     """Real tokens / s of fwd + loss + bwd over ``batches`` (the first ``warmup`` untimed).
@@ -405,7 +408,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         return out
 
     run = dict(eos_id=setup["eos_id"], compact=setup["compact"], flop_model=flop_model)
-    varlen = not args.attn_loop
+    varlen = args.varlen_kernel if not args.attn_loop else False
     packed_tps = None
     if not args.skip_eager:
         padded_tps, padded_info = train_tokens_per_s(
@@ -418,7 +421,7 @@ def run_gpu(args: argparse.Namespace) -> None:
             model, packed_batches, coord_ids, device, warmup, flash, varlen=varlen, **run
         )
         packed_perf = perf(packed_info)
-        ran = varlen and _varlen_ran(model, packed_batches[0], device)
+        ran = varlen and _varlen_ran(model, packed_batches[0], device, varlen)
         emit(**base, mode="packed", packing_length=cap, tokens_per_s=round(packed_tps, 1),
              fill_mean=round(statistics.fmean(fills), 4), varlen=ran, **packed_perf,
              **packed_info)  # fmt: skip
@@ -439,7 +442,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         return
     step_args = (coord_ids, setup["eos_id"], setup["compact"])
 
-    def step(batch, varlen: bool = True, mark: Callable[[str], None] | None = None) -> torch.Tensor:
+    def step(batch, varlen: bool | str = varlen, mark: Callable[[str], None] | None = None) -> torch.Tensor:
         return learner_step(model, batch.to(device), *step_args, varlen=varlen, mark=mark)[0]
 
     if args.compare_loop and varlen:  # the same packed rows through the per-segment loop: the "before"
@@ -490,6 +493,8 @@ def run_gpu(args: argparse.Namespace) -> None:
             _guarded("packed_compiled_tuned", base, lambda o=options: _tuned_phase(
                 json.loads(o), args, model, packed_batches, warmup, coord_ids, device, flash, varlen, run,
                 perf, compiled["info"]))  # fmt: skip
+    if args.ab_kernel and cuda:  # the varlen kernels against each other on the same rows
+        _guarded("ab_kernel", base, lambda: _ab_kernel(args.ab_kernel, packed_batches, step, model, device))
     if args.ab_copy and cuda:  # the batch's host -> GPU copy inside the step, as the trainer has it
         _guarded("ab_copy", base, lambda: _ab_copy(args.ab_copy, packed_batches, step, model, device))
     if args.phases:  # where the step's GPU idle sits (the compiled step with --compile)
@@ -538,6 +543,45 @@ def _compiled_phase(args, model, rows, warmup, step, coord_ids, device, flash, v
                 graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 **perf(info), **info)  # fmt: skip
+
+
+def _ab_kernel(rounds: int, rows: list, step: Callable, model, device: torch.device) -> dict:
+    """The packed rows through PyTorch's varlen op (FlashAttention-2) vs FlashAttention-4
+    (``model.varlen_kernel`` torch / fa4), ``rounds`` interleaved rounds after one untimed pass each (FA4's
+    kernels compile on first use; compiled blocks recompile once per kernel). The ratio is fa4 / torch; the
+    loss of row 0 both ways. Raises where FA4 does not run here (the record says why)."""
+    from learner.trainers.packed_attention import varlen_kernel
+
+    dtype = next(model.parameters()).dtype
+    if varlen_kernel(torch.empty(1, 1, 1, 128, device=device, dtype=dtype), choice="fa4") != "fa4":
+        raise RuntimeError("FA4 does not run here (flash-attn-4 not importable, not SM 9.x/10.x, or failed)")
+    kernels = ("torch", "fa4")
+    rows = [r.to(device) for r in rows]
+    tokens = sum(r.num_tokens for r in rows)
+    losses = []
+    for kernel in kernels:
+        start = time.perf_counter()
+        losses.append(float(step(rows[0], varlen=kernel).detach()))
+        model.zero_grad(set_to_none=True)
+        for row in rows[1:]:
+            step(row, varlen=kernel)
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        losses.append(round(time.perf_counter() - start, 1))
+
+    def timed(side: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for row in rows:
+            step(row, varlen=kernels[side])
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return tokens / (time.perf_counter() - start)
+
+    return _interleaved(rounds, kernels, timed) | dict(
+        rows=len(rows), loss_torch=round(losses[0], 5), loss_fa4=round(losses[2], 5),
+        first_pass_s_torch=losses[1], first_pass_s_fa4=losses[3],
+    )  # fmt: skip
 
 
 def _ab_copy(rounds: int, rows: list, step: Callable, model, device: torch.device) -> dict:
@@ -645,12 +689,14 @@ def run_ddp(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _varlen_ran(model, batch, device) -> bool:
-    """Whether a packed row of this model attends through the varlen kernel here (`varlen_available`)."""
-    from learner.trainers.packed_attention import varlen_available
+def _varlen_ran(model, batch, device, choice: bool | str = "auto") -> str | bool:
+    """The varlen kernel a packed row of this model attends through here (`varlen_kernel`), else False."""
+    from learner.trainers.packed_attention import varlen_kernel
 
     dtype = next(model.parameters()).dtype
-    return varlen_available(torch.empty(1, 1, 1, 128, device=device, dtype=dtype)) and batch.packed
+    choice = choice if isinstance(choice, str) else "auto"
+    kernel = varlen_kernel(torch.empty(1, 1, 1, 128, device=device, dtype=dtype), choice=choice)
+    return (kernel or False) if batch.packed else False
 
 
 def _memory(model, rows, checkpointing: bool, device, coord_ids, run: dict) -> dict:
@@ -739,6 +785,20 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="--compile: no eager timing (padded, packed, the loss before): only the compiled rows, for"
         " lengths whose eager step does not fit (with a memory cap)",
+    )
+    p.add_argument(
+        "--varlen-kernel",
+        default="auto",
+        choices=("auto", "fa4", "torch"),
+        help="packed rows' varlen attention kernel (model.varlen_kernel): auto = FA4 where it runs, else"
+        " torch",
+    )
+    p.add_argument(
+        "--ab-kernel",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="CUDA: then ROUNDS interleaved timings of the packed rows, varlen kernel torch (FA2) vs fa4",
     )
     p.add_argument(
         "--ab-copy",

@@ -89,11 +89,18 @@ class ModelConfig(ConfigSection):
     liger_kernel: bool = False
     """Qwen3-VL on CUDA only: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU (`learner.kernels`; the `gpu`
     extra). On the packed 2B image step of an H100: 1.26x tokens/s, peak memory 47.5 -> 38.7 GiB."""
+    varlen_kernel: Literal["auto", "fa4", "torch"] = "auto"
+    """Packed rows' attention kernel on CUDA (`learner.trainers.packed_attention`): `fa4` = FlashAttention-4
+    (the `flash-attn-4` wheel, Hopper/Blackwell; on an H200 1.9x faster than FA2 on the vision tower's
+    attention, 2.3x on the language model's), `torch` = PyTorch's varlen op (FlashAttention-2 kernels),
+    `auto` = the first of them that imports and passes its one-time check here (else the per-segment loop).
+    FA4 compiles each attention configuration on first use (~10 s each)."""
     compile_blocks: bool = False
     """Regional `torch.compile` of every decoder layer and ViT block (`learner.kernels.compile_blocks`,
     dynamic shapes; generation stays eager). On the packed 2B image step of an H100: 1.60x tokens/s over
     eager (MFU 20 -> 32-33 %), peak memory 47.5 -> 38.8 GiB; 16,384-token rows then fit an 80 GB card
-    without checkpointing (72.4 GiB) and run faster still (MFU 36.0 % on an H200, 34.0-34.4 % at 8,192); the
+    without checkpointing (72.4 GiB) and run faster still (MFU 36.0 % on an H200, 34.0-34.4 % at 8,192; with
+    `varlen_kernel` FA4 38.0 % at 8,192 and 39.8 % at 16,384); the
     first steps compile (~20-30 s on CUDA; CPU works too). Not with `liger_kernel` (dynamo cannot trace
     Liger's RMSNorm). Not HF's `training.torch_compile` (whole model)."""
 

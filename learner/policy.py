@@ -238,6 +238,14 @@ def load_policy(cfg: ModelConfig, path: str | Path) -> Policy:
         logger.info("model.liger_kernel: patched %s", apply_liger(model))
     if cfg.adapter != "none":
         model = _adapt(model, cfg, is_vl, frozen)
+    if cfg.varlen_kernel == "fa4":
+        from learner.trainers.fa4_varlen import fa4_importable
+
+        if not fa4_importable():
+            raise ConfigError(
+                "model.varlen_kernel: fa4 needs flash-attn-4 (and its nvidia-cutlass-dsl runtime) importable;"
+                " pip install flash-attn-4, or set model.varlen_kernel: auto (FA4 where it runs, else torch)"
+            )
     if cfg.compile_blocks:  # after the adapter: its layers live inside the compiled blocks
         from learner.kernels import compile_blocks
 

@@ -218,7 +218,11 @@ class RolloutMatchingTrainer(Trainer):
         t0 = time.perf_counter()
         self._last_forward_s = 0.0
         # The whole step (gradient checkpointing re-runs the forward inside the backward) attends per segment.
-        with packed_attention(model, enabled=self.run_cfg.stage2.loss.segment_attention):
+        with packed_attention(
+            model,
+            enabled=self.run_cfg.stage2.loss.segment_attention,
+            kernel=self.run_cfg.model.varlen_kernel,
+        ):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_metrics.add_time(
             "time/backward_s", max(0.0, time.perf_counter() - t0 - self._last_forward_s)

@@ -258,7 +258,7 @@ def test_varlen_attention_equals_segment_loop(vl_parts, monkeypatch, checkpointi
     model, segments, coord_ids, ctx = vl_parts
     ref = ReferenceVarlen()
     monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
-    monkeypatch.setattr(pa, "varlen_available", lambda q: pa._use_varlen[0])
+    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal: "torch" if pa._use_varlen[0] else None)
     batch = pack_segments(segments)
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -301,7 +301,7 @@ def test_vision_tower_ignores_the_rows_bounds(vl_parts, monkeypatch) -> None:
     model, segments, _, _ = vl_parts
     ref = ReferenceVarlen()
     monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
-    monkeypatch.setattr(pa, "varlen_available", lambda q: True)
+    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal: "torch")
     batch = pack_segments(segments)
     tower = model.model.visual
     pixels, grid = batch.mm_inputs["pixel_values"], batch.mm_inputs["image_grid_thw"]

@@ -1,16 +1,19 @@
 """`learner.trainers.packed_attention`: the varlen path (one kernel call per packed row) equals the
 per-segment SDPA fallback — values and gradients, causal with GQA (language model) and full (vision tower),
-both APIs of `torch.nn.attention.varlen.varlen_attn`. Its flash kernel runs on CUDA only, so on CPU a dense
-stand-in (`varlen_reference.ReferenceVarlen`) takes its place: what is checked here is the layout, the
-arguments and the dispatch; `bench/bench_packing.py --gpu --vlm` checks the real kernel on CUDA."""
+both kernels (the APIs of `torch.nn.attention.varlen.varlen_attn`, and FlashAttention-4 through
+`learner.trainers.fa4_varlen`'s custom ops). Their kernels run on CUDA only, so on CPU dense stand-ins
+(`varlen_reference`) take their place: what is checked here is the layout, the arguments, the custom ops'
+autograd and tracing, and the dispatch; `bench/bench_packing.py --gpu --vlm` checks the real kernels on CUDA
+(and `packed_attention` checks each once per device before it serves)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from learner.trainers import fa4_varlen
 from learner.trainers import packed_attention as pa
-from tests.unit.learner.varlen_reference import API_FULL, APIS, ReferenceVarlen
+from tests.unit.learner.varlen_reference import API_FULL, APIS, ReferenceFA4, ReferenceVarlen
 
 CU = torch.tensor([0, 3, 17, 18, 40], dtype=torch.int32)
 
@@ -51,7 +54,7 @@ def test_segment_attention_dispatch(monkeypatch) -> None:
     plain SDPA for a padded batch, and `packed_attention(varlen=False)` forces the loop."""
     ref = ReferenceVarlen()
     monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
-    monkeypatch.setattr(pa, "varlen_available", lambda q: pa._use_varlen[0])
+    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal: "torch" if pa._use_varlen[0] else None)
     module = torch.nn.Module()
     q, k, v = _qkv(2, seed=1)
     packed = dict(cu_seq_lens_q=CU, max_length_q=22)
@@ -60,12 +63,12 @@ def test_segment_attention_dispatch(monkeypatch) -> None:
     loop, _ = pa.segment_sdpa(module, q, k, v, None, is_causal=True, cu_seq_lens_q=CU)  # max length derived
     assert ref.calls == 2
     torch.testing.assert_close(out, loop)
-    pa._use_varlen[0] = False
+    pa._use_varlen[0] = ""
     try:
         pa.segment_sdpa(module, q, k, v, None, is_causal=True, **packed)
         pa.segment_sdpa(module, q, k, v, None, is_causal=True)
     finally:
-        pa._use_varlen[0] = True
+        pa._use_varlen[0] = "auto"
     assert ref.calls == 2
 
 
@@ -74,3 +77,70 @@ def test_varlen_not_used_on_cpu() -> None:
     q = torch.randn(1, 4, 8, 16)
     assert not pa.varlen_available(q)
     assert not pa.varlen_available(q.bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("causal", "heads_kv"), [(True, 2), (True, 4), (False, 4)], ids=["lm_gqa", "lm", "vit"]
+)
+@pytest.mark.parametrize("scaling", [None, 0.3])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fa4_call_equals_segment_loop(monkeypatch, causal, heads_kv, scaling, compiled) -> None:
+    """The FA4 kernel's path (custom ops, autograd, `(T, H, D)` layout, native GQA) equals the fallback in
+    values and gradients; compiled (`aot_eager`, full graph, as `model.compile_blocks` traces a block) the
+    ops stay opaque and still run the interface's forward and backward once each."""
+    ref = ReferenceFA4()
+    monkeypatch.setattr(fa4_varlen, "_interface", lambda: ref)
+    torch._dynamo.reset()
+
+    def varlen(q, k, v):
+        return pa._varlen_call(q, k, v, CU.long(), 22, causal=causal, scaling=scaling, kernel="fa4")
+
+    fn = torch.compile(varlen, backend="aot_eager", fullgraph=True) if compiled else varlen
+    results = []
+    for run in (
+        fn,
+        lambda q, k, v: pa._segment_loop(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0),
+    ):
+        q, k, v = _qkv(heads_kv, seed=7)
+        out = run(q, k, v)
+        assert out.shape == (1, int(CU[-1]), 4, 16)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+        (out * weights).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    assert (ref.fwd_calls, ref.bwd_calls) == (1, 1)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_kernel_choice(monkeypatch) -> None:
+    """`auto` takes the first kernel of `VARLEN_KERNELS` that passed its check on the device (FA4, then
+    PyTorch's), a named kernel only itself, and none: the per-segment loop."""
+    dev, dt = torch.device("cuda:0"), torch.bfloat16
+    checked = {}
+    monkeypatch.setattr(pa, "_varlen_checked", checked)
+    monkeypatch.setattr(pa, "_varlen_works", lambda *a: pytest.fail(f"checked again: {a}"))
+    for fa4_ok, torch_ok, choice, picked in [
+        (True, True, "auto", "fa4"),
+        (False, True, "auto", "torch"),
+        (True, True, "torch", "torch"),
+        (False, True, "fa4", None),
+        (False, False, "auto", None),
+    ]:
+        config = (128, True, True)
+        checked.update({("fa4", "cuda:0", dt, *config): fa4_ok, ("torch", "cuda:0", dt, *config): torch_ok})
+        assert pa._first_kernel(choice, dev, dt, config) == picked, (fa4_ok, torch_ok, choice)
+    checked.clear()  # another configuration is checked on its own
+    monkeypatch.setattr(pa, "_varlen_works", lambda device, dtype, kernel, config: config[0] == 64)
+    assert pa._first_kernel("auto", dev, dt, (64, False, False)) == "fa4"
+    assert pa._first_kernel("auto", dev, dt, (128, False, False)) is None
+
+
+def test_fa4_absent_is_skipped() -> None:
+    """Where FA4 cannot run (here: a CPU, and flash-attn-4 not installed) its check says no without raising,
+    so `auto` goes on to the next kernel."""
+    assert not fa4_varlen.fa4_supported(torch.device("cpu"))
+    assert pa._kernel_present("fa4", torch.device("cpu"))
+    assert not pa._varlen_works(torch.device("cpu"), torch.bfloat16, "fa4")
+    with pytest.raises(ValueError, match="varlen kernel"):
+        with pa.packed_attention(torch.nn.Linear(2, 2), kernel="fa3"):
+            pass

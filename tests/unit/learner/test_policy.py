@@ -152,3 +152,17 @@ def test_liger_kernel_without_cuda_is_a_config_error_naming_the_fix(vlm_dir: Pat
 
 def test_liger_kernel_is_off_by_default() -> None:
     assert ModelConfig(path="x").liger_kernel is False
+
+
+def test_varlen_kernel_fa4_without_flash_attn_4_is_a_config_error_naming_the_fix(vlm_dir: Path) -> None:
+    """`model.varlen_kernel: fa4` where flash-attn-4 does not import (this CPU machine) fails at load, naming
+    the package and the `auto` alternative; unknown kernels are refused by the config itself."""
+    from learner.trainers.fa4_varlen import fa4_importable
+
+    if fa4_importable():
+        pytest.skip("flash-attn-4 is installed here")
+    with pytest.raises(ConfigError, match="model.varlen_kernel: fa4 needs flash-attn-4.*pip install.*auto"):
+        load_policy(ModelConfig(path=str(vlm_dir), varlen_kernel="fa4"), vlm_dir)
+    assert ModelConfig(path="x").varlen_kernel == "auto"
+    with pytest.raises(ValueError, match="varlen_kernel"):
+        ModelConfig(path="x", varlen_kernel="fa3")

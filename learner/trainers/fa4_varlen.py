@@ -1,0 +1,148 @@
+"""FlashAttention-4's varlen kernels (CuTe DSL; Hopper, Blackwell) as one PyTorch custom op, for packed rows.
+
+Why: on an H200 the packed 8k image row's attention through PyTorch's varlen op (FlashAttention-2 kernels)
+took ~78 ms of forward + backward per row (vision tower 47.8, language model ~30); FA4's kernels took 25.0
+and 12.8 ms on the same recorded calls (bench/RESULTS.md, "learner throughput"). FA4 ships as the
+`flash-attn-4` wheel (pure Python; its kernels compile at run time through `nvidia-cutlass-dsl`, ~10 s per
+kernel configuration on first use), so it is optional: `learner.trainers.packed_attention` picks it where it
+imports, the GPU is SM 9.x or 10.x, and it passes the same one-time check against per-segment SDPA as the
+PyTorch op; PyTorch's op serves otherwise.
+
+Wrapped as `torch.library` custom ops (forward and backward) so that a compiled block
+(`model.compile_blocks`) treats the kernel as one opaque node instead of tracing into the CuTe launcher. Only
+FA4's two entry points that PyTorch's own FA4 registration also calls (`_flash_attn_fwd`, `_flash_attn_bwd`)
+are used. Checked with flash-attn-4 4.0.0b20 and nvidia-cutlass-dsl 4.6.0.dev0 on an H200.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+__all__ = ["fa4_importable", "fa4_supported", "fa4_varlen"]
+
+_MODULE = "flash_attn.cute.interface"
+
+
+@functools.cache
+def _interface() -> ModuleType | None:
+    """FA4's interface module, or None where it (or its CuTe DSL runtime) does not import."""
+    try:
+        import importlib
+
+        module = importlib.import_module(_MODULE)
+    except Exception:  # noqa: BLE001 - not installed, or its compiler runtime is missing: not usable
+        return None
+    return module if hasattr(module, "_flash_attn_fwd") and hasattr(module, "_flash_attn_bwd") else None
+
+
+def fa4_importable() -> bool:
+    """Whether flash-attn-4's interface (and its CuTe DSL runtime) imports here (on any device)."""
+    return _interface() is not None
+
+
+@functools.cache
+def fa4_supported(device: torch.device) -> bool:
+    """Whether FA4 can run on `device`: CUDA of compute capability 9.x or 10.x and the package importable.
+    Says nothing about correctness there; `packed_attention` checks that once per configuration."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10) and _interface() is not None
+
+
+@torch.library.custom_op("rollmatch::fa4_varlen_fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fa4 = _interface()
+    assert fa4 is not None, "fa4_varlen called where fa4_supported() is False"
+    res = fa4._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+        softmax_scale=scale, causal=causal, return_lse=True,
+    )  # fmt: skip
+    return res[0], res[1].contiguous()  # later releases return (out, lse), earlier ones two more
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, cu, max_len, causal, scale):
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("rollmatch::fa4_varlen_bwd", mutates_args=())
+def _bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fa4 = _interface()
+    assert fa4 is not None, "fa4_varlen called where fa4_supported() is False"
+    dq, dk, dv = fa4._flash_attn_bwd(
+        q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=causal,
+        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+    )[:3]  # fmt: skip
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, cu, max_len, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu, max_len, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu)
+    ctx.max_len, ctx.causal, ctx.scale = max_len, causal, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu = ctx.saved_tensors
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu, ctx.max_len, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fa4_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of a packed row, each segment `[cu[i], cu[i+1])` to itself only.
+
+    Args:
+        q: `(T, H, D)`; k, v: `(T, H_kv, D)`, H a multiple of H_kv (grouped-query attention in the kernel,
+            query head h reads kv head h // (H / H_kv), as SDPA's `enable_gqa`). bf16 or fp16, CUDA.
+        cu: int32 `[k + 1]` segment bounds on the same device.
+        max_len: longest segment (tokens).
+        causal: causal within each segment (language model) or full (vision tower).
+        scale: softmax scale; None = `D ** -0.5`.
+
+    Returns:
+        `(T, H, D)`, differentiable in q, k, v.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return _fwd(q, k, v, cu, max_len, causal, scale)[0]
