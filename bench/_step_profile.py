@@ -1,5 +1,6 @@
 """What `bench_packing.py --gpu --vlm` measures beside tokens/s: the varlen-vs-loop check of one packed step,
-a torch.profiler breakdown of one packed step and the matmul ceiling of the card.
+a torch.profiler breakdown of one packed step, the attention calls of one packed step replayed through each
+varlen kernel, and the matmul ceiling of the card.
 
 Every function takes ``step(batch)``: one learner step (``forward_for_loss`` + ``step_loss_sums`` + backward,
 attention set up as the trainer does) returning the loss tensor, so the numbers are those of the learner's own
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import statistics
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compare_varlen", "matmul_ceiling_tflops", "phase_split", "profile_step"]
+__all__ = ["attention_replay", "compare_varlen", "matmul_ceiling_tflops", "phase_split", "profile_step"]
 
 Step = Callable[..., torch.Tensor]
 
@@ -360,6 +362,97 @@ def _kernels(prof: Any) -> list[tuple[str, float]]:
     if device:
         return [(e.name, float(e.time_range.elapsed_us())) for e in device]
     return [(k.name, float(k.duration)) for e in prof.events() for k in getattr(e, "kernels", [])]
+
+
+def attention_replay(step: Step, batch: Any, reps: int = 5) -> dict[str, Any]:
+    """The attention calls of one packed step of ``batch`` (every ``segment_sdpa`` call with segment bounds:
+    the vision tower's and the language model's) replayed on random tensors of their shapes through each
+    kernel that runs here: the varlen kernels of ``packed_attention.VARLEN_KERNELS`` (where
+    ``varlen_kernel`` picks that kernel for the call's configuration) and the per-segment SDPA loop.
+    Forward + backward of all calls of a tower, ``reps`` times after one untimed pass (a JIT kernel compiles
+    there): the median and spread in ms, and the forward alone. Times are CUDA events on CUDA, the host
+    clock elsewhere.
+
+    Returns:
+        ``{"calls": {tower: {count, tokens, heads, heads_kv, head_size, segments}}, tower: {kernel: {...}}}``
+        with tower ``vision`` (non-causal calls) and ``language`` (causal ones).
+    """
+    from learner.trainers import packed_attention as pa
+
+    recorded: list[tuple] = []
+    original = pa.segment_sdpa
+
+    def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if kw.get("cu_seq_lens_q") is not None:
+            recorded.append((query.shape, key.shape, query.dtype, kw["cu_seq_lens_q"].detach().clone(),
+                             causal, scaling))  # fmt: skip
+        return original(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kw)
+
+    from transformers import AttentionInterface
+
+    names = (pa.SEGMENT_SDPA, pa.VISION_VARLEN)
+    pa._register()
+    for name in names:
+        AttentionInterface.register(name, record)
+    try:
+        step(batch)
+    finally:
+        for name in names:
+            AttentionInterface.register(name, original)
+    gen = torch.Generator(device=batch.input_ids.device).manual_seed(0)
+    out: dict[str, Any] = {"calls": {}}
+    for tower, causal in (("vision", False), ("language", True)):
+        calls = [
+            ([torch.randn(s, generator=gen, device=cu.device, dtype=dtype)
+              for s in (q_shape, k_shape, k_shape)], cu, int((cu[1:] - cu[:-1]).max()), scaling)
+            for q_shape, k_shape, dtype, cu, is_causal, scaling in recorded
+            if is_causal == causal
+        ]  # fmt: skip
+        if not calls:
+            continue
+        (q0, k0, _), cu0, _, _ = calls[0]
+        out["calls"][tower] = dict(count=len(calls), tokens=q0.shape[2], heads=q0.shape[1],
+                                   heads_kv=k0.shape[1], head_size=q0.shape[3],
+                                   segments=len(cu0) - 1)  # fmt: skip
+        kernels = [k for k in pa.VARLEN_KERNELS if pa.varlen_kernel(q0, k0, causal=causal, choice=k) == k]
+        out[tower] = {}
+        for kernel in [*kernels, "loop"]:
+            time_ms = functools.partial(_replay_ms, calls, kernel, causal)
+            first = time_ms(True)
+            both = sorted(time_ms(True) for _ in range(reps))
+            forward = statistics.median(time_ms(False) for _ in range(reps))
+            out[tower][kernel] = dict(fwd_bwd_ms=round(statistics.median(both), 2),
+                                      fwd_bwd_ms_min=round(both[0], 2), fwd_bwd_ms_max=round(both[-1], 2),
+                                      fwd_ms=round(forward, 2), first_ms=round(first, 1))  # fmt: skip
+    return out
+
+
+def _replay_ms(calls: list, kernel: str, causal: bool, backward: bool) -> float:
+    """Milliseconds of `calls` (`attention_replay`'s) through `kernel` (a varlen kernel or ``loop``), with
+    their backward or without; CUDA events on CUDA, the host clock elsewhere."""
+    from learner.trainers import packed_attention as pa
+
+    cuda = calls[0][1].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    start = time.perf_counter()
+    with torch.enable_grad() if backward else torch.no_grad():
+        for leaves, cu, max_len, scaling in calls:
+            xs = [t.requires_grad_(backward) for t in leaves]
+            if kernel == "loop":
+                o = pa._segment_loop(*xs, cu, causal=causal, scaling=scaling, dropout=0.0)
+            else:
+                o = pa._varlen_call(*xs, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
+            if backward:
+                torch.autograd.grad(o, xs, torch.ones_like(o))
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end)
+    return (time.perf_counter() - start) * 1e3
 
 
 def matmul_ceiling_tflops(n: int = 8192, reps: int = 10) -> float:

@@ -67,7 +67,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _step_profile import compare_varlen, matmul_ceiling_tflops, phase_split, profile_step  # noqa: E402
+from _step_profile import (  # noqa: E402
+    attention_replay,
+    compare_varlen,
+    matmul_ceiling_tflops,
+    phase_split,
+    profile_step,
+)
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
@@ -456,6 +462,9 @@ def run_gpu(args: argparse.Namespace) -> None:
              bound=round(speedup_bound, 3) if speedup_bound else None,
              bound_is="matmul-ceiling MFU / loop MFU")  # fmt: skip
         _guarded("varlen_check", base, lambda: compare_varlen(model, packed_batches[0], step))
+    if args.attn_replay:  # one row's attention calls through each kernel that runs here (blocks still eager)
+        row = packed_batches[0].to(device)
+        _guarded("attn_replay", base, lambda: attention_replay(step, row, args.attn_replay))
     if args.profile:  # the step as run above, and the per-segment loop (the "before") where compared
         kernels = ("varlen", "loop") if varlen and args.compare_loop else ("varlen" if varlen else "loop",)
         for kernel in kernels:
@@ -799,6 +808,14 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         metavar="ROUNDS",
         help="CUDA: then ROUNDS interleaved timings of the packed rows, varlen kernel torch (FA2) vs fa4",
+    )
+    p.add_argument(
+        "--attn-replay",
+        type=int,
+        default=0,
+        metavar="REPS",
+        help="--vlm: the attention calls of one packed row replayed through each varlen kernel that runs here"
+        " and the per-segment loop, REPS timings each (bench/_step_profile.py attention_replay)",
     )
     p.add_argument(
         "--ab-copy",

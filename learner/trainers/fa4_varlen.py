@@ -1,8 +1,9 @@
 """FlashAttention-4's varlen kernels (CuTe DSL; Hopper, Blackwell) as one PyTorch custom op, for packed rows.
 
-Why: on an H200 the packed 8k image row's attention through PyTorch's varlen op (FlashAttention-2 kernels)
-took ~78 ms of forward + backward per row (vision tower 47.8, language model ~30); FA4's kernels took 25.0
-and 12.8 ms on the same recorded calls (bench/RESULTS.md, "learner throughput"). FA4 ships as the
+Why: on an H200 the vision tower's attention of a packed 8k image row (24 calls, 16,760 patches, head size
+64) took 51.9 ms of forward + backward through PyTorch's varlen op (FlashAttention-2 kernels) and 32.5 ms
+through this op; the compiled training step got 1.10x faster, MFU 34 -> 38 % (`bench/bench_packing.py
+--attn-replay`, `--ab-kernel`; bench/RESULTS.md, "learner throughput"). FA4 ships as the
 `flash-attn-4` wheel (pure Python; its kernels compile at run time through `nvidia-cutlass-dsl`, ~10 s per
 kernel configuration on first use), so it is optional: `learner.trainers.packed_attention` picks it where it
 imports, the GPU is SM 9.x or 10.x, and it passes the same one-time check against per-segment SDPA as the

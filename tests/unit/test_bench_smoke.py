@@ -132,3 +132,18 @@ def test_bench_packing_vlm_phase_split() -> None:
     assert list(phases) == ["embed", "vision", "merge", "lm", "head", "loss", "backward"]
     assert all(p["gpu_span_ms"] >= 0 for p in phases.values())
     assert abs(sum(p["gpu_span_ms"] for p in phases.values()) - split["step_ms"]) < 0.5
+
+
+def test_bench_packing_attention_replay() -> None:
+    """`--attn-replay` records one packed row's attention calls (vision tower and language model) and times
+    them through every kernel that runs here: on CPU only the per-segment loop (the varlen kernels are CUDA
+    only; their figures on an H200 are in bench/RESULTS.md)."""
+    lines = run_bench(
+        "bench_packing.py", "--gpu", "--vlm", "--smoke", "--no-compare-loop", "--attn-replay", "2"
+    )
+    (replay,) = [line for line in lines if line.get("mode") == "attn_replay"]
+    assert "error" not in replay, replay
+    assert set(replay["calls"]) == {"vision", "language"}
+    for tower in ("vision", "language"):
+        assert replay["calls"][tower]["count"] >= 1 and replay["calls"][tower]["segments"] >= 1
+        assert list(replay[tower]) == ["loop"] and replay[tower]["loop"]["fwd_bwd_ms"] > 0
