@@ -225,7 +225,7 @@ def _varlen_works(
             for fn in (_varlen_call, _segment_loop):
                 xs = [t.clone().requires_grad_(True) for t in leaves]
                 kw = {"kernel": kernel} if fn is _varlen_call else {"dropout": 0.0}
-                args = (cu, 32) if fn is _varlen_call else (cu,)
+                args = (cu, 59) if fn is _varlen_call else (cu,)  # 59: the longest segment
                 out = fn(*xs, *args, causal=causal, scaling=None, **kw)
                 out.float().square().sum().backward()
                 outs.append(out.detach().float())
