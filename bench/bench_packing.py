@@ -567,30 +567,25 @@ def _ab_kernel(rounds: int, rows: list, step: Callable, model, device: torch.dev
     kernels = ("torch", "fa4")
     rows = [r.to(device) for r in rows]
     tokens = sum(r.num_tokens for r in rows)
-    losses = []
-    for kernel in kernels:
-        start = time.perf_counter()
-        losses.append(float(step(rows[0], varlen=kernel).detach()))
-        model.zero_grad(set_to_none=True)
-        for row in rows[1:]:
-            step(row, varlen=kernel)
-            model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        losses.append(round(time.perf_counter() - start, 1))
 
-    def timed(side: int) -> float:
+    def run(kernel: str, read_loss: bool = False) -> tuple[float | None, float]:
+        """All rows once through ``kernel``: (loss of row 0 where ``read_loss``, a host sync; seconds)."""
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for row in rows:
-            step(row, varlen=kernels[side])
+        loss = None
+        for i, row in enumerate(rows):
+            out = step(row, varlen=kernel)
+            if read_loss and i == 0:
+                loss = float(out.detach())
             model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        return tokens / (time.perf_counter() - start)
+        return loss, time.perf_counter() - start
 
-    return _interleaved(rounds, kernels, timed) | dict(
-        rows=len(rows), loss_torch=round(losses[0], 5), loss_fa4=round(losses[2], 5),
-        first_pass_s_torch=losses[1], first_pass_s_fa4=losses[3],
-    )  # fmt: skip
+    first = {kernel: run(kernel, read_loss=True) for kernel in kernels}
+    record = _interleaved(rounds, kernels, lambda side: tokens / run(kernels[side])[1])
+    for kernel, (loss, seconds) in first.items():
+        record |= {f"loss_{kernel}": round(loss, 5), f"first_pass_s_{kernel}": round(seconds, 1)}
+    return record | dict(rows=len(rows))
 
 
 def _ab_copy(rounds: int, rows: list, step: Callable, model, device: torch.device) -> dict:

@@ -18,6 +18,7 @@ are used. Checked with flash-attn-4 4.0.0b20 and nvidia-cutlass-dsl 4.6.0.dev0 o
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 import torch
@@ -31,8 +32,6 @@ _MODULE = "flash_attn.cute.interface"
 def _interface() -> ModuleType | None:
     """FA4's interface module, or None where it (or its CuTe DSL runtime) does not import."""
     try:
-        import importlib
-
         module = importlib.import_module(_MODULE)
     except Exception:  # noqa: BLE001 - not installed, or its compiler runtime is missing: not usable
         return None

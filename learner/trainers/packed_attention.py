@@ -126,16 +126,14 @@ def _varlen_call(
     Returns:
         `(1, T, H, D)`.
     """
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
+    cu = cu.to(device=q.device, dtype=torch.int32)
     if kernel == "fa4":
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
-        cu = cu.to(device=q.device, dtype=torch.int32)
         return fa4_varlen(q, k, v, cu, max_len, causal=causal, scale=scaling).unsqueeze(0)
     op = _varlen_op()
     assert op is not None
     fn, params = op
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    cu = cu.to(device=q.device, dtype=torch.int32)
     kw: dict[str, Any] = {}
     if "window_size" in params:
         kw["window_size"] = (-1, 0) if causal else (-1, -1)
