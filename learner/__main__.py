@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from learner.config import ConfigError, load_run_config
     from learner.data.errors import DataRecordError
+    from learner.device_placement import pin_one_gpu_without_torchrun
     from learner.yaml_loader import load_yaml_with_extends
 
     try:
+        pin_one_gpu_without_torchrun()  # before CUDA starts: never DataParallel (learner.device_placement)
         if "grpo" in load_yaml_with_extends(args.config):
             from learner.grpo.main import run_grpo
 

@@ -482,7 +482,9 @@ def check_runtime_guards(
     tp = cfg.rollout.vllm.tensor_parallel_size
     if cfg.rollout.mode == "colocate" and world_size % tp:
         raise ConfigError(
-            f"rollout.vllm.tensor_parallel_size {tp} must divide the learner world size {world_size}"
+            f"rollout.vllm.tensor_parallel_size {tp} must divide the learner world size {world_size}; a"
+            " colocated engine's TP group is made of torchrun ranks, one GPU each: launch with torchrun"
+            " --nproc-per-node N, N a multiple of the TP size"
         )
     if (
         cfg.rollout.sync.mode == "adapter"
