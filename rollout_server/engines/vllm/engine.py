@@ -45,6 +45,7 @@ from rollout_server.engines.base import (
     check_prompt_lengths,
     gather_or_cancel,
 )
+from rollout_server.engines.vllm.compat import check_vllm_version
 from rollout_server.engines.vllm.completion import Completion, run_completion
 from rollout_server.engines.vllm.inputs import IMAGE_PLACEHOLDER, PreparedPrompt, prepare_prompt
 from rollout_server.engines.vllm.params import (
@@ -137,21 +138,27 @@ class VllmEngine:
             env: environment for this engine's processes only (e.g. one DP member's `CUDA_VISIBLE_DEVICES`).
         """
         from transformers import AutoTokenizer
-        from vllm.utils.gc_utils import freeze_gc_heap
-        from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version()
         path = cfg.model_path
         if not path.is_dir():
             raise FileNotFoundError(
                 f"server.model {cfg.model!r} resolves to {path}, which is not a directory"
             )
+        timeout_s = cfg.vllm.startup_timeout_s
+        # vLLM reads its own start-up wait when `core_client` is first imported, so it is set before the
+        # import; ours (below) is a few seconds longer, so vLLM's error, when it comes, comes first.
+        env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(timeout_s)), **(env or {})}
+        with patched_environ(env):
+            from vllm.utils.gc_utils import freeze_gc_heap
+            from vllm.v1.engine.async_llm import AsyncLLM
         args = engine_args_from_config(cfg)
 
         def start() -> Any:
             with patched_environ(env):
                 return AsyncLLM.from_engine_args(args)
 
-        llm = await asyncio.to_thread(start)
+        llm = await _started_within(asyncio.to_thread(start), timeout_s + 30.0, path)
         try:
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
             specs = await asyncio.to_thread(checkpoint_specs, path, llm.model_config.dtype)
@@ -379,6 +386,28 @@ class VllmEngine:
     async def abort_update(self) -> None:
         """Drops a staged update (no-op when none)."""
         await self._updates.abort()
+
+
+async def _started_within(start: Any, timeout_s: float, path: Any) -> Any:
+    """Awaits the engine's start, or raises an `EngineError` naming the stage and the fixes.
+
+    The start runs in a thread that cannot be cancelled; the server exits on the error, and vLLM's engine
+    processes exit with it (they watch their parent).
+
+    Raises:
+        EngineError: not ready within `timeout_s`, or vLLM's own start-up wait ran out.
+    """
+    advice = (
+        "the vLLM engine core (a child process: weight load, torch.compile, CUDA-graph capture) did not"
+        " report ready; its log above names the last stage it reached. Fixes: raise"
+        " server.vllm.startup_timeout_s for a large model's first compile; set server.vllm.enforce_eager:"
+        " true to skip compilation and graphs; if the log stops right after the worker starts, run under"
+        " VLLM_WORKER_MULTIPROC_METHOD=spawn (docs/RUNBOOK.md, 'vLLM on GPUs')"
+    )
+    try:
+        return await asyncio.wait_for(start, timeout_s)
+    except (TimeoutError, asyncio.TimeoutError) as exc:
+        raise EngineError(f"vLLM engine for {path} not ready after {timeout_s:.0f} s: {advice}") from exc
 
 
 class _ClosedLlm:

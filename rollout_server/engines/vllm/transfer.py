@@ -1,5 +1,5 @@
-"""vLLM weight-transfer engine of the collective transport (`collective`): vLLM 0.32's
-`vllm.distributed.weight_transfer` API.
+"""vLLM weight-transfer engine of the collective transport (`collective`): the
+`vllm.distributed.weight_transfer` API of vLLM 0.26–0.32 (`compat`).
 
 `CollectiveTransferEngine` is a `WeightTransferEngine` registered in `WeightTransferEngineFactory` under
 `COLLECTIVE_BACKEND` (by `worker`, which vLLM imports in every worker before it builds the engine), switched
@@ -20,13 +20,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rollout_server.engines.collective import ReceivedTensors, open_receiver_group, receive_buckets
+from rollout_server.engines.vllm.compat import TransferEngineBase
 from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND
 from shared_schemas.torch_common.process_group import retire_group
 
@@ -59,7 +56,7 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
     """`server.sync_staging`: `device`, `host` or `auto` (`engines.collective.resolve_staging`)."""
 
 
-class CollectiveTransferEngine(WeightTransferEngine):
+class CollectiveTransferEngine(TransferEngineBase):
     """vLLM weight-transfer engine that receives flattened buckets and STAGES them (loaded at commit)."""
 
     init_info_cls = CollectiveInitInfo
