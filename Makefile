@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-text test test-unit lint
+.PHONY: setup demo demo-text test test-unit lint bench-vllm-gpu
 
 setup:
 	./scripts/setup.sh
@@ -22,3 +22,7 @@ test-unit: setup
 
 lint:
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+# GPU host with vLLM 0.26-0.32 and 2 GPUs: the vLLM server on GPU 1, the learner on GPU 0 (README "vLLM on GPUs").
+bench-vllm-gpu:
+	python bench/bench_vllm_gpu.py --out runs/vllm_gpu.jsonl

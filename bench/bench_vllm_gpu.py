@@ -9,10 +9,11 @@ Stages (`--stages`, run in this order; each one's failure is a JSON `error` line
   retried with `VLLM_WORKER_MULTIPROC_METHOD=spawn`; the environment that worked is kept for later stages.
 - `vllm`: a random-init Qwen3-VL-2B-shaped model in bf16 (`bench/_vlm.save_vlm_2b`, the benches' model)
   served by vLLM on `--server-gpu`, then on that one server:
-  `infer` — `--images` image prompts × `--new-tokens` tokens (`ignore_eos`, so every engine generates the same
+  `infer` — `--images` image prompts × `--new-tokens` tokens (`ignore_eos`: every engine generates the same
   count), one `/infer/` call timed after a warm-up: tokens/s and requests/s;
-  `sync` — full syncs from a learner copy on GPU 0 (perturbed weights) over `nccl`, `http`, `shm` against a raw
-  2-process NCCL broadcast of the same bytes (`bench/_sync_gpu.py`), with the learner-vs-server log-prob gap;
+  `sync` — full syncs from a learner copy on GPU 0 (perturbed weights) over `nccl`, `http`, `shm` against a
+  raw 2-process NCCL broadcast of the same bytes (`bench/_sync_gpu.py`), with the learner-vs-server log-prob
+  gap;
   `loop` — `python -m learner` in server mode on GPU 0 (the image demo's data and recipe, every step a
   rollout step, `rollout.async` on, full syncs over nccl, `model.compile_blocks`): steps/s, MFU from
   `metrics.jsonl`, and the GPUs' busy fraction sampled by nvidia-smi.
@@ -350,9 +351,11 @@ class Bench:
         record = summarize(1, *read_metrics(paths["metrics"]), warmup_steps=2)
         self.emit({**record, "measure": "loop", "backend": backend, "wall_s": round(wall, 1),
                    "gpus": gpus.summary()})  # fmt: skip
-        report = folder / "run" / "report.png"
-        if report.exists() and self.args.out is not None:
-            shutil.copy(report, self.args.out.parent / f"loop_{backend}_report.png")
+        if self.args.out is not None:  # the run's own record travels with the JSON lines
+            shutil.copy(paths["metrics"], self.args.out.parent / f"loop_{backend}_metrics.jsonl")
+            report = folder / "run" / "report.png"
+            if report.exists():
+                shutil.copy(report, self.args.out.parent / f"loop_{backend}_report.png")
 
     def colocate(self) -> None:
         folder = self.tmp / "colocate"
@@ -372,6 +375,8 @@ class Bench:
         with GpuSampler() as gpus:
             paths = run_learner(run, folder / "run", env=env)
         record = summarize(1, *read_metrics(paths["metrics"]), warmup_steps=2)
+        if self.args.out is not None:
+            shutil.copy(paths["metrics"], self.args.out.parent / "colocate_metrics.jsonl")
         self.emit({**record, "measure": "colocate", "sleep_level": vllm.get("sleep_level", 0),
                    "gpus": gpus.summary()})  # fmt: skip
 
@@ -459,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--probe-timeout-s", type=float, default=180.0)
     args = parser.parse_args(argv)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.cpu_check:
         args.images, args.new_tokens = min(args.images, 8), min(args.new_tokens, 16)
         args.loop_steps, args.hf_loop_steps, args.bucket_mb = 4, 4, 64

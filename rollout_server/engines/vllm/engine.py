@@ -406,7 +406,7 @@ async def _started_within(start: Any, timeout_s: float, path: Any) -> Any:
     )
     try:
         return await asyncio.wait_for(start, timeout_s)
-    except (TimeoutError, asyncio.TimeoutError) as exc:
+    except TimeoutError as exc:
         raise EngineError(f"vLLM engine for {path} not ready after {timeout_s:.0f} s: {advice}") from exc
 
 
