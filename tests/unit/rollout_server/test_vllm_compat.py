@@ -92,3 +92,15 @@ def test_vllms_own_start_timeout_gets_the_same_advice() -> None:
 def test_startup_timeout_is_validated(value: float) -> None:
     with pytest.raises(ValidationError, match="startup_timeout_s"):
         ServerConfig(model="/models/m", vllm={"startup_timeout_s": value})
+
+
+def test_engine_start_refuses_an_unsupported_vllm_before_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`VllmEngine.from_config` checks the version first: no engine process is started for 0.25."""
+    import vllm
+
+    from rollout_server.engines.vllm.engine import VllmEngine
+
+    monkeypatch.setattr(vllm, "__version__", "0.25.2")
+    cfg = ServerConfig(model="/nonexistent/model", vllm={"max_model_len": 64})
+    with pytest.raises(UnsupportedVllmError, match="vLLM 0.25.2 is not supported"):
+        asyncio.run(VllmEngine.from_config(cfg))
