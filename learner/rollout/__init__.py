@@ -1,1 +1,4 @@
-"""rollmatch."""
+"""Where the learner's rollouts come from, behind one seam (`base.RolloutSource`): rollout servers over HTTP
+(`client`, `server_source`) or an in-process engine (`colocate/`), with the per-request seeds they share."""
+
+__all__: list[str] = []

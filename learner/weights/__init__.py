@@ -1,1 +1,10 @@
-"""rollmatch."""
+"""Weight sync, learner side (docs/ARCHITECTURE.md#weight-sync): when, what and how the policy's weights
+reach the rollout engines.
+
+Flow: `sync.WeightSyncPolicy` syncs before an optimizer step's first fresh rollout → `export` yields the
+merged full weights (or the PEFT adapter) as a `types.WeightUpdate` → the `RolloutSource` sends it: begin
+on every server → safetensors buckets (`sync_stream`, `codec`) over one of `transports` (`http`, `shm`,
+`gloo`/`nccl` with `collective`'s group) → commit on every server once all hold every bucket, else abort.
+"""
+
+__all__: list[str] = []
