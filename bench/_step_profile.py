@@ -392,7 +392,7 @@ def attention_replay(step: Step, batch: Any, reps: int = 5) -> dict[str, Any]:
     from transformers import AttentionInterface
 
     names = (pa.SEGMENT_SDPA, pa.VISION_VARLEN)
-    pa._register()
+    pa.register_attention_functions()
     for name in names:
         AttentionInterface.register(name, record)
     try:
@@ -443,9 +443,9 @@ def _replay_ms(calls: list, kernel: str, causal: bool, backward: bool) -> float:
         for leaves, cu, max_len, scaling in calls:
             xs = [t.requires_grad_(backward) for t in leaves]
             if kernel == "loop":
-                o = pa._segment_loop(*xs, cu, causal=causal, scaling=scaling, dropout=0.0)
+                o = pa.segment_loop(*xs, cu, causal=causal, scaling=scaling, dropout=0.0)
             else:
-                o = pa._varlen_call(*xs, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
+                o = pa.varlen_attention(*xs, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
             if backward:
                 torch.autograd.grad(o, xs, torch.ones_like(o))
     if cuda:

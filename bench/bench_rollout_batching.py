@@ -108,6 +108,22 @@ def build_model(args: argparse.Namespace, tokenizer_dir: Path) -> tuple[torch.nn
     return model.eval(), tokenizer
 
 
+def plain_decode_sdpa(model: torch.nn.Module, device: str) -> None:
+    """`--decode-attention plain-sdpa`: the decode loop's grouped GQA attention (`GROUPED_DECODE_SDPA`) is
+    transformers' own `sdpa_attention_forward` from now on in this process (`repeat_kv`, then SDPA), with the
+    same mask builder and decode mask, so the A/B differs in the attention function only. The product
+    registers its function on the first decode; one empty decode block makes it do so now, and the
+    registration here then replaces it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rollout_server.engines.decode_attention import GROUPED_DECODE_SDPA, decode_attention
+
+    with decode_attention(model, torch.device(device)):
+        pass
+    AttentionInterface.register(GROUPED_DECODE_SDPA, sdpa_attention_forward)
+
+
 def run(source: ColocateRolloutSource, batch: InferBatch, device: str) -> tuple[float, list[InferResult]]:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -151,12 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         "all; --vlm: 8)",
     )
     args = parser.parse_args(argv)
-    if args.decode_attention == "plain-sdpa":
-        import contextlib
-
-        from rollout_server.engines import decode_attention
-
-        decode_attention._grouped_decode = lambda model: contextlib.nullcontext()
     n = args.prompts or (8 if args.smoke else 32)
     new_tokens = args.new_tokens or (16 if args.smoke else 128)
     batch_size = args.batch_size or n
@@ -174,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         tiny_dir = build_tiny_lm(REPO / ".cache" / "models" / "tiny-qwen2", seed=0)
         model, tokenizer = build_model(args, tiny_dir)
         encoder, messages = None, prompts(n)
+    attn_implementation = model.config._attn_implementation
+    if args.decode_attention == "plain-sdpa":
+        plain_decode_sdpa(model, args.device)
     params = sum(p.numel() for p in model.parameters())
     batch = InferBatch(
         infer_requests=[InferRequest(messages=m, request_id=f"r{i}") for i, m in enumerate(messages)],
@@ -223,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": params,
         "prompts": n,
         "new_tokens": new_tokens,
-        "attn_implementation": model.config._attn_implementation,
+        "attn_implementation": attn_implementation,
         "decode_attention": args.decode_attention,
     }
     if args.vlm:

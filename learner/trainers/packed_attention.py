@@ -59,7 +59,10 @@ __all__ = [
     "VARLEN_KERNELS",
     "VISION_VARLEN",
     "packed_attention",
+    "register_attention_functions",
+    "segment_loop",
     "segment_sdpa",
+    "varlen_attention",
     "varlen_available",
     "varlen_kernel",
 ]
@@ -93,7 +96,7 @@ configuration there and matches the fallback (`_varlen_works`)."""
 def _varlen_op() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
     """`(torch.nn.attention.varlen.varlen_attn, its keyword parameters)`, or None where this torch lacks it.
     Its API moved between releases: causality as `is_causal` (first) or `window_size` (later), `scale` and
-    `enable_gqa` only in later ones; `_varlen_call` adapts to what is there. Cached: it runs in every
+    `enable_gqa` only in later ones; `varlen_attention` adapts to what is there. Cached: it runs in every
     attention layer of every forward."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -102,7 +105,7 @@ def _varlen_op() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen_call(
+def varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -153,7 +156,7 @@ def _varlen_call(
     return out.unsqueeze(0)
 
 
-def _segment_loop(
+def segment_loop(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -163,7 +166,7 @@ def _segment_loop(
     scaling: float | None,
     dropout: float,
 ) -> torch.Tensor:
-    """The fallback: one SDPA call per segment; `(1, T, H, D)` like `_varlen_call`."""
+    """The fallback: one SDPA call per segment; `(1, T, H, D)` like `varlen_attention`."""
     gqa = key.shape[1] != query.shape[1]
     bounds = cu.tolist()
     out = torch.cat(
@@ -220,10 +223,10 @@ def _varlen_works(
             shapes = ((1, 4, 96, d), (1, heads_kv, 96, d), (1, heads_kv, 96, d))
             leaves = [torch.randn(s, device=device, dtype=dtype, generator=gen) for s in shapes]
             outs, grads = [], []
-            for fn in (_varlen_call, _segment_loop):
+            for fn in (varlen_attention, segment_loop):
                 xs = [t.clone().requires_grad_(True) for t in leaves]
-                kw = {"kernel": kernel} if fn is _varlen_call else {"dropout": 0.0}
-                args = (cu, 59) if fn is _varlen_call else (cu,)  # 59: the longest segment
+                kw = {"kernel": kernel} if fn is varlen_attention else {"dropout": 0.0}
+                args = (cu, 59) if fn is varlen_attention else (cu,)  # 59: the longest segment
                 out = fn(*xs, *args, causal=causal, scaling=None, **kw)
                 out.float().square().sum().backward()
                 outs.append(out.detach().float())
@@ -342,9 +345,9 @@ def segment_sdpa(
     if kernel is not None:
         max_len = kwargs.get("max_length_q")
         max_len = int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
-        out = _varlen_call(query, key, value, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
+        out = varlen_attention(query, key, value, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
         return out, None
-    return _segment_loop(query, key, value, cu, causal=causal, scaling=scaling, dropout=dropout), None
+    return segment_loop(query, key, value, cu, causal=causal, scaling=scaling, dropout=dropout), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -352,7 +355,7 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _register() -> None:
+def register_attention_functions() -> None:
     global _registered
     with _lock:
         if _registered:
@@ -419,7 +422,7 @@ def packed_attention(
     if not enabled or not any(c is text for c, _ in switch):
         yield
         return
-    _register()
+    register_attention_functions()
     tower = _vision_tower(model, vision) if any(c is vision for c, _ in switch) else None
     hook = tower.register_forward_pre_hook(_drop_row_bounds, with_kwargs=True) if tower is not None else None
     cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))

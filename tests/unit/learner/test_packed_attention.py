@@ -34,9 +34,9 @@ def test_varlen_call_equals_segment_loop(monkeypatch, api, causal, heads_kv, sca
     ref = ReferenceVarlen(APIS[api])
     monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, APIS[api]))
     results = []
-    for fn in (pa._varlen_call, pa._segment_loop):
+    for fn in (pa.varlen_attention, pa.segment_loop):
         q, k, v = _qkv(heads_kv, seed=7)
-        if fn is pa._varlen_call:
+        if fn is pa.varlen_attention:
             out = fn(q, k, v, CU.long(), 22, causal=causal, scaling=scaling)
         else:
             out = fn(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0)
@@ -93,13 +93,13 @@ def test_fa4_call_equals_segment_loop(monkeypatch, causal, heads_kv, scaling, co
     torch._dynamo.reset()
 
     def varlen(q, k, v):
-        return pa._varlen_call(q, k, v, CU.long(), 22, causal=causal, scaling=scaling, kernel="fa4")
+        return pa.varlen_attention(q, k, v, CU.long(), 22, causal=causal, scaling=scaling, kernel="fa4")
 
     fn = torch.compile(varlen, backend="aot_eager", fullgraph=True) if compiled else varlen
     results = []
     for run in (
         fn,
-        lambda q, k, v: pa._segment_loop(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0),
+        lambda q, k, v: pa.segment_loop(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0),
     ):
         q, k, v = _qkv(heads_kv, seed=7)
         out = run(q, k, v)
