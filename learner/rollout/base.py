@@ -1,6 +1,6 @@
 """The one rollout seam of the learner: `RolloutSource`, and the reassembly check every source applies to its
-results (docs/ARCHITECTURE.md#rollout-source). The weight update a source receives, its report and errors
-are `learner.weights.types`.
+results (docs/ARCHITECTURE.md#rollout-source). The weight update a source receives, its report and errors,
+and the weight-sync half of the seam (`SyncTarget`) are `learner.weights.types`.
 
 The learner never knows whether rollouts come from rollout servers over HTTP (`ServerRolloutSource` in
 `learner.rollout.server_source`) or from an in-process engine (`ColocateRolloutSource`); both take the wire
@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from learner.weights.types import SyncReport, WeightUpdate
-from shared_schemas.health import Health
+from learner.weights.types import SyncTarget
 from shared_schemas.infer import InferBatch, InferResult
 
 __all__ = ["ResultMismatchError", "RolloutSource", "check_results", "staleness"]
@@ -24,13 +23,9 @@ class ResultMismatchError(RuntimeError):
 
 
 @runtime_checkable
-class RolloutSource(Protocol):
-    """Where rollouts come from: rollout servers over HTTP, or an engine in this process."""
-
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        """Where generation runs (server base URLs, or e.g. `("colocate:vllm",)`), for logs."""
-        ...
+class RolloutSource(SyncTarget, Protocol):
+    """Where rollouts come from: rollout servers over HTTP, or an engine in this process; also where weight
+    syncs go (`SyncTarget`: `endpoints`, `sync_weights`, `health`)."""
 
     def infer(self, batch: InferBatch) -> list[InferResult]:
         """Generates every request; `results[i]` answers `batch.infer_requests[i]`, index `first_index + i`.
@@ -38,14 +33,6 @@ class RolloutSource(Protocol):
         An empty batch returns `[]` without touching any engine. Raises on any failure — never returns
         fewer results (see `check_results`).
         """
-        ...
-
-    def sync_weights(self, update: WeightUpdate) -> SyncReport:
-        """Applies `update` atomically on every engine; raises `SyncError` (`SyncRejected` when refused)."""
-        ...
-
-    def health(self) -> Health:
-        """Status of the engines (`lora_enabled` decides `sync.mode: auto`; `weight_version` the next)."""
         ...
 
     def close(self) -> None:

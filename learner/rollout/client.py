@@ -19,13 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
 from learner.rollout.base import check_results
 from learner.rollout.errors import ServerError, ServerNotReady, ServerUnreachable, error_from_response
+from learner.weights.session import SyncSession
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResponse, InferResult
 from shared_schemas.sync import (
@@ -51,7 +51,7 @@ from shared_schemas.sync import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAUNCH_HINT", "RolloutClient", "SyncSession", "normalize_base_url"]
+__all__ = ["LAUNCH_HINT", "RolloutClient", "normalize_base_url"]
 
 LAUNCH_HINT = "start it with scripts/start_rollout_server.sh --config <yaml> and check its log"
 """The fix named by every 'server not reachable' message."""
@@ -84,36 +84,6 @@ def normalize_base_url(base_url: str) -> str:
     return str(url).rstrip("/")
 
 
-@dataclass
-class SyncSession:
-    """One open weight sync on one server (yielded by `RolloutClient.weight_sync`).
-
-    Attributes:
-        client: the server's client.
-        begin: the server's answer to `begin` (sync id, current version).
-        manifest: what will be sent.
-        committed: the commit answer, set when the `with` block exited cleanly.
-    """
-
-    client: RolloutClient
-    begin: SyncBeginResponse
-    manifest: SyncManifest
-    committed: SyncCommitResponse | None = None
-
-    @property
-    def sync_id(self) -> str:
-        """The id every phase names."""
-        return self.begin.sync_id
-
-    def upload(self, index: int, data: bytes | Sequence[memoryview]) -> BucketAck:
-        """Sends bucket `index` as the HTTP body (one blob, or its parts in order)."""
-        return self.client.upload_bucket(self.sync_id, index, data)
-
-    def upload_shm(self, index: int, file_name: str) -> BucketAck:
-        """Names bucket `index`, already written into the server's staging directory."""
-        return self.client.upload_bucket_shm(self.sync_id, index, file_name)
-
-
 class RolloutClient:
     """Client of one rollout server: `/health`, `/infer/` and the `/sync_weights/` phases.
 
@@ -127,8 +97,11 @@ class RolloutClient:
             `lambda: httpx.MockTransport(handler)`. Default: httpx's pooled HTTP transport.
 
     Calls are thread-safe (httpx's pool is), `reconnect` is not; use it as a context manager or call
-    `close()`.
+    `close()`. Its weight-sync side is the `learner.weights.session.SyncClient` a sync uses.
     """
+
+    errors: ClassVar[tuple[type[Exception], ...]] = (ServerError, ServerUnreachable)
+    """What a call raises when the server answers an error or does not answer (`SyncClient.errors`)."""
 
     def __init__(
         self,

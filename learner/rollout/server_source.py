@@ -3,9 +3,10 @@
 See docs/ALGORITHM.md#chunking-and-retries and docs/ARCHITECTURE.md#determinism.
 
 `ServerRolloutSource` is the `RolloutSource` over one or more servers: deterministic chunking, concurrent
-calls, the retry policy, reassembly by index, weight sync to every server. It talks to each server through
-`RolloutClient` (`learner.rollout.client`, one method per route); both, and the typed errors of
-`learner.rollout.errors`, are importable from here.
+calls, the retry policy, reassembly by index; its weight syncs go to every server through
+`learner.weights.server_sync.ServerSync`. It talks to each server through `RolloutClient`
+(`learner.rollout.client`, one method per route); both, and the typed errors of `learner.rollout.errors`, are
+importable from here.
 
 Example:
     >>> with ServerRolloutSource(["http://127.0.0.1:8000"], timeout_s=240) as source:  # doctest: +SKIP
@@ -21,12 +22,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import httpx
 
 from learner.rollout.base import ResultMismatchError, check_results, staleness
-from learner.rollout.client import LAUNCH_HINT, RolloutClient, SyncSession, normalize_base_url
+from learner.rollout.client import LAUNCH_HINT, RolloutClient, normalize_base_url
 from learner.rollout.errors import (
     InferFailed,
     RolloutClientError,
@@ -36,19 +37,15 @@ from learner.rollout.errors import (
     ServerUnreachable,
     format_indices,
 )
-from learner.weights.transports import Transport, TransportOptions, build_transport
+from learner.weights.server_sync import ServerSync
 from learner.weights.types import SyncError, SyncRejected, SyncReport, WeightUpdate
-from shared_schemas.buckets import plan_buckets
 from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
-from shared_schemas.sync import CollectiveSpec, SyncManifest, TransportName
+from shared_schemas.sync import TransportName
 
 if TYPE_CHECKING:
     from learner.config import RolloutConfig
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +62,6 @@ __all__ = [
     "ServerUnreachable",
     "SyncError",
     "SyncRejected",
-    "SyncSession",
     "normalize_base_url",
 ]
 
@@ -105,12 +101,8 @@ class ServerRolloutSource:
       so splitting cannot help and `InferFailed` is raised after the retry.
 
     Every call is bounded by the client timeouts, so a failure is raised, never a hang, never a drop.
-    `sync_weights` sends every bucket to EVERY server through one weight-sync transport
-    (`learner.weights.transports`): `http` (bucket bodies), `shm` (files in the shared staging directory, all
-    servers on this host), `gloo` (one broadcast per bucket over ONE process group that spans the learner and
-    every server, packed on the host: the learner's link carries one copy whatever the number of servers) or
-    `nccl` (the same over NCCL, packed on the learner's GPU, never through host memory). HTTP always carries
-    the control (begin, prepare, commit, abort); with a collective transport, adapter syncs go over `http`.
+    `sync_weights` sends every bucket to EVERY server through one weight-sync transport (`http`, `shm`,
+    `gloo`, `nccl`): the multi-server protocol is `learner.weights.server_sync.ServerSync` (`weight_sync`).
 
     Args:
         servers: server base URLs, one per server process (a DP server is one entry).
@@ -151,7 +143,6 @@ class ServerRolloutSource:
             raise ValueError(f"rollout.sync.bucket_mb must be > 0, got {bucket_mb}")
         urls = [normalize_base_url(url) for url in servers]
         self.transport = transport
-        self._bucket_bytes = int(bucket_mb * 2**20)
         self._clients = [
             RolloutClient(
                 url,
@@ -163,18 +154,17 @@ class ServerRolloutSource:
             for url in urls
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="rollout-server")
-        options = TransportOptions(
-            urls=tuple(urls),
-            pool=self._pool,
-            shm_dir=shm_dir,
-            collective_address=collective_address,
-            collective_timeout_s=collective_timeout_s,
-        )
         try:
-            self._transport: Transport = build_transport(transport, options)
-            self._http: Transport = (
-                self._transport if transport == "http" else build_transport("http", options)
+            self.weight_sync = ServerSync(
+                self._clients,
+                self._pool,
+                transport=transport,
+                bucket_bytes=int(bucket_mb * 2**20),
+                shm_dir=shm_dir,
+                collective_address=collective_address,
+                collective_timeout_s=collective_timeout_s,
             )
+            """Weight syncs to every server (`learner.weights.server_sync`), through `transport`."""
         except ValueError:
             self._pool.shutdown(wait=False)
             for client in self._clients:
@@ -186,10 +176,6 @@ class ServerRolloutSource:
         """Counters of the last `infer` call to FINISH (metrics: staleness, retries), replaced whole (never
         mutated). With overlapped rollouts (`rollout.async`) a background call and a foreground one can finish
         in either order: read the staleness of a batch from its results' `weight_version` instead."""
-        self.last_sync_stages: dict[str, float] = {}
-        """Seconds per stage of the last sync: learner side (`begin_s`, `produce_s` = export + encode,
-        `upload_s`, `commit_s`, and the transport's own figures, e.g. nccl's `wire_wait_s`) and the first
-        server's own split (`server_*`, with its `server_staging_*_bytes`), for profiling."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> ServerRolloutSource:
@@ -207,6 +193,11 @@ class ServerRolloutSource:
         )
 
     @property
+    def last_sync_stages(self) -> dict[str, float]:
+        """Seconds per stage of the last sync (`ServerSync.last_stages`), for profiling."""
+        return self.weight_sync.last_stages
+
+    @property
     def endpoints(self) -> tuple[str, ...]:
         """Server base URLs, in chunk order."""
         return tuple(c.base_url for c in self._clients)
@@ -214,7 +205,7 @@ class ServerRolloutSource:
     def close(self) -> None:
         """Closes every connection pool and the worker threads; idempotent."""
         self._pool.shutdown(wait=True)
-        self._transport.close()
+        self.weight_sync.close()
         for client in self._clients:
             client.close()
 
@@ -342,117 +333,25 @@ class ServerRolloutSource:
         return left + self._infer_with_retries(client, sub.slice(mid, n), counts)
 
     # -- weight sync -------------------------------------------------------------------------------
-    def _on_every(
-        self, items: Sequence[_T], fn: Callable[[_T], _R]
-    ) -> list[tuple[_R | None, BaseException | None]]:
-        """`fn` on every item at once (the per-server threads); each outcome as (result, None) or (None,
-        error), in order, once all have returned."""
-
-        def settled(item: _T) -> tuple[_R | None, BaseException | None]:
-            try:
-                return fn(item), None
-            except BaseException as exc:  # handed back: the caller decides which error wins
-                return None, exc
-
-        return list(self._pool.map(settled, items))
-
-    def _begin_everywhere(
-        self, manifest: SyncManifest, specs: Sequence[CollectiveSpec | None]
-    ) -> list[SyncSession]:
-        """Begins the sync on every server at once (one round trip, not one per server). If any begin fails,
-        the others are aborted and its error is raised."""
-        outcomes = self._on_every(
-            list(zip(self._clients, specs, strict=True)),
-            lambda pair: SyncSession(pair[0], pair[0].sync_begin(manifest, collective=pair[1]), manifest),
-        )
-        sessions = [session for session, _ in outcomes if session is not None]
-        errors = [exc for _, exc in outcomes if exc is not None]
-        if errors:
-            self._abort_everywhere(sessions)
-            raise errors[0]
-        return sessions
-
-    def _abort_everywhere(self, sessions: Sequence[SyncSession]) -> None:
-        """Aborts the sync on every server at once; an abort that fails is logged (the server also drops an
-        idle sync after its timeout)."""
-        self._on_every(sessions, lambda s: s.client.abort_quietly(s.sync_id))
-
-    def _commit_everywhere(self, sessions: Sequence[SyncSession]) -> None:
-        """Commits on every server at once; raises the first failure once every commit has returned (the
-        others committed: the servers then disagree until the next sync, which carries a higher version)."""
-
-        def commit(session: SyncSession) -> None:
-            session.committed = session.client.sync_commit(session.sync_id)
-
-        errors = [exc for _, exc in self._on_every(sessions, commit) if exc is not None]
-        if errors:
-            raise errors[0]
-
     def sync_weights(self, update: WeightUpdate) -> SyncReport:
-        """Sends `update` to every server (begin on all → each bucket to all → commit on all).
-
-        Any failure aborts the sync on every server that has not committed yet; sync phases are never retried.
-        No server commits before every server holds every bucket (HTTP/shm: every upload acknowledged;
-        gloo/nccl: every server answered `prepare` once its receive finished, so a server that dies
-        mid-broadcast leaves every server on its old weights). Begins and commits go to every server at once
-        (one round trip each, whatever the number of servers); when a commit itself fails while another
-        succeeded the servers disagree until the next sync (which uses a higher version and fixes it).
+        """Sends `update` to every server through `weight_sync` (`ServerSync.send`: begin on all → each
+        bucket to all → commit on all; any failure aborts every server that has not committed, and no server
+        commits before every server holds every bucket); never retried.
 
         Raises:
             SyncRejected: a server refused the update (409: adapter sync without LoRA, stale version).
             SyncError: anything else (names the server and the cause).
         """
-        started = time.perf_counter()
-        specs = update.tensor_specs()
-        if not specs:
-            raise SyncError(f"weight update v{update.version} ({update.mode}) holds no tensors")
-        manifest = SyncManifest(
-            mode=update.mode,
-            version=update.version,
-            buckets=tuple(plan_buckets(specs, self._bucket_bytes)),
-            adapter_name=update.adapter_name,
-            adapter_config=update.adapter_config,
-        )
-        stages = {"begin_s": 0.0, "produce_s": 0.0, "upload_s": 0.0, "commit_s": 0.0}
-        # Adapters are small and only the file transports stage them: collective transports send them
-        # over HTTP.
-        transport = self._http if update.mode != "full" and self._transport.full_only else self._transport
-        urls = [c.base_url for c in self._clients]
         try:
-            specs = transport.rendezvous(self._clients)
-            sessions = self._begin_everywhere(manifest, specs)
-            try:
-                transport.joined(sessions)
-                stages["begin_s"] = time.perf_counter() - started
-                transport.send(sessions, manifest, update.iter_tensors(), stages)
-            except BaseException:
-                self._abort_everywhere(sessions)
-                raise
-            mark = time.perf_counter()
-            self._commit_everywhere(sessions)
+            report = self.weight_sync.send(update)
         except SyncError:
-            transport.failed(urls)
             raise
         except (ServerError, ServerUnreachable) as exc:
-            transport.failed(urls)
             hint = ""
             if isinstance(exc, ServerError) and exc.type == "shm_file_not_found":
                 hint = "; rollout.sync.shm_dir must equal the server's server.shm_dir"
             raise SyncError(
                 f"weight sync v{update.version} ({update.mode}) to {exc.url} failed: {exc}{hint}"
             ) from exc
-        stages["commit_s"] = time.perf_counter() - mark
-        transport.committed(update)
-        committed = sessions[0].committed
-        self.last_sync_stages = stages | {
-            f"server_{k}": v for k, v in (committed.stages if committed else {}).items()
-        }
         self.weight_version = update.version
-        return SyncReport(
-            mode=update.mode,
-            version=update.version,
-            bytes=manifest.nbytes,
-            seconds=time.perf_counter() - started,
-            transport=transport.name,  # type: ignore[arg-type]
-            endpoints=self.endpoints,
-        )
+        return report

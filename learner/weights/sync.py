@@ -4,7 +4,8 @@ docs/ARCHITECTURE.md#weight-sync).
 `WeightSyncPolicy.maybe_sync` is called right before the first fresh rollout of an optimizer step (never
 on M-steps, never on zero-request steps); it syncs iff `global_step != last_synced_step` (which starts at
 −1, so step 0 syncs — mandatory when the engine starts with dummy weights). Every sync goes through the
-`RolloutSource` seam, so servers and the colocated engine are handled alike.
+rollout source's `types.SyncTarget` seam (every `RolloutSource` is one), so servers and the colocated engine
+are handled alike.
 
 Modes (`rollout.sync.mode`): `full` merges the adapters, exports base-model names and sends everything;
 `adapter` sends the PEFT adapter only (requests must then name it: `request_adapter`); `auto` picks
@@ -33,7 +34,6 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from learner.rollout.base import RolloutSource
 from learner.weights.export import (
     adapter_state,
     exported_state,
@@ -42,7 +42,7 @@ from learner.weights.export import (
     is_peft_model,
     is_zero3,
 )
-from learner.weights.types import SyncError, SyncReport, WeightUpdate
+from learner.weights.types import SyncError, SyncReport, SyncTarget, WeightUpdate
 from shared_schemas.config import ConfigSection
 from shared_schemas.sync import TransportName
 
@@ -139,7 +139,7 @@ class WeightSyncPolicy:
         """The adapter name generate requests must reference (adapter mode), else None."""
         return self._adapter_name if self.mode == "adapter" else None
 
-    def maybe_sync(self, model: nn.Module, global_step: int, source: RolloutSource) -> float:
+    def maybe_sync(self, model: nn.Module, global_step: int, source: SyncTarget) -> float:
         """Syncs iff `global_step != last_synced_step`; call right before the step's first fresh rollout.
 
         Args:
@@ -204,7 +204,7 @@ class WeightSyncPolicy:
                 " cause); this rank stops with it"
             )
 
-    def _prepare(self, model: nn.Module, source: RolloutSource) -> None:
+    def _prepare(self, model: nn.Module, source: SyncTarget) -> None:
         """Resolves the mode (first sync) and the starting version (first sync of a resumed run)."""
         if self.mode is None:
             self.mode = self._resolve_mode(model, source)
@@ -212,7 +212,7 @@ class WeightSyncPolicy:
             # A resumed run meets servers that already serve a higher version.
             self.version = source.health().weight_version
 
-    def _sync(self, model: nn.Module, global_step: int, source: RolloutSource) -> None:
+    def _sync(self, model: nn.Module, global_step: int, source: SyncTarget) -> None:
         if self.mode == "adapter":
             try:
                 self.last_report = self._send_adapter(model, source)
@@ -239,7 +239,7 @@ class WeightSyncPolicy:
             self._seed_plan(global_step),
         )
 
-    def _resolve_mode(self, model: nn.Module, source: RolloutSource) -> Literal["full", "adapter"]:
+    def _resolve_mode(self, model: nn.Module, source: SyncTarget) -> Literal["full", "adapter"]:
         wanted = self.config.mode
         if wanted != "full" and is_zero3(model):
             # Every rank must run the same gathers; a mode decided by rank 0 alone cannot promise that.
@@ -265,7 +265,7 @@ class WeightSyncPolicy:
         self.version += 1
         return self.version
 
-    def _send_adapter(self, model: nn.Module, source: RolloutSource) -> SyncReport:
+    def _send_adapter(self, model: nn.Module, source: SyncTarget) -> SyncReport:
         started = time.perf_counter()
         config, state = adapter_state(model)
         update = WeightUpdate(
@@ -278,7 +278,7 @@ class WeightSyncPolicy:
         report = source.sync_weights(update)
         return _with_seconds(report, started)
 
-    def _send_full(self, model: nn.Module, source: RolloutSource) -> SyncReport:
+    def _send_full(self, model: nn.Module, source: SyncTarget) -> SyncReport:
         started = time.perf_counter()
         with exported_state(model, self._dtype, bucket_bytes=self.config.bucket_mb * 2**20) as items:
             try:

@@ -1,5 +1,6 @@
 """The weight-sync types of the learner: the update a `RolloutSource` receives (`WeightUpdate`), what a
-completed sync did (`SyncReport`), and how one fails (`SyncError`, `SyncRejected`)
+completed sync did (`SyncReport`), how one fails (`SyncError`, `SyncRejected`), and what the sync policy
+needs of the rollout side (`SyncTarget`, which every `learner.rollout.base.RolloutSource` is)
 (docs/ARCHITECTURE.md#weight-sync).
 """
 
@@ -7,14 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from learner.weights.codec import tensor_spec
+from shared_schemas.health import Health
 from shared_schemas.sync import TensorSpec, TransportName
 
-__all__ = ["SyncError", "SyncRejected", "SyncReport", "WeightUpdate"]
+__all__ = ["SyncError", "SyncRejected", "SyncReport", "SyncTarget", "WeightUpdate"]
 
 
 class SyncError(RuntimeError):
@@ -118,3 +120,20 @@ class SyncReport:
     seconds: float
     transport: Literal[TransportName, "in_process"]
     endpoints: tuple[str, ...] = field(default=())
+
+
+class SyncTarget(Protocol):
+    """Where a weight sync goes: the engines behind a rollout source (`RolloutSource` extends it)."""
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Where generation runs (server base URLs, or e.g. `("colocate:vllm",)`), for logs."""
+        ...
+
+    def sync_weights(self, update: WeightUpdate) -> SyncReport:
+        """Applies `update` atomically on every engine; raises `SyncError` (`SyncRejected` when refused)."""
+        ...
+
+    def health(self) -> Health:
+        """Status of the engines (`lora_enabled` decides `sync.mode: auto`; `weight_version` the next)."""
+        ...

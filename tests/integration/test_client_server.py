@@ -133,7 +133,7 @@ def test_full_sync_serves_the_seed1_model(
             assert source.last_sync_stages["shm_reused_bytes"] > 0
             # ... and what the server serves never depends on them after its sync ended: scribble over the
             # files the next sync would rewrite, the served model must not change.
-            for spare in source._transport.stager._spares.values():  # type: ignore[attr-defined]
+            for spare in source.weight_sync.transport.stager._spares.values():  # type: ignore[attr-defined]
                 spare.write_bytes(os.urandom(spare.stat().st_size))
         assert same_model(rollout(source), before, atol=0.0)
     if transport == "shm":
@@ -337,7 +337,7 @@ def test_gloo_sync_reaches_every_server_through_one_group(
                     urls, policy.version
                 )
                 assert source.last_sync_stages["collective_world_size"] == 1 + len(urls)  # 1 receiver each
-                group = source._transport.sender.fleet.token  # type: ignore[attr-defined]
+                group = source.weight_sync.transport.sender.fleet.token  # type: ignore[attr-defined]
                 after = rollout(source)  # 3 requests chunked in order over the servers
                 assert same_model(after, reference(seed1, after))
                 with ServerRolloutSource(
@@ -348,7 +348,7 @@ def test_gloo_sync_reaches_every_server_through_one_group(
                     assert "server_workers_receive_s" in source.last_sync_stages
             finally:
                 restore_seed0(source, tiny_model_dir, "gloo")
-            assert source._transport.sender.fleet.token == group  # type: ignore[attr-defined]  # reused
+            assert source.weight_sync.transport.sender.fleet.token == group  # type: ignore[attr-defined]  # reused
             assert same_model(rollout(source), reference(load_lm(tiny_model_dir), after))
     finally:
         for server in started:

@@ -1,9 +1,9 @@
 """The one interface of the weight-sync transports (`rollout.sync.transport`), and their registry.
 
 A transport moves a full or adapter sync's buckets from the learner to every server between the sync's
-`begin` and its `commit`, which `ServerRolloutSource.sync_weights` drives over HTTP for every transport alike.
-It answers five questions, one method each (the shape of vLLM's `distributed/weight_transfer` engines, sender
-side: init info, then send):
+`begin` and its `commit`, which `learner.weights.server_sync.ServerSync` drives over HTTP for every transport
+alike. It answers five questions, one method each (the shape of vLLM's `distributed/weight_transfer` engines,
+sender side: init info, then send):
 
 - `rendezvous(clients)`: what each server's `begin` must carry (its part of the collective group; None
   otherwise);
@@ -35,7 +35,7 @@ from shared_schemas.registry import registrar
 from shared_schemas.sync import TRANSPORT_NAMES, BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.client import RolloutClient, SyncSession
+    from learner.weights.session import SyncClient, SyncSession
     from learner.weights.types import WeightUpdate
 
 __all__ = ["TRANSPORTS", "Sessions", "Stages", "Transport", "TransportOptions", "build_transport", "register"]
@@ -76,7 +76,7 @@ class Transport:
     def __init__(self, options: TransportOptions) -> None:
         self.options = options
 
-    def rendezvous(self, clients: Sequence[RolloutClient]) -> list[CollectiveSpec | None]:
+    def rendezvous(self, clients: Sequence[SyncClient]) -> list[CollectiveSpec | None]:
         """The collective group each server's begin carries, in `clients` order (None: buckets come over
         HTTP/shm).
 

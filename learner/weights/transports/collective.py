@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from learner.rollout.client import RolloutClient
-from learner.rollout.errors import ServerError, ServerUnreachable
 from learner.weights.collective import CollectiveError, CollectiveSender, flat_bucket
 from learner.weights.sync_stream import BucketParts, is_loopback_url
 from learner.weights.transports.base import (
@@ -50,7 +48,7 @@ from learner.weights.types import SyncError
 from shared_schemas.sync import BucketSpec, CollectiveSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.client import SyncSession
+    from learner.weights.session import SyncClient, SyncSession
 
 __all__ = ["DeviceBucketPacker", "GlooTransport", "NcclTransport"]
 
@@ -79,14 +77,14 @@ class _Collective(Transport):
             address = "127.0.0.1"
         self.sender = CollectiveSender(self.name, address, options.collective_timeout_s)  # type: ignore[arg-type]
 
-    def rendezvous(self, clients: Sequence[RolloutClient]) -> list[CollectiveSpec | None]:
+    def rendezvous(self, clients: Sequence[SyncClient]) -> list[CollectiveSpec | None]:
         urls = [client.base_url for client in clients]
         ranks = None if self.sender.holds(urls) else self._receiver_counts(clients)
         return list(self.sender.specs(urls, ranks))
 
-    def _receiver_counts(self, clients: Sequence[RolloutClient]) -> list[int | None]:
+    def _receiver_counts(self, clients: Sequence[SyncClient]) -> list[int | None]:
         """Every server's receivers, from its `/health` (asked concurrently)."""
-        healths = _each(RolloutClient.health, clients)
+        healths = _each(lambda client: client.health(), clients)
         counts = [health.collective_ranks for health in healths]
         if len(clients) > 1:
             for client, health in zip(clients, healths, strict=True):
@@ -159,10 +157,10 @@ class _Collective(Transport):
         if not sessions:
             return exc
 
-        def answers(client: RolloutClient) -> bool:
+        def answers(client: SyncClient) -> bool:
             try:
                 client.health()
-            except (ServerUnreachable, ServerError):
+            except client.errors:
                 return False
             return True
 
@@ -188,7 +186,7 @@ class _Collective(Transport):
         self.sender.close()
 
 
-def _each(call: Callable[[RolloutClient], Any], clients: Sequence[RolloutClient]) -> list[Any]:
+def _each(call: Callable[[SyncClient], Any], clients: Sequence[SyncClient]) -> list[Any]:
     """`call(client)` for every client at once (threads of its own: the source's pool may be busy with a
     background rollout, the last sync's prepare threads with a dead server)."""
     with ThreadPoolExecutor(max_workers=max(len(clients), 1), thread_name_prefix="weight-sync-probe") as pool:

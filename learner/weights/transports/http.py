@@ -10,7 +10,7 @@ from learner.weights.transports.base import PartsTransport, register
 from shared_schemas.sync import BucketSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.client import SyncSession
+    from learner.weights.session import SyncSession
 
 __all__ = ["HttpTransport"]
 

@@ -25,7 +25,7 @@ from learner.weights.types import SyncError
 from shared_schemas.sync import BucketSpec, SyncManifest
 
 if TYPE_CHECKING:
-    from learner.rollout.client import SyncSession
+    from learner.weights.session import SyncSession
     from learner.weights.types import WeightUpdate
 
 __all__ = ["ShmStager", "ShmTransport"]

@@ -289,7 +289,7 @@ def test_one_gloo_group_spans_every_server_and_each_bucket_is_one_broadcast() ->
     tensors = weights()
     calls: list[int] = []
     with cluster.source(transport="gloo", bucket_mb=0.005, collective_timeout_s=20) as source:
-        transport = source._transport
+        transport = source.weight_sync.transport
         assert isinstance(transport, collective_transport._Collective)
         connect = transport.sender.connect
 
@@ -369,7 +369,7 @@ def test_a_dead_server_fails_the_sync_naming_it_and_no_server_commits(when: str)
 
 
 def transport_fleet(source: Any) -> Any:
-    return source._transport.sender.fleet
+    return source.weight_sync.transport.sender.fleet
 
 
 def test_sender_plans_ranks_and_refuses_servers_out_of_step() -> None:
