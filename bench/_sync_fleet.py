@@ -127,7 +127,7 @@ def fleet_model(args: Any, tmp: Path, emit: Any, preset: str, model_dir: Path, g
     """Steps 1-4 of the module docstring for one model."""
     import torch
     from _sync_gpu import _free, build_model, perturb, raw_broadcast_seconds, server_config
-    from bench_server import running
+    from launcher_utils import running
 
     from learner.weights.export import full_state_specs
     from shared_schemas.buckets import plan_buckets

@@ -187,7 +187,7 @@ def raw_broadcast_seconds(
     import tempfile
 
     import torch.multiprocessing as mp
-    from bench_server import free_port
+    from launcher_utils import free_port
 
     folder = tempfile.mkdtemp(prefix="raw-broadcast-")
     out = str(Path(folder) / "times.json")  # one file per receiver: times.json.<rank>
@@ -205,7 +205,7 @@ def server_config(
     model_dir: Path, tmp: Path, name: str, staging: str, backend: str = "hf"
 ) -> tuple[Path, str, Path]:
     import yaml
-    from bench_server import free_port
+    from launcher_utils import free_port
 
     port = free_port()
     shm = tmp / f"{name}-shm"
@@ -414,7 +414,7 @@ def _kill_child(
 
 def bench_gpu(args: Any, tmp: Path) -> None:
     import torch
-    from bench_server import running
+    from launcher_utils import running
 
     from learner.weights.export import full_state_items, full_state_specs
     from shared_schemas.buckets import plan_buckets

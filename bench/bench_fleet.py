@@ -352,7 +352,7 @@ def fleet(args: Any, tmp: Path, emit: Any) -> None:
     import torch
     from _sync_gpu import _free, server_config
     from _vlm import vlm_model_dir
-    from bench_server import running
+    from launcher_utils import running
 
     from learner.config import ServerEntry
     from learner.demo_data.images import write_image_dataset

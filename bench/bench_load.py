@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_server import _manifest_and_blobs, _raw_tensors, emit, free_port, ours, running, workload  # noqa: E402
+from bench_server import _manifest_and_blobs, _raw_tensors, emit, ours, workload  # noqa: E402
+from launcher_utils import free_port, running  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -18,17 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +32,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+
+from launcher_utils import free_port, running  # noqa: E402
 
 from shared_schemas.buckets import RawTensor, encode_bucket, plan_buckets  # noqa: E402
 from shared_schemas.sync import TensorSpec  # noqa: E402
@@ -56,50 +52,6 @@ SYNC_PRESET = dict(
 def emit(record: dict[str, Any]) -> None:
     """One JSON line on stdout."""
     print(json.dumps(record), flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return env
-
-
-@contextmanager
-def running(cmd: list[str], health_url: str, log: Path, deadline_s: float = 600) -> Iterator[float]:
-    """Starts a server process, yields its start-up seconds once `health_url` answers 200, then stops it."""
-    started = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
-        )
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(health_url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() - started > deadline_s:
-                raise RuntimeError(f"{cmd[:4]} not healthy within {deadline_s:.0f} s; see {log}")
-            time.sleep(0.5)
-        yield time.monotonic() - started
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
 
 
 def ours(

@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_server import build_sync_model, emit, ours, running  # noqa: E402
+from bench_server import build_sync_model, emit, ours  # noqa: E402
+from launcher_utils import running  # noqa: E402
 
 from shared_schemas.sync import TRANSPORT_NAMES  # noqa: E402
 

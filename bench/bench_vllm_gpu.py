@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -59,61 +58,25 @@ from bench_learner import (  # noqa: E402
     summarize,
     write_configs,
 )
-from launcher_utils import free_port  # noqa: E402
+from launcher_utils import ServerProcess, free_port, server_env  # noqa: E402
 
 STAGES = ("probe", "vllm", "hf", "colocate")
 FAULT_HANDLER = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
 
 
-class Server:
-    """One `python -m rollout_server` in its own process group; `start` waits for `/health` or times out."""
+class Server(ServerProcess):
+    """`python -m rollout_server` on a `server:` section written to `folder/name.yaml`."""
 
     def __init__(self, config: dict[str, Any], folder: Path, name: str, env: dict[str, str]) -> None:
         self.port = config["port"]
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = folder / f"{name}.log"
         self.path = folder / f"{name}.yaml"
         self.path.write_text(yaml.safe_dump({"server": config}))
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        cmd = [sys.executable, "-m", "rollout_server", "--config", str(self.path)]
+        super().__init__(cmd, folder / f"{name}.log", env)
 
-    def start(self, timeout_s: float) -> float | None:
-        """Seconds to healthy, or None at the timeout (the process is left running for `dump_stacks`)."""
-        started = time.monotonic()
-        with self.log.open("w") as out:
-            cmd = [sys.executable, "-m", "rollout_server", "--config", str(self.path)]
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)  # fmt: skip
-        while time.monotonic() - started < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        return None
-
-    def dump_stacks(self) -> str:
-        """SIGUSR1 to every process of the server's group (faulthandler prints all threads), then the log."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGUSR1)
-            time.sleep(3)
-        return self.tail(20000)
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+    def start_healthy(self, timeout_s: float) -> float | None:
+        return self.start(f"{self.base}/health", timeout_s)
 
 
 class GpuSampler:
@@ -168,12 +131,11 @@ class Bench:
         self.tmp = tmp
         self.cpu = args.cpu_check
         self.emit = Emitter(args.out, {"bench": "bench_vllm_gpu", "cpu_check": self.cpu})
-        self.env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        hook = tmp / "faulthandler"
+        self.env = server_env()
+        hook = tmp / "faulthandler"  # every Python process of a server prints its stacks on SIGUSR1
         hook.mkdir()
         (hook / "sitecustomize.py").write_text(FAULT_HANDLER)
-        path = [str(hook), str(REPO), self.env.get("PYTHONPATH", "")]
-        self.env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        self.env["PYTHONPATH"] = os.pathsep.join([str(hook), self.env["PYTHONPATH"]])
         self.env.setdefault("VLLM_NO_USAGE_STATS", "1")
         # NVLink multicast stays off on shared hosts; NCCL says which transport each channel uses ("via").
         for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -212,7 +174,7 @@ class Bench:
 
     def start(self, section: dict[str, Any], name: str) -> Server:
         server = Server(section, self.tmp, name, self.env)
-        seconds = server.start(self.args.startup_timeout_s + 60)
+        seconds = server.start_healthy(self.args.startup_timeout_s + 60)
         if seconds is None:
             stacks = server.dump_stacks()
             server.stop()
@@ -234,7 +196,7 @@ class Bench:
             self.env.update(extra)
             server = Server(self.server_section(model, "vllm"), self.tmp, f"probe{attempt}", self.env)
             try:
-                seconds = server.start(self.args.probe_timeout_s)
+                seconds = server.start_healthy(self.args.probe_timeout_s)
                 if seconds is not None:
                     result = _post_infer(server.base, [{"prompt_token_ids": [1, 2, 3, 4]}], 8)
                     self.emit({"measure": "probe", "attempt": attempt, "started_s": round(seconds, 1),

@@ -153,7 +153,7 @@ def server_effect(model_dir: Path, checkpoint: Path, url: str, device: str) -> d
 def start_server(out: Path, model: Path, cuda: bool, gpu: str) -> tuple[list[str], str, Path]:
     """Command, base URL and log of an HF-backend rollout server on `model` (on GPU `gpu` with CUDA)."""
     import yaml
-    from bench_server import free_port
+    from launcher_utils import free_port
 
     port = free_port()
     section = {"port": port, "model": str(model), "backend": "hf", "dtype": "bfloat16" if cuda else "float32",
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         server = contextlib.nullcontext(0.0)
         url = None
         if args.rollout == "server":
-            from bench_server import running
+            from launcher_utils import running
 
             gpu = args.server_gpu or str(max(torch.cuda.device_count() - 1, 0))
             (out / strategy).mkdir(parents=True, exist_ok=True)
