@@ -1,5 +1,6 @@
 """The configuration layer both processes share (docs/ARCHITECTURE.md#configuration): the YAML loader with
-`extends:`, the section base class, the GPU-list type and the loopback names.
+`extends:`, the section base class, the one formatter of validation errors, the GPU-list type and the loopback
+names.
 
 Loading is separate from validation. `extends` is a path or a list of paths relative to the file that names
 them (`~` expanded); parents merge first, in list order, then the file itself; mappings merge deeply, every
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 __all__ = [
+    "CONFIG_RULE",
     "LOOPBACK_HOSTS",
     "REPO_ROOT",
     "ConfigError",
@@ -26,10 +29,12 @@ __all__ = [
     "GpuList",
     "Provenance",
     "deep_merge",
+    "format_validation_error",
     "is_loopback",
     "load_yaml_tree",
     "load_yaml_with_extends",
     "parse_gpu_list",
+    "rule_error",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +46,19 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the file and/or the dotted key, and the fix."""
+
+
+CONFIG_RULE = "config_rule"
+"""pydantic error type of a rule that names its own key (`rule_error`); `ctx` holds `key` and `reason`."""
+
+MAX_REPORTED_ERRORS = 10
+"""Validation errors named in one `ConfigError`; the rest are counted."""
+
+
+def rule_error(key: str, reason: str) -> PydanticCustomError:
+    """A validator's error that names its dotted key, relative to the model raising it (a model validator
+    has no location of its own); `reason` says the problem and the fix."""
+    return PydanticCustomError(CONFIG_RULE, "{key}: {reason}", {"key": key, "reason": reason})
 
 
 class ConfigSection(BaseModel):
@@ -175,3 +193,44 @@ def load_yaml_with_extends(path: str | Path) -> dict[str, Any]:
         ConfigError: as `load_yaml_tree`.
     """
     return load_yaml_tree(path)[0]
+
+
+def format_validation_error(
+    exc: ValidationError,
+    source: str | Path,
+    *,
+    prefix: tuple[str, ...] = (),
+    provenance: Provenance | None = None,
+) -> str:
+    """The one line of a `ConfigError` for a config model's `ValidationError`, in both processes.
+
+    Each failing key (the first `MAX_REPORTED_ERRORS`) is named as `file: dotted.key: problem`, never with
+    its value; the file is the one that set the key (or its nearest parent key) per `provenance`, else
+    `source`.
+
+    Args:
+        exc: the error of validating one section (or a whole run).
+        source: the file (or `<mapping>`) named when `provenance` does not know the key.
+        prefix: the dotted key of the validated section in its file (`("server",)`), empty for a whole run.
+        provenance: dotted key → the file that set it (`load_yaml_tree`).
+    """
+    prov = provenance or {}
+    errors = exc.errors()
+    parts = []
+    for err in errors[:MAX_REPORTED_ERRORS]:
+        loc = tuple(str(part) for part in err["loc"])
+        if err["type"] == CONFIG_RULE:
+            loc = (*loc, err["ctx"]["key"])
+        key = (*prefix, *loc)
+        where = next((prov[key[:n]] for n in range(len(key), 0, -1) if key[:n] in prov), source)
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or fix its spelling (docs/RUNBOOK.md lists every key)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif err["type"] == CONFIG_RULE:
+            msg = err["ctx"]["reason"]
+        else:  # a validator's ValueError names its keys itself; pydantic prefixes "Value error, "
+            msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {'.'.join(key)}: {msg}" if key else f"{where}: {msg}")
+    more = len(errors) - MAX_REPORTED_ERRORS
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
 
 from shared_schemas.config import (
     REPO_ROOT,
@@ -23,21 +22,19 @@ from shared_schemas.config import (
     ConfigSection,
     GpuList,
     Provenance,
+    format_validation_error,
     is_loopback,
     load_yaml_tree,
+    rule_error,
 )
 
 __all__ = [
-    "SERVER_RULE",
     "HfServerConfig",
     "ServerConfig",
     "VllmServerConfig",
     "load_server_config",
     "server_config_from_mapping",
 ]
-
-SERVER_RULE = "server_rule"
-"""pydantic error type of the cross-field rules of `ServerConfig`; `ctx` holds `key` and `reason`."""
 
 
 class VllmServerConfig(ConfigSection):
@@ -150,13 +147,13 @@ class ServerConfig(ConfigSection):
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         if not self.allow_non_loopback and not is_loopback(self.host):
-            raise _rule_error(
+            raise rule_error(
                 "host",
                 f"{self.host!r} is not loopback (127.0.0.1, localhost, ::1); bind loopback or set"
                 " server.allow_non_loopback: true",
             )
         if not is_loopback(self.host) and self.auth_token is None and not self.allow_unauthenticated:
-            raise _rule_error(
+            raise rule_error(
                 "auth_token",
                 f"server.host {self.host!r} is reachable from other hosts and no token is set, so anyone who"
                 " reaches the port could replace the served weights through /sync_weights/; set"
@@ -164,14 +161,14 @@ class ServerConfig(ConfigSection):
                 " only server.allow_unauthenticated: true",
             )
         if self.health_port is not None and self.health_port == self.port:
-            raise _rule_error(
+            raise rule_error(
                 "health_port",
                 f"{self.health_port} is server.port too; give the probe listener a port of its own",
             )
         if self.gpus is not None:
             need = self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
             if len(self.gpus) != need:
-                raise _rule_error(
+                raise rule_error(
                     "gpus",
                     f"{list(self.gpus)} has {len(self.gpus)} entries but tensor_parallel_size"
                     f" {self.vllm.tensor_parallel_size} x data_parallel_size {self.vllm.data_parallel_size}"
@@ -199,35 +196,6 @@ class ServerConfig(ConfigSection):
     def max_body_bytes(self) -> int:
         """`max_body_mb` in bytes."""
         return int(self.max_body_mb * 2**20)
-
-
-def _rule_error(key: str, reason: str) -> PydanticCustomError:
-    """A cross-field error that still names its dotted key (model validators have no location)."""
-    return PydanticCustomError(SERVER_RULE, "{key}: {reason}", {"key": key, "reason": reason})
-
-
-def _format_errors(exc: ValidationError, prefix: tuple[str, ...], prov: Provenance, fallback: str) -> str:
-    lines = []
-    for err in exc.errors()[:10]:
-        loc = tuple(str(p) for p in err["loc"])
-        if err["type"] == SERVER_RULE:
-            loc = (*loc, err["ctx"]["key"])
-        dotted = ".".join((*prefix, *loc)) or "<root>"
-        source = fallback
-        for n in range(len(loc), -1, -1):
-            if (*prefix, *loc[:n]) in prov:
-                source = str(prov[(*prefix, *loc[:n])])
-                break
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or fix its spelling"
-        elif err["type"] == "missing":
-            msg = "required key is missing"
-        elif err["type"] == SERVER_RULE:
-            msg = err["ctx"]["reason"]
-        else:
-            msg = err["msg"]
-        lines.append(f"{source}: {dotted}: {msg}")
-    return "; ".join(lines)
 
 
 def server_config_from_mapping(
@@ -263,7 +231,7 @@ def server_config_from_mapping(
     try:
         return ServerConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, prefix, prov, source)) from exc
+        raise ConfigError(format_validation_error(exc, source, prefix=prefix, provenance=prov)) from exc
 
 
 def load_server_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ServerConfig:

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ValidationError
 from learner.grpo.config.sections import GrpoConfig
 from learner.rewards.registry import PRESETS, REWARD_NAMES, SCHEMA_TREE
 from learner.rewards.summary_schema import load_schemas
-from shared_schemas.config import ConfigError, is_loopback
-from shared_schemas.server_config import SERVER_RULE, ServerConfig, VllmServerConfig
+from shared_schemas.config import CONFIG_RULE, ConfigError, is_loopback
+from shared_schemas.server_config import ServerConfig, VllmServerConfig
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 DEFAULT_TIMEOUT_S = 300.0
@@ -101,7 +101,7 @@ def validate_section(model: type[M], data: Any, prefix: str) -> M:
         err = exc.errors()[0]
         key = ".".join([prefix, *(str(part) for part in err["loc"])])
         section_rule = {"server": "§2.2", "grpo": "§3", "batch_plan": "§2.4"}.get(prefix, "§2")
-        if err["type"] == SERVER_RULE:  # a cross-field rule of ServerConfig: "<problem>; <fix>"
+        if err["type"] == CONFIG_RULE:  # a cross-field rule of ServerConfig: "<problem>; <fix>"
             problem, _, fix = err["ctx"]["reason"].rpartition("; ")
             rule = _SERVER_RULE_BY_KEY.get(err["ctx"]["key"], section_rule)
             raise fail(

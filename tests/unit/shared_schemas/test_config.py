@@ -7,17 +7,22 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import Field, ValidationError, model_validator
 
 from shared_schemas.config import (
     REPO_ROOT,
     ConfigError,
+    ConfigSection,
     GpuList,
+    format_validation_error,
     is_loopback,
     load_yaml_tree,
     load_yaml_with_extends,
     parse_gpu_list,
+    rule_error,
 )
 
 _HEAVY = ["torch", "vllm", "fastapi", "starlette", "transformers"]
@@ -95,3 +100,63 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path: Path) -> None:
         "ip": "1.2.3",
     }
     assert isinstance(tree["lr"], float) and isinstance(tree["int"], int)
+
+
+class _Inner(ConfigSection):
+    port: int = Field(default=1, ge=1)
+
+
+class _Section(ConfigSection):
+    name: str
+    inner: _Inner = Field(default_factory=_Inner)
+
+    @model_validator(mode="after")
+    def _check(self) -> _Section:
+        if self.name == "rule":
+            raise rule_error("inner.port", "a rule's reason; the fix")
+        if self.name == "plain":
+            raise ValueError("sec.name 'plain' is refused; pick another")
+        return self
+
+
+def _message(data: dict[str, Any], **kwargs: Any) -> str:
+    with pytest.raises(ValidationError) as info:
+        _Section.model_validate(data)
+    return format_validation_error(info.value, "run.yaml", **kwargs)
+
+
+def test_one_formatter_names_file_key_and_problem_never_the_value() -> None:
+    assert _message({"name": "x", "bogus": 1}, prefix=("sec",)) == (
+        "run.yaml: sec.bogus: unknown key; remove it or fix its spelling (docs/RUNBOOK.md lists every key)"
+    )
+    assert _message({}) == "run.yaml: name: required key is missing"
+    assert _message({"name": "rule"}) == "run.yaml: inner.port: a rule's reason; the fix"
+    assert _message({"name": "plain"}) == "run.yaml: sec.name 'plain' is refused; pick another"
+    parent = Path("/cfg/parent.yaml")
+    message = _message(
+        {"name": "x", "inner": {"port": -7}}, prefix=("sec",), provenance={("sec", "inner"): parent}
+    )
+    assert (
+        message == f"{parent}: sec.inner.port: Input should be greater than or equal to 1"
+        and "-7" not in message
+    )
+
+
+def test_the_formatter_names_ten_errors_and_counts_the_rest() -> None:
+    message = _message({"name": "x", **{f"k{i}": i for i in range(12)}})
+    assert message.count("unknown key") == 10 and message.endswith(" (+2 more)")
+
+
+def test_both_processes_word_the_same_mistake_alike(tmp_path: Path) -> None:
+    """The learner's run config and the server's section report an unknown key through the one formatter."""
+    from learner.config import load_run_config
+    from shared_schemas.server_config import load_server_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: /m, bogus: 1}\ndata: {train: []}\nserver: {model: /m, bogus: 1}\n")
+    messages = []
+    for load in (load_run_config, load_server_config):
+        with pytest.raises(ConfigError) as info:
+            load(path)
+        messages.append(str(info.value).split(".bogus: ", 1))
+    assert messages[0][1] == messages[1][1] and messages[0][0] == f"{path}: model"
