@@ -367,7 +367,7 @@ def _kernels(prof: Any) -> list[tuple[str, float]]:
 def attention_replay(step: Step, batch: Any, reps: int = 5) -> dict[str, Any]:
     """The attention calls of one packed step of ``batch`` (every ``segment_sdpa`` call with segment bounds:
     the vision tower's and the language model's) replayed on random tensors of their shapes through each
-    kernel that runs here: the varlen kernels of ``packed_attention.VARLEN_KERNELS`` (where
+    kernel that runs here: the varlen kernels of ``learner.kernels.VARLEN_KERNEL_NAMES`` (where
     ``varlen_kernel`` picks that kernel for the call's configuration) and the per-segment SDPA loop.
     Forward + backward of all calls of a tower, ``reps`` times after one untimed pass (a JIT kernel compiles
     there): the median and spread in ms, and the forward alone. Times are CUDA events on CUDA, the host
@@ -377,28 +377,29 @@ def attention_replay(step: Step, batch: Any, reps: int = 5) -> dict[str, Any]:
         ``{"calls": {tower: {count, tokens, heads, heads_kv, head_size, segments}}, tower: {kernel: {...}}}``
         with tower ``vision`` (non-causal calls) and ``language`` (causal ones).
     """
-    from learner.trainers import packed_attention as pa
+    from transformers import AttentionInterface
+
+    from learner.kernels import VARLEN_KERNEL_NAMES
+    from learner.kernels import attention as pa
 
     recorded: list[tuple] = []
-    original = pa.segment_sdpa
 
-    def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+    def record(original, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+               is_causal=None, **kw):  # fmt: skip
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if kw.get("cu_seq_lens_q") is not None:
             recorded.append((query.shape, key.shape, query.dtype, kw["cu_seq_lens_q"].detach().clone(),
                              causal, scaling))  # fmt: skip
         return original(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kw)
 
-    from transformers import AttentionInterface
-
-    names = (pa.SEGMENT_SDPA, pa.VISION_VARLEN)
+    originals = pa.attention_functions()
     pa.register_attention_functions()
-    for name in names:
-        AttentionInterface.register(name, record)
+    for name, original in originals.items():
+        AttentionInterface.register(name, functools.partial(record, original))
     try:
         step(batch)
     finally:
-        for name in names:
+        for name, original in originals.items():
             AttentionInterface.register(name, original)
     gen = torch.Generator(device=batch.input_ids.device).manual_seed(0)
     out: dict[str, Any] = {"calls": {}}
@@ -415,7 +416,7 @@ def attention_replay(step: Step, batch: Any, reps: int = 5) -> dict[str, Any]:
         out["calls"][tower] = dict(count=len(calls), tokens=q0.shape[2], heads=q0.shape[1],
                                    heads_kv=k0.shape[1], head_size=q0.shape[3],
                                    segments=len(cu0) - 1)  # fmt: skip
-        kernels = [k for k in pa.VARLEN_KERNELS if pa.varlen_kernel(q0, k0, causal=causal, choice=k) == k]
+        kernels = [k for k in VARLEN_KERNEL_NAMES if pa.varlen_kernel(q0, k0, causal=causal, choice=k) == k]
         out[tower] = {}
         for kernel in [*kernels, "loop"]:
             time_ms = functools.partial(_replay_ms, calls, kernel, causal)
@@ -431,7 +432,7 @@ def attention_replay(step: Step, batch: Any, reps: int = 5) -> dict[str, Any]:
 def _replay_ms(calls: list, kernel: str, causal: bool, backward: bool) -> float:
     """Milliseconds of `calls` (`attention_replay`'s) through `kernel` (a varlen kernel or ``loop``), with
     their backward or without; CUDA events on CUDA, the host clock elsewhere."""
-    from learner.trainers import packed_attention as pa
+    from learner.kernels import segment_loop, varlen_attention
 
     cuda = calls[0][1].is_cuda
     if cuda:
@@ -443,9 +444,9 @@ def _replay_ms(calls: list, kernel: str, causal: bool, backward: bool) -> float:
         for leaves, cu, max_len, scaling in calls:
             xs = [t.requires_grad_(backward) for t in leaves]
             if kernel == "loop":
-                o = pa.segment_loop(*xs, cu, causal=causal, scaling=scaling, dropout=0.0)
+                o = segment_loop(*xs, cu, causal=causal, scaling=scaling, dropout=0.0)
             else:
-                o = pa.varlen_attention(*xs, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
+                o = varlen_attention(*xs, cu, max_len, causal=causal, scaling=scaling, kernel=kernel)
             if backward:
                 torch.autograd.grad(o, xs, torch.ones_like(o))
     if cuda:

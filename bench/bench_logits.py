@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
+from learner.kernels import packed_attention  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, read_columns, step_loss_sums  # noqa: E402
-from learner.trainers.packed_attention import packed_attention  # noqa: E402
 from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
 
 IGNORE = -100

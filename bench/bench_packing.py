@@ -77,12 +77,18 @@ from _step_profile import (  # noqa: E402
 
 from learner.batching.packing import CarryBuffer, pack_segments, pad_segments  # noqa: E402
 from learner.flops import FlopModel, peak_tflops, utilization  # noqa: E402
-from learner.kernels import BLOCK_LISTS, apply_liger, compile_blocks, index_deepstack  # noqa: E402
+from learner.kernels import (  # noqa: E402
+    BLOCK_LISTS,
+    apply_liger,
+    compile_blocks,
+    index_deepstack,
+    packed_attention,
+    varlen_kernel,
+)
 from learner.stage2.coords import CoordVocab  # noqa: E402
 from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
 from learner.stage2.targets.segment import Segment, SegmentMeta  # noqa: E402
-from learner.trainers.packed_attention import packed_attention  # noqa: E402
 from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
 
 
@@ -559,8 +565,6 @@ def _ab_kernel(rounds: int, rows: list, step: Callable, model, device: torch.dev
     (``model.varlen_kernel`` torch / fa4), ``rounds`` interleaved rounds after one untimed pass each (FA4's
     kernels compile on first use; compiled blocks recompile once per kernel). The ratio is fa4 / torch; the
     loss of row 0 both ways. Raises where FA4 does not run here (the record says why)."""
-    from learner.trainers.packed_attention import varlen_kernel
-
     dtype = next(model.parameters()).dtype
     if varlen_kernel(torch.empty(1, 1, 1, 128, device=device, dtype=dtype), choice="fa4") != "fa4":
         raise RuntimeError("FA4 does not run here (flash-attn-4 not importable, not SM 9.x/10.x, or failed)")
@@ -695,8 +699,6 @@ def run_ddp(args: argparse.Namespace) -> None:
 
 def _varlen_ran(model, batch, device, choice: bool | str = "auto") -> str | bool:
     """The varlen kernel a packed row of this model attends through here (`varlen_kernel`), else False."""
-    from learner.trainers.packed_attention import varlen_kernel
-
     dtype = next(model.parameters()).dtype
     choice = choice if isinstance(choice, str) else "auto"
     kernel = varlen_kernel(torch.empty(1, 1, 1, 128, device=device, dtype=dtype), choice=choice)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from learner.kernels import apply_liger, compile_blocks, fa4_importable, index_deepstack
 from learner.yaml_loader import ConfigError
 from shared_schemas.checkpoints import VL_MODEL_TYPES, is_vl_checkpoint
 from shared_schemas.vlm_shim import ensure_vl_imports
@@ -220,8 +221,6 @@ def load_policy(cfg: ModelConfig, path: str | Path) -> Policy:
             path, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
         frozen = _apply_freeze(model, cfg)
-        from learner.kernels import index_deepstack
-
         index_deepstack(model)  # equal values, fewer host waits (see its docstring)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,22 +232,16 @@ def load_policy(cfg: ModelConfig, path: str | Path) -> Policy:
         )
         frozen = {}
     if cfg.liger_kernel:  # before the adapter wraps the modules Liger patches
-        from learner.kernels import apply_liger
-
         logger.info("model.liger_kernel: patched %s", apply_liger(model))
     if cfg.adapter != "none":
         model = _adapt(model, cfg, is_vl, frozen)
     if cfg.varlen_kernel == "fa4":
-        from learner.trainers.fa4_varlen import fa4_importable
-
         if not fa4_importable():
             raise ConfigError(
                 "model.varlen_kernel: fa4 needs flash-attn-4 (and its nvidia-cutlass-dsl runtime) importable;"
                 " pip install flash-attn-4, or set model.varlen_kernel: auto (FA4 where it runs, else torch)"
             )
     if cfg.compile_blocks:  # after the adapter: its layers live inside the compiled blocks
-        from learner.kernels import compile_blocks
-
         logger.info(
             "model.compile_blocks: %d blocks compiled (the first steps compile)", compile_blocks(model)
         )

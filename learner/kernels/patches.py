@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from learner.config import ConfigError
+from learner.yaml_loader import ConfigError
 
 
 def apply_liger(model: nn.Module) -> list[str]:
@@ -61,11 +61,7 @@ def compile_blocks(model: nn.Module, lists: tuple[str, ...] = BLOCK_LISTS, **com
     Compiling blocks rather than the model keeps the compile short (one graph per block type, reused by every
     layer) and leaves the data-dependent parts (image grids, position ids, the losses) eager. Generation stays
     eager (`rollout_server.engines.hf_decode` decodes under ``torch.compiler.set_stance("force_eager")``).
-    On the packed 2B image step of an H100: 1.60-1.73x tokens/s over eager, loss within bf16 noise. Measured
-    and left out (bench/RESULTS.md): Inductor's ``cpp_wrapper`` (fails on the varlen attention op) and
-    dropping the blocks' module guards (no gain beyond run-to-run noise), CUDA graphs of the blocks (slower)
-    and one region per run of blocks between the deepstack taps (no gain, 6x the compile time; commit
-    5bdbfaa).
+    Gains, and the variants measured and left out: bench/RESULTS.md, "learner throughput".
     """
     n = 0
     for name, module in model.named_modules():

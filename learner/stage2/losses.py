@@ -73,7 +73,7 @@ class LossConfig(ConfigSection):
     for every position (models whose forward has no ``logits_to_keep``)."""
     segment_attention: bool = True
     """Teacher-forced forwards of ``sdpa`` models attend per packed segment with no mask
-    (``learner.trainers.packed_attention``): on CUDA in bf16/fp16 one varlen flash call per row (the kernel:
+    (``learner.kernels.attention``): on CUDA in bf16/fp16 one varlen flash call per row (the kernel:
     ``model.varlen_kernel``; language model and vision tower), else one causal SDPA call per segment.
     Attention costs Σ Lᵢ² instead of T² per packed row and no T×T mask is built. Same outputs as transformers'
     ``sdpa`` with its block-diagonal mask; false uses the latter."""

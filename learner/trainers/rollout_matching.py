@@ -27,6 +27,7 @@ from transformers import Trainer
 
 from learner.device_memory import peak_memory_metrics
 from learner.flops import FlopModel, peak_tflops, utilization
+from learner.kernels import packed_attention
 from learner.metrics import StepMetrics
 from learner.rollout.colocate.offload import offload_context
 from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
@@ -36,7 +37,6 @@ from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.eval_gallery import EvalGallery
 from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
-from learner.trainers.packed_attention import packed_attention
 from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
 
@@ -352,7 +352,7 @@ def forward_for_loss(
     With `compact` (`stage2.loss.compact_logits`) the model returns logits only at the columns the losses
     read (`read_columns`, passed as `logits_to_keep`); pass the returned columns on to `step_loss_sums`.
     With `segment_attention` (`stage2.loss.segment_attention`) an `sdpa` model attends per packed segment
-    without a mask (`learner.trainers.packed_attention`); a packed row then passes its segment bounds.
+    without a mask (`learner.kernels.attention`); a packed row then passes its segment bounds.
 
     Returns:
         `(model outputs, columns or None)`.

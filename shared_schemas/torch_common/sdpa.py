@@ -6,7 +6,7 @@ H200 a 32-row, 128-token rollout of a 0.4B model took 6.9 s instead of 2.0 s, 16
 calls attention once per segment, nearly every one a new length (on an H100 with a Qwen3-VL-2B-shaped model:
 packed ÷ padded tokens/s 0.63× with cuDNN allowed, 1.34× without; bench/RESULTS.md). Used by the decode loop's
 attention (`rollout_server.engines.decode_attention`) and the learner's packed attention
-(`learner.trainers.packed_attention`).
+(`learner.kernels.attention`).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_no_module_level_import_across_the_boundary(package: str) -> None:
 
 def test_learner_modules_that_used_the_server_load_none_of_it() -> None:
     """The three modules that imported `rollout_server` before the shared code moved, plus the transports
-    package, the colocated backends' package and the packed attention, in a fresh interpreter: no
+    package, the colocated backends' package and the kernels (packed attention), in a fresh interpreter: no
     `rollout_server` module loaded."""
     modules = [
         "learner.policy",
@@ -102,6 +102,6 @@ def test_learner_modules_that_used_the_server_load_none_of_it() -> None:
         "learner.weights.collective",
         "learner.weights.transports",
         "learner.rollout.colocate",
-        "learner.trainers.packed_attention",
+        "learner.kernels",
     ]
     assert loaded_modules(modules, {"rollout_server"}) == []

@@ -1,4 +1,4 @@
-"""`learner.kernels._indexed_deepstack` against transformers' boolean-mask deepstack merge (Qwen3-VL):
+"""`learner.kernels.patches._indexed_deepstack` against transformers' boolean-mask deepstack merge (Qwen3-VL):
 the same values and the same gradients, for padded batches and a packed row, and the index found once per
 mask."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.kernels import _indexed_deepstack
+from learner.kernels.patches import _indexed_deepstack
 
 
 def _transformers_merge(hidden: torch.Tensor, mask: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,12 @@
 """FlashAttention-4's varlen kernels (CuTe DSL; Hopper, Blackwell) as one PyTorch custom op, for packed rows.
 
-Why: on an H200 the vision tower's attention of a packed 8k image row (24 calls, 16,760 patches, head size
-64) took 51.9 ms of forward + backward through PyTorch's varlen op (FlashAttention-2 kernels) and 32.5 ms
-through this op; the compiled training step got 1.10x faster, MFU 34 -> 38 % (`bench/bench_packing.py
---attn-replay`, `--ab-kernel`; bench/RESULTS.md, "learner throughput"). FA4 ships as the
-`flash-attn-4` wheel (pure Python; its kernels compile at run time through `nvidia-cutlass-dsl`, ~10 s per
-kernel configuration on first use), so it is optional: `learner.trainers.packed_attention` picks it where it
-imports, the GPU is SM 9.x or 10.x, and it passes the same one-time check against per-segment SDPA as the
-PyTorch op; PyTorch's op serves otherwise.
+Why: faster than PyTorch's varlen op (FlashAttention-2 kernels) on Hopper, in the vision tower most
+(`bench/bench_packing.py --attn-replay`, `--ab-kernel`; figures: bench/RESULTS.md, "learner throughput").
+FA4 ships as the `flash-attn-4` wheel (pure Python; its kernels compile at run time through
+`nvidia-cutlass-dsl` on first use of each kernel configuration), so it is optional: registered as `fa4`
+(`Fa4Varlen`), `auto` picks it where it imports, the GPU is SM 9.x or 10.x, and it passes the same one-time
+check against per-segment SDPA as the PyTorch op (`varlen.base.kernel_works`); PyTorch's op serves
+otherwise.
 
 Wrapped as `torch.library` custom ops (forward and backward) so that a compiled block
 (`model.compile_blocks`) treats the kernel as one opaque node instead of tracing into the CuTe launcher. Only
@@ -23,7 +22,9 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["fa4_importable", "fa4_supported", "fa4_varlen"]
+from learner.kernels.varlen.base import VarlenKernel, register
+
+__all__ = ["Fa4Varlen", "fa4_importable", "fa4_supported", "fa4_varlen"]
 
 _MODULE = "flash_attn.cute.interface"
 
@@ -46,7 +47,7 @@ def fa4_importable() -> bool:
 @functools.cache
 def fa4_supported(device: torch.device) -> bool:
     """Whether FA4 can run on `device`: CUDA of compute capability 9.x or 10.x and the package importable.
-    Says nothing about correctness there; `packed_attention` checks that once per configuration."""
+    Says nothing about correctness there; `varlen.base.kernel_works` checks that once per configuration."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10) and _interface() is not None
@@ -146,3 +147,24 @@ def fa4_varlen(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q, k, v = (t.contiguous() for t in (q, k, v))
     return _fwd(q, k, v, cu, max_len, causal, scale)[0]
+
+
+@register("fa4")
+class Fa4Varlen(VarlenKernel):
+    """FlashAttention-4 through `fa4_varlen` (Hopper, Blackwell; the optional `flash-attn-4` wheel)."""
+
+    def missing(self, device: torch.device) -> str:
+        return "" if fa4_supported(device) else "flash-attn-4 not importable or the GPU is not SM 9.x/10.x"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu: torch.Tensor,
+        max_len: int,
+        *,
+        causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
+        return fa4_varlen(q, k, v, cu, max_len, causal=causal, scale=scale)

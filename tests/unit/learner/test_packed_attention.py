@@ -1,7 +1,7 @@
-"""`learner.trainers.packed_attention`: the varlen path (one kernel call per packed row) equals the
-per-segment SDPA fallback — values and gradients, causal with GQA (language model) and full (vision tower),
-both kernels (the APIs of `torch.nn.attention.varlen.varlen_attn`, and FlashAttention-4 through
-`learner.trainers.fa4_varlen`'s custom ops). Their kernels run on CUDA only, so on CPU dense stand-ins
+"""`learner.kernels.attention` and `learner.kernels.varlen`: the varlen path (one kernel call per packed row)
+equals the per-segment SDPA fallback — values and gradients, causal with GQA (language model) and full (vision
+tower), both kernels (the APIs of `torch.nn.attention.varlen.varlen_attn`, and FlashAttention-4 through
+`learner.kernels.varlen.fa4`'s custom ops). Their kernels run on CUDA only, so on CPU dense stand-ins
 (`varlen_reference`) take their place: what is checked here is the layout, the arguments, the custom ops'
 autograd and tracing, and the dispatch; `bench/bench_packing.py --gpu --vlm` checks the real kernels on CUDA
 (and `packed_attention` checks each once per device before it serves)."""
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.trainers import fa4_varlen
-from learner.trainers import packed_attention as pa
+from learner.kernels import attention as pa
+from learner.kernels.varlen import base, fa4, torch_op
 from tests.unit.learner.varlen_reference import API_FULL, APIS, ReferenceFA4, ReferenceVarlen
 
 CU = torch.tensor([0, 3, 17, 18, 40], dtype=torch.int32)
@@ -32,11 +32,11 @@ def _qkv(heads_kv: int, seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("scaling", [None, 0.3])
 def test_varlen_call_equals_segment_loop(monkeypatch, api, causal, heads_kv, scaling) -> None:
     ref = ReferenceVarlen(APIS[api])
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, APIS[api]))
+    monkeypatch.setattr(torch_op, "_varlen_op", lambda: (ref, APIS[api]))
     results = []
-    for fn in (pa.varlen_attention, pa.segment_loop):
+    for fn in (base.varlen_attention, base.segment_loop):
         q, k, v = _qkv(heads_kv, seed=7)
-        if fn is pa.varlen_attention:
+        if fn is base.varlen_attention:
             out = fn(q, k, v, CU.long(), 22, causal=causal, scaling=scaling)
         else:
             out = fn(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0)
@@ -50,11 +50,11 @@ def test_varlen_call_equals_segment_loop(monkeypatch, api, causal, heads_kv, sca
 
 
 def test_segment_attention_dispatch(monkeypatch) -> None:
-    """`segment_sdpa` takes the varlen path for a packed row where `varlen_available`, the loop otherwise,
-    plain SDPA for a padded batch, and `packed_attention(varlen=False)` forces the loop."""
+    """`segment_sdpa` takes the varlen path for a packed row where a kernel runs, the loop otherwise, plain
+    SDPA for a padded batch, and the choice "" (`packed_attention(varlen=False)`) forces the loop."""
     ref = ReferenceVarlen()
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
-    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal: "torch" if pa._use_varlen[0] else None)
+    monkeypatch.setattr(torch_op, "_varlen_op", lambda: (ref, API_FULL))
+    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal, choice: "torch" if choice else None)
     module = torch.nn.Module()
     q, k, v = _qkv(2, seed=1)
     packed = dict(cu_seq_lens_q=CU, max_length_q=22)
@@ -63,12 +63,8 @@ def test_segment_attention_dispatch(monkeypatch) -> None:
     loop, _ = pa.segment_sdpa(module, q, k, v, None, is_causal=True, cu_seq_lens_q=CU)  # max length derived
     assert ref.calls == 2
     torch.testing.assert_close(out, loop)
-    pa._use_varlen[0] = ""
-    try:
-        pa.segment_sdpa(module, q, k, v, None, is_causal=True, **packed)
-        pa.segment_sdpa(module, q, k, v, None, is_causal=True)
-    finally:
-        pa._use_varlen[0] = "auto"
+    pa.segment_sdpa(module, q, k, v, None, is_causal=True, varlen_choice="", **packed)
+    pa.segment_sdpa(module, q, k, v, None, is_causal=True)
     assert ref.calls == 2
 
 
@@ -89,17 +85,17 @@ def test_fa4_call_equals_segment_loop(monkeypatch, causal, heads_kv, scaling, co
     values and gradients; compiled (`aot_eager`, full graph, as `model.compile_blocks` traces a block) the
     ops stay opaque and still run the interface's forward and backward once each."""
     ref = ReferenceFA4()
-    monkeypatch.setattr(fa4_varlen, "_interface", lambda: ref)
+    monkeypatch.setattr(fa4, "_interface", lambda: ref)
     torch._dynamo.reset()
 
     def varlen(q, k, v):
-        return pa.varlen_attention(q, k, v, CU.long(), 22, causal=causal, scaling=scaling, kernel="fa4")
+        return base.varlen_attention(q, k, v, CU.long(), 22, causal=causal, scaling=scaling, kernel="fa4")
 
     fn = torch.compile(varlen, backend="aot_eager", fullgraph=True) if compiled else varlen
     results = []
     for run in (
         fn,
-        lambda q, k, v: pa.segment_loop(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0),
+        lambda q, k, v: base.segment_loop(q, k, v, CU, causal=causal, scaling=scaling, dropout=0.0),
     ):
         q, k, v = _qkv(heads_kv, seed=7)
         out = run(q, k, v)
@@ -113,12 +109,12 @@ def test_fa4_call_equals_segment_loop(monkeypatch, causal, heads_kv, scaling, co
 
 
 def test_kernel_choice(monkeypatch) -> None:
-    """`auto` takes the first kernel of `VARLEN_KERNELS` that passed its check on the device (FA4, then
+    """`auto` takes the first kernel of `VARLEN_KERNEL_NAMES` that passed its check on the device (FA4, then
     PyTorch's), a named kernel only itself, and none: the per-segment loop."""
     dev, dt = torch.device("cuda:0"), torch.bfloat16
     checked = {}
-    monkeypatch.setattr(pa, "_varlen_checked", checked)
-    monkeypatch.setattr(pa, "_varlen_works", lambda *a: pytest.fail(f"checked again: {a}"))
+    monkeypatch.setattr(base, "_checked", checked)
+    monkeypatch.setattr(base, "kernel_works", lambda *a: pytest.fail(f"checked again: {a}"))
     for fa4_ok, torch_ok, choice, picked in [
         (True, True, "auto", "fa4"),
         (False, True, "auto", "torch"),
@@ -128,19 +124,19 @@ def test_kernel_choice(monkeypatch) -> None:
     ]:
         config = (128, True, True)
         checked.update({("fa4", "cuda:0", dt, *config): fa4_ok, ("torch", "cuda:0", dt, *config): torch_ok})
-        assert pa._first_kernel(choice, dev, dt, config) == picked, (fa4_ok, torch_ok, choice)
+        assert base.first_kernel(choice, dev, dt, config) == picked, (fa4_ok, torch_ok, choice)
     checked.clear()  # another configuration is checked on its own
-    monkeypatch.setattr(pa, "_varlen_works", lambda device, dtype, kernel, config: config[0] == 64)
-    assert pa._first_kernel("auto", dev, dt, (64, False, False)) == "fa4"
-    assert pa._first_kernel("auto", dev, dt, (128, False, False)) is None
+    monkeypatch.setattr(base, "kernel_works", lambda device, dtype, kernel, config: config[0] == 64)
+    assert base.first_kernel("auto", dev, dt, (64, False, False)) == "fa4"
+    assert base.first_kernel("auto", dev, dt, (128, False, False)) is None
 
 
 def test_fa4_absent_is_skipped() -> None:
     """Where FA4 cannot run (here: a CPU, and flash-attn-4 not installed) its check says no without raising,
     so `auto` goes on to the next kernel."""
-    assert not fa4_varlen.fa4_supported(torch.device("cpu"))
-    assert pa._kernel_present("fa4", torch.device("cpu"))
-    assert not pa._varlen_works(torch.device("cpu"), torch.bfloat16, "fa4")
+    assert not fa4.fa4_supported(torch.device("cpu"))
+    assert base.get_kernel("fa4").missing(torch.device("cpu"))
+    assert not base.kernel_works(torch.device("cpu"), torch.bfloat16, "fa4")
     with pytest.raises(ValueError, match="varlen kernel"):
         with pa.packed_attention(torch.nn.Linear(2, 2), kernel="fa3"):
             pass

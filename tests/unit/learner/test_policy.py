@@ -157,7 +157,7 @@ def test_liger_kernel_is_off_by_default() -> None:
 def test_varlen_kernel_fa4_without_flash_attn_4_is_a_config_error_naming_the_fix(vlm_dir: Path) -> None:
     """`model.varlen_kernel: fa4` where flash-attn-4 does not import (this CPU machine) fails at load, naming
     the package and the `auto` alternative; unknown kernels are refused by the config itself."""
-    from learner.trainers.fa4_varlen import fa4_importable
+    from learner.kernels import fa4_importable
 
     if fa4_importable():
         pytest.skip("flash-attn-4 is installed here")

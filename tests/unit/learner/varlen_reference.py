@@ -1,6 +1,6 @@
 """A CPU stand-in for `torch.nn.attention.varlen.varlen_attn` (whose flash kernel runs on CUDA only): dense
 attention under a block-diagonal (optionally causal) mask built from the cumulative lengths, so the varlen
-path of `learner.trainers.packed_attention` can be checked on CPU against its per-segment fallback."""
+path of `learner.kernels.attention` can be checked on CPU against its per-segment fallback."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class ReferenceVarlen:
 
 class ReferenceFA4:
     """A CPU stand-in for FlashAttention-4's interface module (`flash_attn.cute.interface`): its two entry
-    points `_flash_attn_fwd` / `_flash_attn_bwd` with the keyword arguments `learner.trainers.fa4_varlen`
+    points `_flash_attn_fwd` / `_flash_attn_bwd` with the keyword arguments `learner.kernels.varlen.fa4`
     passes, computed densely (`ReferenceVarlen`); the backward recomputes the forward under autograd. Checks
     what the kernel would require: `(T, H, D)` tensors with a unit last stride, int32 bounds, lse of shape
     `(H, T)` in float32. Counts its calls."""
