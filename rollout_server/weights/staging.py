@@ -7,10 +7,12 @@ and matched the manifest, and the engine's `apply_update` is itself all or nothi
 every bucket is in (a collective sync: once its receive has finished), so that a learner with several servers
 commits none of them before all hold the update.
 
-How each transport's bytes come in (a body or an adopted file, staged as files whose headers are checked here
+How each transport's bytes come in (a body or an adopted file, staged as files whose headers are checked
 against the manifest before the ack; or the engine's receive over the learner's group) is `weights.receivers`:
-one receiver per `rollout.sync.transport` name behind one interface, mirroring `learner.weights.transports`.
-This module never asks which transport a sync uses; it asks the sync's receiver.
+one receiver per `rollout.sync.transport` name behind five verbs (begin, receive, prepare, commit, abort),
+mirroring `learner.weights.transports`. This module never asks which transport a sync uses; it asks the sync's
+receiver, and hands a bucket route's receiver this staging (`receivers.StagingAccess`: the lock, the staged
+sync, its discard).
 """
 
 from __future__ import annotations
@@ -31,10 +33,8 @@ from rollout_server.errors import (
     SyncValidationError,
     UnknownSyncError,
 )
-from rollout_server.weights.bucket_files import check_file
-from rollout_server.weights.receivers import STAGED_DIR_PREFIX, Receiver, Receivers, StagedSync
+from rollout_server.weights.receivers import STAGED_DIR_PREFIX, Receivers, StagedSync
 from rollout_server.weights.validate import check_manifest
-from shared_schemas.buckets import BucketMismatchError
 from shared_schemas.sync import (
     BucketAck,
     SyncAbortResponse,
@@ -85,7 +85,7 @@ class SyncStaging:
 
     def _finish(self, pending: StagedSync, *, outcome: str, stages: dict[str, float] | None = None) -> None:
         """Ends a sync: reports its `outcome` (`committed`, `rejected`, `aborted`, `expired`, `superseded`,
-        `failed`, `closed`) and has its receiver release what it holds (`Receiver.end`: its files, after a
+        `failed`, `closed`) and has its receiver release what it holds (`Receiver.abort`: its files, after a
         commit kept for the next sync's bodies; a collective receive still running runs out)."""
         if self._on_finish is not None and outcome != "closed":
             extra = {"stages": stages} if stages is not None else {}
@@ -97,7 +97,7 @@ class SyncStaging:
                 seconds=self._clock() - pending.began,
                 **extra,
             )
-        pending.receiver.end(pending, outcome)
+        pending.receiver.abort(pending, outcome)
 
     def close(self) -> None:
         """Drops the staged sync and every staging file (server shutdown)."""
@@ -124,7 +124,17 @@ class SyncStaging:
             self._finish(pending, outcome="expired")
             self._pending = None
 
-    def _get(self, sync_id: str) -> StagedSync:
+    @property
+    def lock(self) -> asyncio.Lock:
+        """The one lock every phase holds while it looks at the staged sync (`receivers.StagingAccess`)."""
+        return self._lock
+
+    def staged(self, sync_id: str) -> StagedSync:
+        """The staged sync `sync_id`, its idle deadline renewed; call under `lock`.
+
+        Raises:
+            UnknownSyncError: no such sync staged.
+        """
         self.sweep()
         pending = self._pending
         if pending is None or not secrets.compare_digest(pending.sync_id, sync_id):
@@ -135,7 +145,8 @@ class SyncStaging:
         pending.deadline = self._clock() + pending.timeout_s
         return pending
 
-    def _discard(self, pending: StagedSync, reason: str, outcome: str) -> None:
+    def discard(self, pending: StagedSync, reason: str, outcome: str) -> None:
+        """Drops `pending` if it is still the staged sync (its receiver releases it); call under `lock`."""
         if self._pending is pending:
             self._pending = None
             self._finish(pending, outcome=outcome)
@@ -153,9 +164,9 @@ class SyncStaging:
                 specs=engine.parameter_specs() if manifest.mode == "full" else {},
             )
             receiver = self._receivers.for_begin(request)
-            transfer = receiver.begin(request, engine)
+            transfer = receiver.begin(request, engine)  # checks, then starts receiving
             if self._pending is not None:
-                self._discard(self._pending, "superseded by a new begin", "superseded")
+                self.discard(self._pending, "superseded by a new begin", "superseded")
             timeout_s = request.timeout_s or self._default_timeout_s
             pending = StagedSync(
                 sync_id=secrets.token_hex(16),
@@ -166,7 +177,6 @@ class SyncStaging:
                 receiver=receiver,
                 transfer=transfer,
             )
-            receivers, joining = receiver.start(pending, engine)
             self._pending = pending
             logger.info(
                 "sync %s begun: mode %s, version %d, %d buckets, %d tensors, %.1f MiB",
@@ -182,68 +192,15 @@ class SyncStaging:
                 current_version=engine.weight_version,
                 num_buckets=len(manifest.buckets),
                 expires_in_s=timeout_s,
-                collective_ranks=receivers,
-                collective_joining=joining,
+                collective_ranks=transfer.collective_ranks,
+                collective_joining=transfer.collective_joining,
             )
 
     async def receive(self, sync_id: str, index: int, payload: Any, via: str) -> BucketAck:
         """Stages bucket `index` of sync `sync_id` that came in through the bucket route of receiver `via`
-        (`payload`: what that route carries) as a file, checked against the manifest before the ack.
-
-        A receiver that `streams` takes the bytes outside the lock (other phases go on); a sync superseded or
-        aborted meanwhile loses the file and answers 404.
-        """
-        receiver = self._receivers[via]
-        try:
-            async with self._lock:
-                receiver.open()
-                pending = self._get(sync_id)
-                pending.receiver.accept(pending, index)
-                started = time.perf_counter()
-                path = receiver.slot(pending, index)
-                if not receiver.streams:
-                    await _take(receiver, path, payload)
-                    return await self._stage(pending, index, path, started)
-        except RolloutServerError:
-            await receiver.refused(payload)
-            raise
-        started = time.perf_counter()
-        try:
-            await receiver.take(path, payload)
-        except OSError:
-            path.unlink(missing_ok=True)
-            async with self._lock:
-                self._get(sync_id)  # 404 when the sync was discarded (its directory removed) meanwhile
-            raise
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        async with self._lock:
-            try:
-                pending = self._get(sync_id)
-            except UnknownSyncError:
-                path.unlink(missing_ok=True)
-                raise
-            return await self._stage(pending, index, path, started)
-
-    async def _stage(self, pending: StagedSync, index: int, path: Path, started: float) -> BucketAck:
-        try:
-            pending.receiver.accept(pending, index)
-            await asyncio.to_thread(check_file, path, pending.manifest.buckets[index])
-        except BucketMismatchError as exc:
-            pending.receiver.drop(pending, path)
-            self._discard(pending, f"bucket {index} rejected", "rejected")
-            raise SyncValidationError(
-                f"{exc}; sync {pending.sync_id} discarded, begin again", type="bucket_mismatch"
-            ) from exc
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        received = pending.receiver.add(pending, index, path)
-        pending.receive_s += time.perf_counter() - started
-        return BucketAck(
-            sync_id=pending.sync_id, index=index, received=received, expected=len(pending.manifest.buckets)
-        )
+        (`payload`: what that route carries), checked against the manifest before the ack
+        (`Receiver.receive`, under this staging's lock)."""
+        return await self._receivers[via].receive(self, sync_id, index, payload)
 
     async def prepare(self, sync_id: str) -> SyncPrepareResponse:
         """Answers once the staged sync holds every bucket, so that the commit will only apply: a collective
@@ -257,15 +214,18 @@ class SyncStaging:
         """
         started = time.perf_counter()
         async with self._lock:
-            pending = self._get(sync_id)
-        await pending.receiver.wait(pending)
+            pending = self.staged(sync_id)
+        failure: SyncValidationError | None = None
+        try:
+            await pending.receiver.prepare(pending)
+        except SyncValidationError as exc:
+            failure = exc
         async with self._lock:
-            self._get(sync_id)  # 404 when it was aborted, superseded or timed out meanwhile
-            reason = pending.receiver.prepared(pending, time.perf_counter() - started)
-            if reason is not None:
-                self._discard(pending, f"receive failed at prepare ({reason})", "failed")
-                raise pending.receiver.failure(pending, reason)
-            missing = pending.receiver.missing(pending)
+            self.staged(sync_id)  # 404 when it was aborted, superseded or timed out meanwhile
+            if failure is not None:
+                self.discard(pending, f"receive failed at prepare ({failure.message})", "failed")
+                raise failure
+            missing = pending.transfer.missing(pending.manifest)
             if missing:
                 raise SyncValidationError(
                     f"sync {sync_id} is missing buckets {missing[:10]} of {len(pending.manifest.buckets)};"
@@ -282,17 +242,12 @@ class SyncStaging:
     async def commit(self, sync_id: str, engine: Engine) -> SyncCommitResponse:
         """Applies a complete sync through `engine.apply_update`; any failure discards it."""
         async with self._lock:
-            pending = self._get(sync_id)
+            pending = self.staged(sync_id)
             manifest = pending.manifest
             receiver = pending.receiver
             # Whatever happens below, this sync is finished: applied, or rejected and discarded.
             self._pending = None
-            try:
-                await receiver.received(pending)
-            except SyncValidationError:
-                self._finish(pending, outcome="failed")
-                raise
-            missing = receiver.missing(pending)
+            missing = pending.transfer.missing(manifest)
             if missing:
                 self._finish(pending, outcome="rejected")
                 logger.warning("sync %s discarded at commit: buckets %s missing", sync_id, missing)
@@ -302,17 +257,18 @@ class SyncStaging:
                     type="missing_bucket",
                     detail={"missing": missing[:100]},
                 )
-            if manifest.version <= engine.weight_version:
-                self._finish(pending, outcome="rejected")
-                raise StaleVersionError(
-                    f"sync version {manifest.version} <= current weight_version {engine.weight_version}"
-                    " (another sync committed first); nothing applied"
-                )
-            started = time.perf_counter()
             applied = False
+            outcome = "failed"
             stages: dict[str, float] = {}
             try:
-                update = await receiver.update(pending)
+                update = await receiver.commit(pending)  # every byte in, or SyncValidationError
+                if manifest.version <= engine.weight_version:
+                    outcome = "rejected"
+                    raise StaleVersionError(
+                        f"sync version {manifest.version} <= current weight_version {engine.weight_version}"
+                        " (another sync committed first); nothing applied"
+                    )
+                started = time.perf_counter()
                 self.applying = True
                 try:
                     await engine.apply_update(update)
@@ -322,7 +278,8 @@ class SyncStaging:
                 stages = {"receive_s": pending.receive_s, "apply_s": time.perf_counter() - started}
                 stages.update(getattr(engine, "last_update_stages", None) or {})
                 if "staging_device_bytes" not in stages and "staging_host_bytes" not in stages:
-                    stages.update(receiver.staging_stages(pending))  # the engine did not say (HF does)
+                    # The engine did not say (HF does): where the receiver kept the bytes.
+                    stages.update(pending.transfer.staging_stages(manifest))
             except RolloutServerError:
                 raise
             except Exception as exc:
@@ -333,7 +290,7 @@ class SyncStaging:
                 ) from exc
             finally:
                 self._finish(
-                    pending, outcome="committed" if applied else "failed", stages=stages if applied else None
+                    pending, outcome="committed" if applied else outcome, stages=stages if applied else None
                 )
             apply_s = time.perf_counter() - started
             logger.info(
@@ -359,14 +316,6 @@ class SyncStaging:
         async with self._lock:
             pending = self._pending
             if pending is not None and secrets.compare_digest(pending.sync_id, sync_id):
-                self._discard(pending, "aborted by the client", "aborted")
+                self.discard(pending, "aborted by the client", "aborted")
                 return SyncAbortResponse(sync_id=sync_id, aborted=True)
             return SyncAbortResponse(sync_id=sync_id, aborted=False)
-
-
-async def _take(receiver: Receiver, path: Path, payload: Any) -> None:
-    try:
-        await receiver.take(path, payload)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise

@@ -73,3 +73,33 @@ def test_the_staging_state_machine_never_names_a_transport() -> None:
     assert concrete - {"Receiver"} and names.isdisjoint(concrete - {"Receiver"})
     assert "isinstance" not in names
     assert len(STAGING.read_text(encoding="utf-8").splitlines()) < 500
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at any level (TYPE_CHECKING and function bodies included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    found |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    return found
+
+
+def test_learner_weights_never_import_learner_rollout() -> None:
+    """One direction only: `learner.rollout` uses the weight sync (its sources hand updates to it), the weight
+    sync names what it needs of them as protocols (`SyncClient`, `SyncTarget`)."""
+    offenders = {
+        str(path.relative_to(REPO)): sorted(m for m in _imports(path) if m.startswith("learner.rollout"))
+        for path in sorted((REPO / "learner" / "weights").rglob("*.py"))
+    }
+    assert {path: found for path, found in offenders.items() if found} == {}
+
+
+def test_the_receiver_interface_is_five_verbs_and_imports_no_receiver() -> None:
+    from rollout_server.weights.receivers import Receiver
+
+    verbs = {name for name, obj in vars(Receiver).items() if callable(obj) and not name.startswith("_")}
+    assert verbs == {"begin", "receive", "prepare", "commit", "abort"}
+    base = REPO / "rollout_server" / "weights" / "receivers" / "base.py"
+    concrete = {"files", "http", "shm", "collective"}
+    assert {
+        m.rsplit(".", 1)[-1] for m in _imports(base) if m.startswith("rollout_server.weights.receivers")
+    }.isdisjoint(concrete)

@@ -1,7 +1,8 @@
 """The server side of the weight-sync transports (`rollout.sync.transport`), mirroring the learner's
-`learner.weights.transports`: one receiver per transport name behind one interface (`base.Receiver`),
-registered in `RECEIVERS`: `http` (`http`), `shm` (`shm`), both staging bucket files (`files`), and `gloo` /
-`nccl` (`collective`). `Receivers` holds one of each for a server's `weights.staging.SyncStaging`.
+`learner.weights.transports`: one receiver per transport name behind one interface of five verbs
+(`base.Receiver`: begin, receive, prepare, commit, abort), registered in `RECEIVERS`: `http` (`http`), `shm`
+(`shm`), both staging bucket files (`files`, in the server's `file_store`), and `gloo` / `nccl`
+(`collective`). `Receivers` holds one of each for a server's `weights.staging.SyncStaging`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from rollout_server.weights.receivers.base import (
     Receiver,
     ReceiverOptions,
     StagedSync,
+    StagingAccess,
     Transfer,
     register,
 )
 from rollout_server.weights.receivers.collective import CollectiveReceiver, GlooReceiver, NcclReceiver
-from rollout_server.weights.receivers.files import STAGED_DIR_PREFIX, FileReceiver, StagedFiles
+from rollout_server.weights.receivers.file_store import STAGED_DIR_PREFIX, StagedFiles
+from rollout_server.weights.receivers.files import FileReceiver
 from rollout_server.weights.receivers.http import HttpReceiver
 from rollout_server.weights.receivers.shm import ShmReceiver
 from shared_schemas.sync import SyncBeginRequest
@@ -36,6 +39,7 @@ __all__ = [
     "Receivers",
     "ShmReceiver",
     "StagedSync",
+    "StagingAccess",
     "Transfer",
     "register",
 ]

@@ -2,18 +2,19 @@
 
 A receiver is how one transport's bytes reach this server; `SyncStaging` (`weights.staging`) owns the state
 machine around it (one staged sync at a time, the lock, timeouts, version checks, metrics) and asks the sync's
-receiver, never the transport's name, for every transport-specific step (the server side of the shape of
-vLLM's `distributed/weight_transfer` engines, mirroring the learner's `learner.weights.transports`):
+receiver, never the transport's name, for every transport-specific step. Five verbs, one per phase (the server
+side of the shape of vLLM's `distributed/weight_transfer` engines, mirroring the learner's
+`learner.weights.transports`):
 
-- begin: `begin(request, engine)` checks the begin against the transport and the engine before anything
-  staged is superseded, and makes the sync's `Transfer`; `start(sync, engine)` then starts receiving;
-- receive: a bucket (`open`, `accept`, `slot`, `take`, `add`: a file checked against the manifest by the
-  staging) or a collective (started at begin, the engine receives every bucket over the learner's group);
-- prepare: `wait` (outside the lock, bounded) and `prepared`, then `missing`;
-- commit: `received` (every byte in, or `SyncValidationError`), `update` (what the engine applies) and
-  `staging_stages` (where the bytes waited);
-- abort / any end: `end(sync, outcome)` releases the sync's files or receive.
+- `begin(request, engine)`: checks the begin against the transport and the engine (nothing staged changes
+  yet), starts receiving, and returns the sync's `Transfer`;
+- `receive(staging, sync_id, index, payload)`: a bucket that came in through this receiver's route (the file
+  receivers: `http` bodies, `shm` files); a collective sync receives every bucket from its begin on;
+- `prepare(sync)`: waits (outside the staging lock, bounded) until every byte is in;
+- `commit(sync)`: waits (bounded) until every byte is in, and returns what the engine applies;
+- `abort(sync, outcome)`: releases what the sync holds, whatever ended it.
 
+What one sync received answers the staging's generic checks (`Transfer.missing`, `Transfer.staging_stages`).
 Implementations register under their transport name (`register`, names from `shared_schemas.sync`): `http`
 and `shm` (`receivers.http`, `receivers.shm`, both on `receivers.files`), `gloo` and `nccl`
 (`receivers.collective`).
@@ -21,20 +22,25 @@ and `shm` (`receivers.http`, `receivers.shm`, both on `receivers.files`), `gloo`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from rollout_server.engines.base import Engine, StagedUpdate
-from rollout_server.errors import SyncValidationError
+from rollout_server.weights.receivers.file_store import StagedFiles
 from shared_schemas.registry import registrar
-from shared_schemas.sync import TRANSPORT_NAMES, SyncBeginRequest, SyncManifest
+from shared_schemas.sync import TRANSPORT_NAMES, BucketAck, SyncBeginRequest, SyncManifest
 
-if TYPE_CHECKING:
-    from rollout_server.weights.receivers.files import StagedFiles
-
-__all__ = ["RECEIVERS", "Receiver", "ReceiverOptions", "StagedSync", "Transfer", "register"]
+__all__ = [
+    "RECEIVERS",
+    "Receiver",
+    "ReceiverOptions",
+    "StagedSync",
+    "StagingAccess",
+    "Transfer",
+    "register",
+]
 
 BucketBody = bytes | bytearray | memoryview | AsyncIterator[bytes]
 """An HTTP bucket body: whole, or streamed as it arrives."""
@@ -45,7 +51,7 @@ class ReceiverOptions:
     """What a receiver may need (each takes what it uses).
 
     Attributes:
-        files: the server's staged bucket files (`files.StagedFiles`: private sync directories, body pool).
+        files: the server's staged bucket files (private sync directories, body pool).
         collective_staging: `server.sync_staging`, handed to the engine's receivers with each collective sync.
     """
 
@@ -54,10 +60,23 @@ class ReceiverOptions:
 
 
 class Transfer:
-    """One sync's transport state, made by its receiver's `begin` (subclasses add their own)."""
+    """What one sync received, made by its receiver's `begin` (subclasses add their own state)."""
 
     transport: str = ""
     """How the bytes came in (the sync's metrics label)."""
+    collective_ranks: int = 0
+    """The begin answer's `collective_ranks`: this server's receivers in the learner's group (0: none)."""
+    collective_joining: bool = False
+    """The begin answer's `collective_joining`: the receivers join the group (not already in it)."""
+
+    def missing(self, manifest: SyncManifest) -> list[int]:
+        """Manifest buckets not received yet (none for a transport without buckets)."""
+        return []
+
+    def staging_stages(self, manifest: SyncManifest) -> dict[str, float]:
+        """Where the sync's bytes waited for the commit, in bytes, when the engine does not say: the bucket
+        files (host tmpfs) by default."""
+        return {"staging_device_bytes": 0.0, "staging_host_bytes": float(manifest.nbytes)}
 
 
 @dataclass
@@ -77,98 +96,75 @@ class StagedSync:
     """Seconds spent taking the bytes in (bucket bodies or files and their header checks; the receive)."""
 
 
+class StagingAccess(Protocol):
+    """What a bucket route's receiver may do with the staged sync (`SyncStaging` implements it)."""
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """The staging's one lock, held around every look at the staged sync."""
+        ...
+
+    def staged(self, sync_id: str) -> StagedSync:
+        """The staged sync `sync_id` (its idle deadline renewed); call under `lock`.
+
+        Raises:
+            UnknownSyncError: no such sync staged (404).
+        """
+        ...
+
+    def discard(self, sync: StagedSync, reason: str, outcome: str) -> None:
+        """Drops `sync` if it is still the staged one (its receiver's `abort` releases it); call under
+        `lock`."""
+        ...
+
+
 class Receiver:
     """One transport's way in (see the module docstring). `name` is the `rollout.sync.transport` it serves.
 
-    The defaults are those of a transport without buckets, without a wait and without anything to release.
+    `begin` and `commit` are abstract; the defaults of the others are those of a transport without a bucket
+    route, without a wait before the commit and without anything to release.
     """
 
     name: ClassVar[str] = ""
-    streams: ClassVar[bool] = False
-    """Bucket receivers: True when `take` runs outside the staging lock (a body that may take long to
-    arrive; the staging checks afterwards that the sync is still staged)."""
 
     def __init__(self, options: ReceiverOptions) -> None:
         self.options = options
 
-    # -- begin -------------------------------------------------------------------------------------------
     def begin(self, request: SyncBeginRequest, engine: Engine) -> Transfer:
-        """Checks `request` against this transport and `engine` (nothing staged changes yet) and makes the
-        sync's transfer state.
+        """Checks `request` against this transport and `engine` (nothing staged changes yet), then starts
+        receiving; returns the sync's transfer state.
 
         Raises:
             SyncValidationError: the transport cannot carry this sync to this engine.
         """
         raise NotImplementedError
 
-    def start(self, sync: StagedSync, engine: Engine) -> tuple[int, bool]:
-        """Starts receiving once `sync` is the staged one; returns the begin answer's `collective_ranks`
-        and `collective_joining`."""
-        return 0, False
-
-    # -- receive: one bucket -----------------------------------------------------------------------------
-    def open(self) -> None:
-        """Raises `ConflictError` when this server takes no bucket this way."""
-
-    def accept(self, sync: StagedSync, index: int) -> None:
-        """Raises unless `sync` takes bucket `index` as a file (`ConflictError`, `SyncValidationError`)."""
-        raise NotImplementedError
-
-    def slot(self, sync: StagedSync, index: int) -> Path:
-        """The file bucket `index` of `sync` is taken into (this receiver's bucket route)."""
-        raise NotImplementedError
-
-    async def take(self, path: Path, payload: Any) -> None:
-        """Puts the bucket `payload` into `path` (the caller removes `path` when this raises)."""
-        raise NotImplementedError
-
-    async def refused(self, payload: Any) -> None:
-        """A bucket was refused before `take`: consume what is left of `payload`."""
-
-    def add(self, sync: StagedSync, index: int, path: Path) -> int:
-        """Records the checked file `path` as bucket `index` of `sync`; returns how many buckets it holds."""
-        raise NotImplementedError
-
-    def drop(self, sync: StagedSync, path: Path) -> None:
-        """Removes a refused bucket file of `sync`."""
-        path.unlink(missing_ok=True)
-
-    # -- prepare -----------------------------------------------------------------------------------------
-    async def wait(self, sync: StagedSync) -> None:
-        """Waits (outside the staging lock, bounded by the transport's timeout) until every byte is in."""
-
-    def prepared(self, sync: StagedSync, seconds: float) -> str | None:
-        """After `wait`, `seconds` later: why the receive failed, or None."""
-        return None
-
-    def missing(self, sync: StagedSync) -> list[int]:
-        """Manifest buckets not received yet."""
-        return []
-
-    def failure(self, sync: StagedSync, reason: str) -> SyncValidationError:
-        """The error of a receive that failed for `reason` (`prepared`; the staging discards the sync)."""
-        raise NotImplementedError
-
-    # -- commit ------------------------------------------------------------------------------------------
-    async def received(self, sync: StagedSync) -> None:
-        """Waits (bounded) until every byte is in.
+    async def receive(self, staging: StagingAccess, sync_id: str, index: int, payload: Any) -> BucketAck:
+        """Stages bucket `index` of sync `sync_id`, which came in through this receiver's bucket route
+        (`payload`: what that route carries), checked against the manifest before the ack.
 
         Raises:
-            SyncValidationError: the receive failed or timed out (`failure`).
+            RolloutServerError: the bucket was refused (the sync's own errors: 404, 409, 400).
+        """
+        raise NotImplementedError(f"the {self.name} transport has no bucket route")
+
+    async def prepare(self, sync: StagedSync) -> None:
+        """Waits, outside the staging lock and bounded by the transport's timeout, until every byte is in.
+
+        Raises:
+            SyncValidationError: the receive failed or timed out (the staging discards the sync).
         """
 
-    async def update(self, sync: StagedSync) -> StagedUpdate:
-        """What the engine applies for the complete `sync`."""
+    async def commit(self, sync: StagedSync) -> StagedUpdate:
+        """Waits (bounded) until every byte of the complete `sync` is in; returns what the engine applies.
+
+        Raises:
+            SyncValidationError: the receive failed or timed out.
+        """
         raise NotImplementedError
 
-    def staging_stages(self, sync: StagedSync) -> dict[str, float]:
-        """Where the sync's bytes waited for the commit, in bytes, when the engine does not say: the bucket
-        files (host tmpfs)."""
-        return {"staging_device_bytes": 0.0, "staging_host_bytes": float(sync.manifest.nbytes)}
-
-    # -- abort / end -------------------------------------------------------------------------------------
-    def end(self, sync: StagedSync, outcome: str) -> None:
-        """Releases what `sync` holds (`outcome`: see `SyncStaging._finish`)."""
+    def abort(self, sync: StagedSync, outcome: str) -> None:
+        """Releases what `sync` holds, whatever ended it (`outcome`: see `SyncStaging._finish`)."""
 
 
 RECEIVERS: dict[str, type[Receiver]] = {}

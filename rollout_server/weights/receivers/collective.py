@@ -1,6 +1,6 @@
 """`gloo` / `nccl`: no bucket route; the begin carries a rendezvous (the learner's group over every server,
 and this server's ranks in it), the engine joins it and receives every bucket
-(`CollectiveEngine.receive_collective`, staged where `server.sync_staging` says), and `prepare` / the commit
+(`CollectiveEngine.receive_collective`, staged where `server.sync_staging` says), and `prepare` / `commit`
 wait for that receive, bounded by the group's timeout.
 """
 
@@ -21,7 +21,7 @@ from rollout_server.engines.base import (
     Rendezvous,
     StagedUpdate,
 )
-from rollout_server.errors import ConflictError, EngineError, SyncValidationError
+from rollout_server.errors import EngineError, SyncValidationError
 from rollout_server.weights.receivers.base import Receiver, ReceiverOptions, StagedSync, Transfer, register
 from shared_schemas.sync import SyncBeginRequest, SyncManifest
 
@@ -46,7 +46,24 @@ class CollectiveReceiver(Receiver):
         self._last: asyncio.Task[None] | None = None
 
     def begin(self, request: SyncBeginRequest, engine: Engine) -> CollectiveTransfer:
-        return CollectiveTransfer(self.rendezvous(request, engine))
+        """Checks the group the begin names (`rendezvous`), then starts the engine's receive of every bucket
+        (after the previous receive has ended)."""
+        rendezvous = self.rendezvous(request, engine)
+        assert isinstance(engine, CollectiveEngine)
+        transfer = CollectiveTransfer(rendezvous)
+        transfer.collective_joining = not engine.holds_group(rendezvous.group)
+        transfer.collective_ranks = engine.collective_ranks
+        transfer.receiving = self._receive(engine, rendezvous, request.manifest)
+        logger.info(
+            "sync receives over %s group %s as ranks %d..%d of %d (%s)",
+            rendezvous.backend,
+            rendezvous.group,
+            rendezvous.first_rank,
+            rendezvous.first_rank + transfer.collective_ranks - 1,
+            rendezvous.world_size,
+            "joining" if transfer.collective_joining else "joined before",
+        )
+        return transfer
 
     def rendezvous(self, request: SyncBeginRequest, engine: Engine) -> Rendezvous:
         """The group a begin names, checked against its manifest (full syncs only) and the engine."""
@@ -85,23 +102,6 @@ class CollectiveReceiver(Receiver):
             first_rank=spec.rank_offset,
         )
 
-    def start(self, sync: StagedSync, engine: Engine) -> tuple[int, bool]:
-        rendezvous = collective_transfer(sync).rendezvous
-        assert isinstance(engine, CollectiveEngine)
-        joining = not engine.holds_group(rendezvous.group)
-        receivers = engine.collective_ranks
-        collective_transfer(sync).receiving = self._receive(engine, rendezvous, sync.manifest)
-        logger.info(
-            "sync receives over %s group %s as ranks %d..%d of %d (%s)",
-            rendezvous.backend,
-            rendezvous.group,
-            rendezvous.first_rank,
-            rendezvous.first_rank + receivers - 1,
-            rendezvous.world_size,
-            "joining" if joining else "joined before",
-        )
-        return receivers, joining
-
     def _receive(
         self, engine: CollectiveEngine, rendezvous: Rendezvous, manifest: SyncManifest
     ) -> asyncio.Task[None]:
@@ -114,22 +114,12 @@ class CollectiveReceiver(Receiver):
         self._last = task
         return task
 
-    def accept(self, sync: StagedSync, index: int) -> None:
-        raise ConflictError(
-            f"sync {sync.sync_id} sends its buckets over the {collective_transfer(sync).rendezvous.backend}"
-            " group, not as HTTP or shm buckets; broadcast them, then commit",
-            type="collective_sync",
-        )
-
-    async def wait(self, sync: StagedSync) -> None:
-        transfer = collective_transfer(sync)
-        assert transfer.receiving is not None
-        await asyncio.wait({transfer.receiving}, timeout=transfer.rendezvous.timeout_s)
-
-    def prepared(self, sync: StagedSync, seconds: float) -> str | None:
+    async def prepare(self, sync: StagedSync) -> None:
         transfer = collective_transfer(sync)
         task = transfer.receiving
         assert task is not None
+        started = time.perf_counter()
+        await asyncio.wait({task}, timeout=transfer.rendezvous.timeout_s)
         reason = None
         if not task.done():
             reason = f"not every broadcast arrived within {transfer.rendezvous.timeout_s:.0f} s"
@@ -137,19 +127,13 @@ class CollectiveReceiver(Receiver):
             reason = "the receive was cancelled"
         elif task.exception() is not None:
             reason = str(task.exception())
-        if reason is None:
-            sync.receive_s = seconds
-        return reason
+        if reason is not None:
+            raise _failure(sync, reason)
+        sync.receive_s = time.perf_counter() - started
 
-    def failure(self, sync: StagedSync, reason: str) -> SyncValidationError:
-        return SyncValidationError(
-            f"sync {sync.sync_id}: receiving over the {collective_transfer(sync).rendezvous.backend} group"
-            f" failed ({reason}); nothing applied, begin again",
-            type="collective_failed",
-        )
-
-    async def received(self, sync: StagedSync) -> None:
-        """Waits, bounded by the group's timeout, until the engine has received every bucket."""
+    async def commit(self, sync: StagedSync) -> StagedUpdate:
+        """Waits, bounded by the group's timeout, until the engine has received every bucket; the engine then
+        loads what its receivers staged."""
         transfer = collective_transfer(sync)
         assert transfer.receiving is not None
         started = time.perf_counter()
@@ -161,25 +145,13 @@ class CollectiveReceiver(Receiver):
                 if isinstance(exc, TimeoutError)
                 else str(exc)
             )
-            raise self.failure(sync, reason) from exc
+            raise _failure(sync, reason) from exc
         if not sync.receive_s:  # already measured by the prepare, which waited for it
             sync.receive_s = time.perf_counter() - started
-
-    async def update(self, sync: StagedSync) -> StagedUpdate:
         manifest = sync.manifest
         return ReceivedUpdate(version=manifest.version, names=tuple(t.name for t in manifest.tensors))
 
-    def staging_stages(self, sync: StagedSync) -> dict[str, float]:
-        """The configured place (`server.sync_staging`): device, host, or `auto` (not known here)."""
-        nbytes = float(sync.manifest.nbytes)
-        staging = collective_transfer(sync).rendezvous.staging
-        if staging == "device":
-            return {"staging_device_bytes": nbytes, "staging_host_bytes": 0.0}
-        if staging == "auto":
-            return {"staging_auto_bytes": nbytes}
-        return super().staging_stages(sync)
-
-    def end(self, sync: StagedSync, outcome: str) -> None:
+    def abort(self, sync: StagedSync, outcome: str) -> None:
         """A receive still running is left to run out (a thread blocked in a broadcast cannot be interrupted;
         its engine drops the group when the learner's side stays quiet past the group's timeout, and the next
         sync's receive starts after it); it is cancelled only at shutdown (`closed`)."""
@@ -209,10 +181,28 @@ class CollectiveTransfer(Transfer):
     def __post_init__(self) -> None:
         self.transport = self.rendezvous.backend
 
+    def staging_stages(self, manifest: SyncManifest) -> dict[str, float]:
+        """The configured place (`server.sync_staging`): device, host, or `auto` (not known here)."""
+        nbytes = float(manifest.nbytes)
+        if self.rendezvous.staging == "device":
+            return {"staging_device_bytes": nbytes, "staging_host_bytes": 0.0}
+        if self.rendezvous.staging == "auto":
+            return {"staging_auto_bytes": nbytes}
+        return super().staging_stages(manifest)
+
 
 def collective_transfer(sync: StagedSync) -> CollectiveTransfer:
     assert isinstance(sync.transfer, CollectiveTransfer)
     return sync.transfer
+
+
+def _failure(sync: StagedSync, reason: str) -> SyncValidationError:
+    """The error of a receive that failed for `reason` (nothing applied; the sync is discarded)."""
+    return SyncValidationError(
+        f"sync {sync.sync_id}: receiving over the {collective_transfer(sync).rendezvous.backend} group"
+        f" failed ({reason}); nothing applied, begin again",
+        type="collective_failed",
+    )
 
 
 async def _after(previous: asyncio.Task[None] | None, receive: Coroutine[Any, Any, None]) -> None:

@@ -4,38 +4,38 @@ Every staged bucket is a FILE, never bytes in the server's heap: an HTTP body st
 server's private pool directory (on `/dev/shm`; after a committed sync its files are kept and overwritten by
 the next sync's bodies, so their tmpfs pages are not allocated and zeroed again — steady-state cost: one
 model's worth of tmpfs per server, which a sync needs anyway), an shm bucket is adopted into a per-sync
-private directory inside `server.shm_dir` (`.rollmatch-staged-*`, removed with the sync). Either way the
-engine's worker processes map it by name at commit and load from the mapping (`engines.vllm.worker`), so
-bucket bytes never travel through the engine's RPC. The staging checks each bucket's header against the
-manifest before its ack; the files of a discarded, superseded, timed-out or finished sync are removed.
+private directory inside `server.shm_dir` (`.rollmatch-staged-*`, removed with the sync; both places:
+`file_store.StagedFiles`). Either way the engine's worker processes map it by name at commit and load from
+the mapping (`engines.vllm.worker`), so bucket bytes never travel through the engine's RPC. Each bucket's
+header is checked against the manifest before its ack; the files of a discarded, superseded, timed-out or
+finished sync are removed.
 
-One sync may take each bucket either way: a sync without a collective group is begun by the `http` receiver
-(`receivers.Receivers.for_begin`) and its `FileTransfer` holds the buckets of both routes.
+`FileReceiver.receive` is the whole bucket route: the staging's lock and lookup around the steps its two
+transports define (`open`, `slot`, `take`, `refused`; `streams`). One sync may take each bucket either way: a
+sync without a collective group is begun by the `http` receiver (`receivers.Receivers.for_begin`) and its
+`FileTransfer` holds the buckets of both routes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
-import shutil
-import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 from rollout_server.engines.base import AdapterUpdate, Engine, FullUpdate, StagedUpdate
-from rollout_server.errors import SyncValidationError
-from rollout_server.weights.receivers.base import Receiver, StagedSync, Transfer
-from shared_schemas.buckets import decode_bucket, encode_bucket
-from shared_schemas.sync import SyncBeginRequest, SyncManifest
+from rollout_server.errors import ConflictError, RolloutServerError, SyncValidationError, UnknownSyncError
+from rollout_server.weights.bucket_files import check_file
+from rollout_server.weights.receivers.base import Receiver, StagedSync, StagingAccess, Transfer
+from rollout_server.weights.receivers.file_store import StagedFiles
+from shared_schemas.buckets import BucketMismatchError, decode_bucket, encode_bucket
+from shared_schemas.sync import BucketAck, SyncBeginRequest, SyncManifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STAGED_DIR_PREFIX", "FileReceiver", "FileTransfer", "StagedFiles", "file_transfer"]
-
-STAGED_DIR_PREFIX = ".rollmatch-staged-"
-"""Prefix of the private directory (in `server.shm_dir`) that holds one sync's staged bucket files."""
+__all__ = ["FileReceiver", "FileTransfer"]
 
 
 @dataclass
@@ -50,109 +50,127 @@ class FileTransfer(Transfer):
     owned: set[Path] = field(default_factory=set)
     """Pool files holding this sync's HTTP bodies (recycled after a successful commit, else removed)."""
 
-
-class StagedFiles:
-    """Where this server's staged bucket files live: per-sync private directories (in `shm_dir`, so that
-    learner files are adopted by hard link) and the pool of body files, recycled after a committed sync.
-
-    Args:
-        shm_dir: `server.shm_dir`; None disables the `shm` route.
-    """
-
-    def __init__(self, shm_dir: Path | None) -> None:
-        self.shm_dir = shm_dir
-        self.pool: Path | None = None
-        """Directory of the pooled body files (None until the first body)."""
-        self._spare: list[Path] = []
-
-    def private_file(self, sync_id: str, transfer: FileTransfer, index: int) -> Path:
-        """A fresh file name in the sync's private directory (created on first use, on the filesystem of
-        `shm_dir` so learner files are adopted by hard link; removed with the sync)."""
-        if transfer.dir is None:
-            if self.shm_dir is not None:
-                self.shm_dir.mkdir(parents=True, exist_ok=True)
-                parent: str | None = str(self.shm_dir)
-            else:
-                parent = _dev_shm()
-            transfer.dir = Path(tempfile.mkdtemp(prefix=f"{STAGED_DIR_PREFIX}{sync_id[:8]}-", dir=parent))
-        return transfer.dir / f"b{index}-{secrets.token_hex(4)}.safetensors"
-
-    def body_file(self, transfer: FileTransfer) -> Path:
-        """A pool file for one HTTP body: a spare one from the last committed sync (its pages already
-        allocated), else a new name in the pool directory."""
-        if self._spare:
-            path = self._spare.pop()
-        else:
-            if self.pool is None:
-                self.pool = Path(tempfile.mkdtemp(prefix="rollmatch-sync-pool-", dir=_dev_shm()))
-            path = self.pool / f"body-{secrets.token_hex(8)}.safetensors"
-        transfer.owned.add(path)
-        return path
-
-    def release(self, transfer: FileTransfer, *, recycle: bool) -> None:
-        """Removes a finished sync's files; after a commit (`recycle`) its pool files become the spares."""
-        if transfer.dir is not None:
-            shutil.rmtree(transfer.dir, ignore_errors=True)
-        if recycle:
-            for path in self._spare:
-                path.unlink(missing_ok=True)
-            self._spare = [path for path in transfer.owned if path.exists()]
-        else:
-            for path in transfer.owned:
-                path.unlink(missing_ok=True)
-        transfer.owned = set()
-
-    def close(self) -> None:
-        """Drops the spares and the pool directory (server shutdown)."""
-        self._spare = []
-        if self.pool is not None:
-            shutil.rmtree(self.pool, ignore_errors=True)
-            self.pool = None
+    def missing(self, manifest: SyncManifest) -> list[int]:
+        return [i for i in range(len(manifest.buckets)) if i not in self.buckets]
 
 
 class FileReceiver(Receiver):
-    """A transport whose buckets arrive one request at a time and are staged as files (see the module)."""
+    """A transport whose buckets arrive one request at a time and are staged as files (see the module).
+
+    Its transports define how a bucket gets into its file: `open` (may this server take buckets this way),
+    `slot` (the file), `take` (the bytes into it), `refused` (what is left of a refused payload), `streams`.
+    """
+
+    streams: ClassVar[bool] = False
+    """True when `take` runs outside the staging lock (a body that may take long to arrive; the sync is
+    looked up again afterwards)."""
 
     @property
     def files(self) -> StagedFiles:
         return self.options.files
 
+    # -- the verbs -----------------------------------------------------------------------------------------
     def begin(self, request: SyncBeginRequest, engine: Engine) -> FileTransfer:
         return FileTransfer(transport=self.name)
 
-    def accept(self, sync: StagedSync, index: int) -> None:
-        count = len(sync.manifest.buckets)
-        if not 0 <= index < count:
-            raise SyncValidationError(
-                f"bucket index {index} out of range; the manifest of sync {sync.sync_id} has buckets"
-                f" 0..{count - 1}",
-                type="bucket_out_of_range",
-            )
+    async def receive(self, staging: StagingAccess, sync_id: str, index: int, payload: Any) -> BucketAck:
+        """A receiver that `streams` takes the bytes outside the lock (other phases go on); a sync superseded
+        or aborted meanwhile loses the file and answers 404."""
+        try:
+            async with staging.lock:
+                self.open()
+                sync = staging.staged(sync_id)
+                transfer = _accept(sync, index)
+                started = time.perf_counter()
+                path = self.slot(sync, transfer, index)
+                if not self.streams:
+                    await self._take(path, payload)
+                    return await self._stage(staging, sync, index, path, started)
+        except RolloutServerError:
+            await self.refused(payload)
+            raise
+        started = time.perf_counter()
+        try:
+            await self.take(path, payload)
+        except OSError:
+            path.unlink(missing_ok=True)
+            async with staging.lock:
+                staging.staged(sync_id)  # 404 when the sync was discarded (its directory removed) meanwhile
+            raise
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        async with staging.lock:
+            try:
+                sync = staging.staged(sync_id)
+            except UnknownSyncError:
+                path.unlink(missing_ok=True)
+                raise
+            return await self._stage(staging, sync, index, path, started)
 
-    def add(self, sync: StagedSync, index: int, path: Path) -> int:
+    async def commit(self, sync: StagedSync) -> StagedUpdate:
+        return await asyncio.to_thread(_staged_update, sync.manifest, file_transfer(sync).buckets)
+
+    def abort(self, sync: StagedSync, outcome: str) -> None:
+        # Committed: the workers have loaded and dropped their mappings, so pool files may be reused.
         transfer = file_transfer(sync)
+        self.files.release(transfer.dir, transfer.owned, recycle=outcome == "committed")
+        transfer.owned = set()
+
+    # -- the steps of one bucket (the transports') -----------------------------------------------------------
+    def open(self) -> None:
+        """Raises `ConflictError` when this server takes no bucket this way."""
+
+    def slot(self, sync: StagedSync, transfer: FileTransfer, index: int) -> Path:
+        """The file bucket `index` of `sync` is taken into."""
+        raise NotImplementedError
+
+    async def take(self, path: Path, payload: Any) -> None:
+        """Puts the bucket `payload` into `path` (the caller removes `path` when this raises)."""
+        raise NotImplementedError
+
+    async def refused(self, payload: Any) -> None:
+        """A bucket was refused before `take`: consume what is left of `payload`."""
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    async def _take(self, path: Path, payload: Any) -> None:
+        try:
+            await self.take(path, payload)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    async def _stage(
+        self, staging: StagingAccess, sync: StagedSync, index: int, path: Path, started: float
+    ) -> BucketAck:
+        """Checks the file against the manifest (a mismatch discards the sync) and records it as bucket
+        `index`."""
+        try:
+            transfer = _accept(sync, index)
+            await asyncio.to_thread(check_file, path, sync.manifest.buckets[index])
+        except BucketMismatchError as exc:
+            path.unlink(missing_ok=True)
+            file_transfer(sync).owned.discard(path)
+            staging.discard(sync, f"bucket {index} rejected", "rejected")
+            raise SyncValidationError(
+                f"{exc}; sync {sync.sync_id} discarded, begin again", type="bucket_mismatch"
+            ) from exc
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         previous = transfer.buckets.get(index)
         if previous is not None:
             logger.warning("sync %s: bucket %d received again; keeping the latest", sync.sync_id, index)
             previous.unlink(missing_ok=True)
             transfer.owned.discard(previous)
         transfer.buckets[index] = path
-        return len(transfer.buckets)
-
-    def drop(self, sync: StagedSync, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        file_transfer(sync).owned.discard(path)
-
-    def missing(self, sync: StagedSync) -> list[int]:
-        buckets = file_transfer(sync).buckets
-        return [i for i in range(len(sync.manifest.buckets)) if i not in buckets]
-
-    async def update(self, sync: StagedSync) -> StagedUpdate:
-        return await asyncio.to_thread(_staged_update, sync.manifest, file_transfer(sync).buckets)
-
-    def end(self, sync: StagedSync, outcome: str) -> None:
-        # Committed: the workers have loaded and dropped their mappings, so pool files may be reused.
-        self.files.release(file_transfer(sync), recycle=outcome == "committed")
+        sync.receive_s += time.perf_counter() - started
+        return BucketAck(
+            sync_id=sync.sync_id,
+            index=index,
+            received=len(transfer.buckets),
+            expected=len(sync.manifest.buckets),
+        )
 
 
 def file_transfer(sync: StagedSync) -> FileTransfer:
@@ -160,8 +178,28 @@ def file_transfer(sync: StagedSync) -> FileTransfer:
     return sync.transfer
 
 
-def _dev_shm() -> str | None:
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+def _accept(sync: StagedSync, index: int) -> FileTransfer:
+    """`sync`'s files, once it takes bucket `index` as a file.
+
+    Raises:
+        ConflictError: `sync` receives over a collective group, not bucket by bucket.
+        SyncValidationError: `index` is not a bucket of its manifest.
+    """
+    transfer = sync.transfer
+    if not isinstance(transfer, FileTransfer):
+        raise ConflictError(
+            f"sync {sync.sync_id} sends its buckets over the {transfer.transport} group, not as HTTP or shm"
+            " buckets; broadcast them, then commit",
+            type="collective_sync",
+        )
+    count = len(sync.manifest.buckets)
+    if not 0 <= index < count:
+        raise SyncValidationError(
+            f"bucket index {index} out of range; the manifest of sync {sync.sync_id} has buckets"
+            f" 0..{count - 1}",
+            type="bucket_out_of_range",
+        )
+    return transfer
 
 
 def _staged_update(manifest: SyncManifest, buckets: dict[int, Path]) -> StagedUpdate:

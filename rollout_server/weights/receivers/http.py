@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rollout_server.weights.bucket_files import write_stream
 from rollout_server.weights.receivers.base import BucketBody, StagedSync, register
-from rollout_server.weights.receivers.files import FileReceiver, file_transfer
+from rollout_server.weights.receivers.files import FileReceiver, FileTransfer
 
 __all__ = ["HttpReceiver"]
 
@@ -19,8 +19,10 @@ class HttpReceiver(FileReceiver):
 
     streams = True
 
-    def slot(self, sync: StagedSync, index: int) -> Path:
-        return self.files.body_file(file_transfer(sync))
+    def slot(self, sync: StagedSync, transfer: FileTransfer, index: int) -> Path:
+        path = self.files.body_file()
+        transfer.owned.add(path)
+        return path
 
     async def take(self, path: Path, payload: BucketBody) -> None:
         if isinstance(payload, bytes | bytearray | memoryview):

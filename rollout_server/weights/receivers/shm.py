@@ -8,12 +8,13 @@ servers each keeps its own link to the one file): `bucket_files.adopt_shm_bucket
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
 from rollout_server.errors import ConflictError
 from rollout_server.weights.bucket_files import adopt_shm_bucket
 from rollout_server.weights.receivers.base import StagedSync, register
-from rollout_server.weights.receivers.files import FileReceiver, file_transfer
+from rollout_server.weights.receivers.files import FileReceiver, FileTransfer
 from shared_schemas.sync import ShmBucketRef
 
 __all__ = ["ShmReceiver"]
@@ -32,10 +33,11 @@ class ShmReceiver(FileReceiver):
                 type="shm_disabled",
             )
 
-    def slot(self, sync: StagedSync, index: int) -> Path:
-        transfer = file_transfer(sync)
+    def slot(self, sync: StagedSync, transfer: FileTransfer, index: int) -> Path:
         transfer.transport = self.name
-        return self.files.private_file(sync.sync_id, transfer, index)
+        if transfer.dir is None:
+            transfer.dir = self.files.private_dir(sync.sync_id)
+        return transfer.dir / f"b{index}-{secrets.token_hex(4)}.safetensors"
 
     async def take(self, path: Path, payload: ShmBucketRef) -> None:
         assert self.files.shm_dir is not None
