@@ -2,13 +2,19 @@
 
     python bench/ab_learning.py --task text-random --arms sft,rm-keep,rm-drop,rm-reorder --seeds 0,1,2
     python bench/ab_learning.py --task image-random --colocate  # a GPU machine without vLLM
+    python bench/ab_learning.py --task crowded-random --colocate --base-steps 0 --arms sft,sft-canonical
     python bench/ab_learning.py --smoke --server-url URL        # the CI smoke (< 1 min on a running server)
 
 A task is a demo config plus its object order (``TASKS``: text or image demo, ``sorted`` or ``random``). Every
 run of a seed starts with the same ``--base-steps`` of plain-GT training (the demo's own stage 1: runs are
 deterministic, so this phase is one checkpoint shared by the seed's arms, optimizer state included), then
 trains ``--steps`` more with its arm's recipe (``ARMS``: a ``stage2`` override, exactly what a user writes
-in YAML). ``sft`` is the control: plain GT for the same steps and samples. The held-out F1 is evaluated
+in YAML). ``sft`` is the weak control: plain GT for the same steps and samples, in the task's order. The
+strong control is ``sft-canonical`` (``CANONICAL``): plain GT from the same base for the same steps, listed
+in the order the base itself follows, measured before it trains on the base's greedy rollouts of
+``--order-samples`` training rows (``python -m learner.evaluate``'s ``object_order``,
+`learner.evaluate.order`: the share of pairs of matched predictions each known order ranks as the model
+emitted them), so an on-policy arm has to beat more than the fix of the order. The held-out F1 is evaluated
 every ``--eval-every`` steps on ``--eval-samples`` rows (greedy; 64 rows move F1 by about +-0.05 between
 equivalent runs, so 256 and three seeds are the minimum for a 0.03 claim).
 
@@ -18,16 +24,22 @@ detection``) start from the same base: the sft run of the seed saves its weights
 GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF engine in-process; constant
 ``--grpo-learning-rate``, a fresh optimizer), evaluated by the rollout-matching evaluator on the same held-out
 rows with the same greedy decoding (``learner.grpo.evaluation``); its steps are shifted by the base steps in
-``ab.jsonl``. Trained samples: a plain-GT or rollout-matching step trains ``per_device_train_batch_size x
-gradient_accumulation_steps`` samples; a GRPO step trains ``prompts x num_generations`` completions, and the
-arm uses ``(that batch) / GRPO_GENERATIONS`` prompts per step, so every arm trains the same number of samples
-per step (``trained_samples`` in the summary counts the steps after the base). ``train_seconds`` is HF's
-``train_runtime`` of the run: base + arm steps for the stage-2 arms, the GRPO steps alone for a GRPO arm
-(its base is the sft run's).
+``ab.jsonl``. ``sft-canonical`` starts from that base the same way (its annotation order is not the shared
+phase's), with the supervised arms' learning rate and schedule. Trained samples: a plain-GT or
+rollout-matching step trains ``per_device_train_batch_size x gradient_accumulation_steps`` samples; a GRPO
+step trains ``prompts x num_generations`` completions, and the arm uses ``(that batch) / GRPO_GENERATIONS``
+prompts per step, so every arm trains the same number of samples per step (``trained_samples`` in the
+summary counts the steps after the base). Training seconds: each evaluation carries ``seconds``, the wall
+seconds the run spent in its steps after the base (evaluations excluded; ``step_seconds``), times the GPUs
+the run held on a GPU host (GPU-seconds: the learner's, plus the rollout server's when the harness started
+it) — ``train_seconds`` and ``seconds_unit`` per run in the summary (``gpu``, or ``cpu`` wall seconds).
 
 Writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation; then per arm: the final F1 per seed, mean, sd and
-the PAIRED difference to ``sft`` of the same seed, with its min and max), ``ab.png`` (F1, precision, recall,
-F1 at maskIoU 0.5, duplicates and predicted ÷ GT by step: mean line and min-max band per arm) and, with a GRPO
+the PAIRED difference to each control of the same seed — ``paired_*`` to ``sft``, ``canonical_paired_*`` to
+``sft-canonical`` — at equal trained samples and, ``*_at_seconds_*``, at equal training seconds; the
+``sft-canonical`` line holds the base order measured per seed), ``ab.png`` (F1, precision, recall, F1 at
+maskIoU 0.5, duplicates and predicted ÷ GT by step, and F1 by training seconds: mean line and min-max band per
+arm, the controls dashed, each arm's paired mean against both controls in the legend) and, with a GRPO
 arm, ``grpo.png`` (reward, KL, completion length per step). One rollout server (the task config's
 ``server:`` section) serves every run unless ``--server-url`` names one or ``--colocate`` rolls out
 in-process; a run's first rollout step syncs its weights, so runs can share a server. Finished runs are reused
@@ -70,6 +82,17 @@ ARMS: dict[str, dict[str, Any]] = {
 """Arm name → ``stage2`` override (deep-merged over the task config's stage2). Every arm trains on the plain
 GT for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues
 on the plain GT and the others roll out."""
+
+CANONICAL = "sft-canonical"
+"""The strong control: plain SFT from the seed's base on the annotations in the order the base itself follows,
+measured on its own rollouts of ``--order-samples`` training items (:func:`measure_base_order`); the base's
+habit then costs plain SFT nothing, so an on-policy arm must beat more than the order fix."""
+CONTROLS = ("sft", CANONICAL)
+"""The controls every other arm is paired with: ``sft`` (plain GT in the task's order, the weak control: on a
+random-order task it fights the base's order habit) and :data:`CANONICAL` (the strong one)."""
+ORDERING_OF = {"sorted": "sorted"}
+"""A measured order (`learner.stage2.targets.order.ORDER_NAMES`) → the ``data.object_ordering`` that lists the
+annotations in it; ``listed`` is the task's own ordering."""
 
 GRPO_ARMS: dict[str, dict[str, Any]] = {
     "grpo-detection": {"reward_preset": "detection"},
@@ -373,13 +396,61 @@ BREAKDOWN = ("precision", "recall", "f1_iou50", "f1_iou75", "duplicates", "dupli
 """``eval_rollout_*`` figures whose per-arm mean over seeds the summary carries beside the gate F1."""
 
 
-def train_seconds(metrics: Path) -> float | None:
-    """The run's ``train_runtime`` (HF's wall seconds of ``train()``, evaluations included), if logged."""
-    for line in reversed(metrics.read_text().splitlines()):
+DEVICE_STAMP = "device.json"
+"""File in a run folder: ``{"gpus": N}``, the GPUs the run held (0 on a CPU host), written once it trained."""
+
+
+def run_gpus(*, colocate: bool, own_server: bool) -> int:
+    """GPUs one run holds on this host: 0 without CUDA; else the learner's one, plus the rollout server's when
+    this harness started it (``--server-url``'s server is another host's, not counted)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return 1 if colocate or not own_server else 2
+
+
+def step_seconds(metrics: Path, after_step: int = 0) -> dict[int, float]:
+    """Seconds the run spent training its steps after ``after_step``, cumulated up to each logged step: per
+    training line (one with ``loss``), its ``wall_s`` minus the previous line's, so that the evaluations the
+    learner logs between steps are not counted (seconds of training, not of measuring it). A run that starts
+    from the base (GRPO, ``sft-canonical``) pays its first step's warm-up here; the stage-2 arms paid theirs
+    in the shared base phase (on the CPU smoke ~0.8 s of 2 steps; small against real runs' steps)."""
+    out: dict[int, float] = {}
+    total = previous = 0.0
+    for line in metrics.read_text().splitlines():
         row = json.loads(line)
-        if "train_runtime" in row:
-            return float(row["train_runtime"])
-    return None
+        if row.get("wall_s") is None:
+            continue
+        if "loss" in row and int(row["step"]) > after_step:
+            total += float(row["wall_s"]) - previous
+            out[int(row["step"])] = total
+        previous = float(row["wall_s"])
+    return out
+
+
+def seconds_unit(run_dir: Path) -> tuple[str, int]:
+    """``(unit, factor)`` of a run's seconds from its :data:`DEVICE_STAMP`: ``gpu`` (GPU-seconds: wall seconds
+    x the GPUs it held), ``cpu`` (wall seconds on a CPU host), ``wall`` (a run from before the stamp)."""
+    stamp = run_dir / DEVICE_STAMP
+    if not stamp.exists():
+        return "wall", 1
+    gpus = int(json.loads(stamp.read_text())["gpus"])
+    return ("gpu", gpus) if gpus > 0 else ("cpu", 1)
+
+
+def with_seconds(
+    curve: list[dict[str, float]], run_dir: Path, after_step: int = 0
+) -> tuple[list[dict[str, float]], str]:
+    """``curve`` with ``seconds`` at each evaluation (:func:`step_seconds` after ``after_step``, in the run's
+    :func:`seconds_unit`; 0 at the base) and that unit. Call before shifting a curve's steps."""
+    unit, factor = seconds_unit(run_dir)
+    cumulative = step_seconds(run_dir / "metrics.jsonl", after_step)
+    out = []
+    for point in curve:
+        done = [t for step, t in cumulative.items() if step <= point["step"]]
+        out.append({**point, "seconds": round(factor * max(done, default=0.0), 3)})
+    return out, unit
 
 
 def t_quantile_975(dof: int) -> float:
@@ -389,14 +460,85 @@ def t_quantile_975(dof: int) -> float:
     return float(t.ppf(0.975, dof))
 
 
+def paired_stats(diffs: Sequence[float]) -> dict[str, Any]:
+    """Mean, sd, min and max of per-seed differences, and Student's t 95 % interval of the mean (two seeds or
+    more: the acceptance asks for it above 0)."""
+    mean = statistics.fmean(diffs)
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    out: dict[str, Any] = {"mean": mean, "sd": sd, "min": min(diffs), "max": max(diffs)}
+    if len(diffs) > 1:
+        half = t_quantile_975(len(diffs) - 1) * sd / math.sqrt(len(diffs))
+        out["ci95"] = [mean - half, mean + half]
+    return out
+
+
+def f1_within(curve: Sequence[dict[str, float]], budget: float) -> float:
+    """F1 of the last evaluation the run reached within ``budget`` seconds of training (the base's at 0)."""
+    return [p for p in curve if p["seconds"] <= budget + 1e-9][-1]["f1"]
+
+
+def pair_with(
+    curves: dict[tuple[str, int], list[dict[str, float]]],
+    arm: str,
+    control: str,
+    prefix: str,
+    units: dict[tuple[str, int], str] | None = None,
+) -> dict[str, Any]:
+    """``arm`` against ``control`` over the seeds both finished, as ``<prefix>_*`` keys of a summary line.
+
+    By trained samples (every arm trains the same samples per step): ``<prefix>_diff``, the final F1 minus the
+    control's of the same seed, and its :func:`paired_stats`. By seconds (when every run's evaluations carry
+    ``seconds``, in one unit per pair): both runs cut at the seconds the faster of the two trained (each at
+    its last evaluation within them), ``<prefix>_at_seconds_diff`` and its stats, the budget per seed
+    (``<prefix>_at_seconds_budget``) and ``<prefix>_seconds_ratio`` (the arm's seconds ÷ the control's).
+    """
+    seeds = sorted(s for a, s in curves if a == arm and (control, s) in curves)
+    if arm == control or not seeds:
+        return {}
+    out: dict[str, Any] = {f"{prefix}_seeds": seeds}
+    diffs = [curves[(arm, s)][-1]["f1"] - curves[(control, s)][-1]["f1"] for s in seeds]
+    out[f"{prefix}_diff"] = diffs
+    out |= {f"{prefix}_{k}": v for k, v in paired_stats(diffs).items()}
+    units = units or {}
+    timed = [
+        s
+        for s in seeds
+        if all("seconds" in p for p in curves[(arm, s)] + curves[(control, s)])
+        and units.get((arm, s)) == units.get((control, s))
+        and curves[(control, s)][-1]["seconds"] > 0
+    ]
+    if timed:
+        budgets = [min(curves[(arm, s)][-1]["seconds"], curves[(control, s)][-1]["seconds"]) for s in timed]
+        at = [
+            f1_within(curves[(arm, s)], b) - f1_within(curves[(control, s)], b)
+            for s, b in zip(timed, budgets, strict=True)
+        ]
+        out[f"{prefix}_at_seconds_seeds"] = timed
+        out[f"{prefix}_at_seconds_budget"] = budgets
+        out[f"{prefix}_at_seconds_diff"] = at
+        out |= {f"{prefix}_at_seconds_{k}": v for k, v in paired_stats(at).items()}
+        out[f"{prefix}_seconds_ratio"] = [
+            curves[(arm, s)][-1]["seconds"] / curves[(control, s)][-1]["seconds"] for s in timed
+        ]
+    return out
+
+
+PAIRING_PREFIX = {"sft": "paired", CANONICAL: "canonical_paired"}
+"""Summary-line key prefix of the pairing with each of :data:`CONTROLS`."""
+
+
 def summarize(
     task: str,
     curves: dict[tuple[str, int], list[dict[str, float]]],
-    seconds: dict[tuple[str, int], float | None] | None = None,
     samples: dict[tuple[str, int], int] | None = None,
+    units: dict[tuple[str, int], str] | None = None,
+    orders: dict[tuple[str, int], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One line per arm: final F1 mean/sd over seeds, the breakdown's means, wall seconds per run, and the
-    paired difference to the sft arm."""
+    """One line per arm: final F1 mean/sd over seeds, the breakdown's means, trained samples and training
+    seconds per run (the arm's steps, evaluations excluded; ``seconds_unit`` per run: ``gpu`` GPU-seconds,
+    ``cpu`` wall seconds of a CPU host), and the pairing with each of :data:`CONTROLS` the arm is not
+    (:func:`pair_with`: ``paired_*`` against ``sft``, ``canonical_paired_*`` against ``sft-canonical``). The
+    ``sft-canonical`` line also carries the base order measured per seed (``base_order``; ``orders``)."""
     arms = sorted({a for a, _ in curves})
     lines = []
     for arm in arms:
@@ -416,26 +558,15 @@ def summarize(
             values = [curves[(arm, s)][-1][key] for s in seeds if key in curves[(arm, s)][-1]]
             if values:
                 line[f"mean_{key}"] = statistics.fmean(values)
-        if seconds:
-            line["train_seconds"] = [seconds.get((arm, s)) for s in seeds]
+        if all("seconds" in curves[(arm, s)][-1] for s in seeds):
+            line["train_seconds"] = [curves[(arm, s)][-1]["seconds"] for s in seeds]
+            line["seconds_unit"] = [(units or {}).get((arm, s), "wall") for s in seeds]
         if samples:
             line["trained_samples"] = [samples.get((arm, s)) for s in seeds]
-        paired = [s for s in seeds if ("sft", s) in curves]  # seeds whose sft run finished too
-        if arm != "sft" and paired:
-            diffs = [curves[(arm, s)][-1]["f1"] - curves[("sft", s)][-1]["f1"] for s in paired]
-            mean = statistics.fmean(diffs)
-            sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-            line.update(
-                paired_seeds=paired,
-                paired_diff=diffs,
-                paired_mean=mean,
-                paired_sd=sd,
-                paired_min=min(diffs),
-                paired_max=max(diffs),
-            )
-            if len(diffs) > 1:  # Student's t over seeds: the acceptance asks for it above 0
-                half = t_quantile_975(len(diffs) - 1) * sd / math.sqrt(len(diffs))
-                line["paired_ci95"] = [mean - half, mean + half]
+        if orders and any((arm, s) in orders for s in seeds):
+            line["base_order"] = [orders.get((arm, s)) for s in seeds]
+        for control in CONTROLS:
+            line |= pair_with(curves, arm, control, PAIRING_PREFIX[control], units)
         lines.append(line)
     return lines
 
@@ -451,14 +582,30 @@ PANELS = (
 """The held-out figures ``ab.png`` plots per arm (mean line, min-max band over seeds)."""
 
 
+def arm_label(line: dict[str, Any]) -> str:
+    """An arm's legend entry: its name, seeds, and its paired mean final F1 against each control it is not."""
+    label = f"{line['arm']} (n={len(line['seeds'])})"
+    versus = [
+        f"{control} {line[f'{PAIRING_PREFIX[control]}_mean']:+.3f}"
+        for control in CONTROLS
+        if f"{PAIRING_PREFIX[control]}_mean" in line
+    ]
+    return label + (f" vs {', '.join(versus)}" if versus else "")
+
+
 def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path: Path) -> None:
-    """``ab.png``: one panel per :data:`PANELS` figure the runs logged, by step, per arm."""
+    """``ab.png``: one panel per :data:`PANELS` figure the runs logged, by step, per arm (the controls
+    dashed), and the F1 by training seconds when the runs carry them; the legend pairs each arm with both
+    controls (:func:`arm_label`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    labels = {line["arm"]: arm_label(line) for line in summarize(task, curves)}
     panels = [(k, t) for k, t in PANELS if any(k in p for c in curves.values() for p in c)]
+    if all("seconds" in p for c in curves.values() for p in c):
+        panels.append(("seconds", "F1 by training seconds (GPU-s on GPUs)"))
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
@@ -466,19 +613,26 @@ def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path:
         for arm in sorted({a for a, _ in curves}):
             runs = [c for (a, _), c in sorted(curves.items()) if a == arm]
             steps = [p["step"] for p in runs[0]]
-            by_step = [[r[i][key] for r in runs if i < len(r) and key in r[i]] for i in range(len(steps))]
-            kept = [(st, v) for st, v in zip(steps, by_step, strict=True) if v]
+            value = "f1" if key == "seconds" else key
+            by_step = [[r[i][value] for r in runs if i < len(r) and value in r[i]] for i in range(len(steps))]
+            xs_of = steps
+            if key == "seconds":  # mean seconds of the runs at each evaluation
+                xs_of = [
+                    statistics.fmean(r[i]["seconds"] for r in runs if i < len(r)) for i in range(len(steps))
+                ]
+            kept = [(x, v) for x, v in zip(xs_of, by_step, strict=True) if v]
             if not kept:
                 continue
-            xs = [st for st, _ in kept]
-            ax.plot(xs, [statistics.fmean(v) for _, v in kept], marker="o", label=f"{arm} (n={len(runs)})")
+            xs = [x for x, _ in kept]
+            style = "--" if arm in CONTROLS else "-"
+            ax.plot(xs, [statistics.fmean(v) for _, v in kept], style, marker="o", label=labels[arm])
             ax.fill_between(xs, [min(v) for _, v in kept], [max(v) for _, v in kept], alpha=0.2)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
+        ax.set_xlabel("training seconds" if key == "seconds" else "step")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"{task}: held-out figures, mean and min-max over seeds")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{task}: held-out figures, mean and min-max over seeds; controls dashed")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -519,19 +673,22 @@ def summarize_copied_runs(
     """``--from-runs``: the summary, ``ab.png`` and ``grpo.png`` of the run folders ``<arm>-s<seed>-<steps>``
     in ``out`` as they are — runs copied back from another host (their ``run.yaml`` names that host's paths,
     so they are not checked against this invocation's config) or cut off by a time limit. ``at_step`` (the
-    learner's step; a GRPO arm's steps count from its base checkpoint) cuts every curve there and leaves out
-    the runs that did not evaluate there, so that a comparison of equal samples covers every seed that got
-    that far; ``arms`` keeps those arms only (default: every arm found). A seed's runs must start from one
-    base (the same first held-out F1 in every arm), else the pairing would compare different bases: that is an
-    error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` / ``ab_at<step>.png`` with ``at_step``).
+    learner's step; a GRPO or ``sft-canonical`` arm's steps count from its base checkpoint) cuts every curve
+    there and leaves out the runs that did not evaluate there, so that a comparison of equal samples covers
+    every seed that got that far; ``arms`` keeps those arms only (default: every arm found). A seed's runs
+    must start from one base (the same first held-out F1 in every arm), else the pairing would compare
+    different bases: that is an error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` /
+    ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation.
     """
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
-    seconds: dict[tuple[str, int], float | None] = {}
+    units: dict[tuple[str, int], str] = {}
+    orders: dict[tuple[str, int], dict[str, Any]] = {}
     grpo_runs: dict[tuple[str, int], Path] = {}
     for run_dir in sorted(out.glob(f"*-s*-{steps}")):
         arm, _, seed = run_dir.name.removesuffix(f"-{steps}").rpartition("-s")
         metrics = run_dir / "metrics.jsonl"
-        if arm not in ARMS and arm not in GRPO_ARMS or not seed.isdigit() or not metrics.exists():
+        known = arm in ARMS or arm in GRPO_ARMS or arm == CANONICAL
+        if not known or not seed.isdigit() or not metrics.exists():
             continue
         if arms is not None and arm not in arms:
             continue
@@ -539,8 +696,11 @@ def summarize_copied_runs(
         if not curve or (at_step is not None and curve[-1]["step"] != at_step):
             print(f"[ab] {run_dir.name}: no evaluation at step {at_step}, left out", flush=True)
             continue
-        curves[(arm, int(seed))] = curve
-        seconds[(arm, int(seed))] = train_seconds(metrics) if at_step is None else None
+        # training seconds from the first evaluation (the base) on
+        curves[(arm, int(seed))], units[(arm, int(seed))] = with_seconds(curve, run_dir, curve[0]["step"])
+        if arm == CANONICAL and read_order(run_dir) is not None:
+            ordering = yaml.safe_load((run_dir / "run.yaml").read_text())["data"]["object_ordering"]
+            orders[(arm, int(seed))] = {**read_order(run_dir), "ordering": ordering}  # type: ignore[dict-item]
         if arm in GRPO_ARMS:
             grpo_runs[(arm, int(seed))] = run_dir
     if not curves:
@@ -557,7 +717,7 @@ def summarize_copied_runs(
         for (arm, seed), curve in sorted(curves.items()):
             for point in curve:
                 fh.write(json.dumps({"task": task, "arm": arm, "seed": seed, **point}) + "\n")
-        for line in summarize(task, curves, seconds):
+        for line in summarize(task, curves, units=units, orders=orders):
             fh.write(json.dumps({"summary": True, **line}) + "\n")
             print(json.dumps(line), flush=True)
     plot(task, curves, out / f"ab{suffix}.png")
@@ -654,6 +814,96 @@ def grpo_run_config(
     )
 
 
+ORDER_DIR = "base_order"
+"""Folder of an ``sft-canonical`` run holding the base's order measurement (`python -m learner.evaluate`'s
+``metrics.json``, ``predictions.jsonl``)."""
+
+
+def read_order(run_dir: Path) -> dict[str, Any] | None:
+    """The ``object_order`` (`learner.evaluate.order`) measured for the run in ``run_dir`` (None: not yet)."""
+    path = run_dir / ORDER_DIR / "metrics.json"
+    return json.loads(path.read_text()).get("object_order") if path.exists() else None
+
+
+def canonical_ordering(order: dict[str, Any] | None, task_ordering: str) -> str:
+    """The ``data.object_ordering`` of the ``sft-canonical`` run: the one listing the annotations in the order
+    the base follows (:data:`ORDERING_OF`); the task's own when it follows ``listed``, none (below the
+    agreement threshold) or was not measured."""
+    follows = (order or {}).get("follows")
+    return ORDERING_OF.get(follows, task_ordering) if follows else task_ordering
+
+
+def measure_base_order(
+    common: dict[str, Any], *, model: str, train: Path, run_dir: Path, seed: int, n_items: int
+) -> dict[str, Any]:
+    """The order ``model`` (the seed's base) emits objects in, on its greedy rollouts of the first ``n_items``
+    training rows, listed as the learner lists them (the task's ``data.object_ordering`` and ``seed``):
+    `python -m learner.evaluate` on a colocated HF engine with the task's evaluation decoding writes
+    ``run_dir/base_order``; returns its ``object_order``.
+
+    Raises:
+        SystemExit: the evaluation failed (its log's tail).
+    """
+    cfg = deep_merge(
+        common,
+        {
+            "training": {"seed": seed},
+            "rollout": {
+                "mode": "colocate",
+                "backend": "hf",
+                "async": {"enabled": False},
+                "decoding": {"rollout_generate_batch_size": 16},
+            },
+        },
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path, log = run_dir / "base_order.yaml", run_dir / "base_order.log"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    command = [PY, "-m", "learner.evaluate", "--config", str(path), "--model", model, "--data", str(train)]
+    command += ["--limit", str(n_items), "--out", str(run_dir / ORDER_DIR), "--no-coco", "--gallery", "0"]
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    with log.open("w") as fh:
+        rc = subprocess.run(command, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    order = read_order(run_dir)
+    if rc != 0 or order is None:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
+        raise SystemExit(f"measuring the base's order failed with exit code {rc}; log {log}:\n{tail}")
+    return order
+
+
+def canonical_run_config(
+    common: dict[str, Any],
+    rollout: dict[str, Any],
+    *,
+    model: str | None,
+    ordering: str,
+    run_dir: Path,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    learning_rate: float | None,
+) -> dict[str, Any]:
+    """The YAML of the ``sft-canonical`` run: plain GT for ``steps`` steps in ``ordering``, from ``model``
+    (the sft run's checkpoint at the base steps; None: the task's model), evaluated first at its start (the
+    base, as the GRPO arms are); from a checkpoint with a fresh optimizer and schedule, as the GRPO arms."""
+    training: dict[str, Any] = {"max_steps": steps, "seed": seed, "eval_strategy": "steps"}
+    training["eval_steps"] = eval_every
+    if learning_rate is not None:
+        training["learning_rate"] = learning_rate
+    cfg = deep_merge(
+        common,
+        {
+            "output_dir": str(run_dir),
+            "data": {"object_ordering": ordering},
+            "rollout": rollout,
+            "training": training,
+            "stage2": {"sft_warmup_steps": steps, "eval": {"at_start": True}},
+            "save_final_model": False,
+        },
+    )
+    return deep_merge(cfg, {"model": {"path": model}}) if model is not None else cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="text-random")
@@ -673,6 +923,12 @@ def main(argv: list[str] | None = None) -> int:
         help="roll out in-process (HF engine) instead of a server: GPU machines",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
+    parser.add_argument(
+        "--order-samples",
+        type=int,
+        default=64,
+        help=f"{CANONICAL}: training rows the base's object order is measured on (its greedy rollouts)",
+    )
     parser.add_argument("--stage1-steps", type=int, default=1400, help="crowded tasks: stage-1 steps")
     parser.add_argument("--stage1-every", type=int, default=200, help="crowded: stage-1 eval/snapshot period")
     parser.add_argument(
@@ -711,16 +967,19 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_every, args.eval_samples = 2, 8
         args.arms = args.arms or "sft,rm-reorder"
     args.arms = args.arms or "sft,rm-keep,rm-drop"
-    unknown = sorted(set(args.arms.split(",")) - set(ARMS) - set(GRPO_ARMS))
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS) - set(GRPO_ARMS) - {CANONICAL})
     if unknown:
-        parser.error(f"unknown arm(s) {unknown}; known: {sorted([*ARMS, *GRPO_ARMS])}")
+        parser.error(f"unknown arm(s) {unknown}; known: {sorted([*ARMS, *GRPO_ARMS, CANONICAL])}")
+    if args.order_samples < 1:
+        parser.error(f"--order-samples {args.order_samples} must be >= 1")
     arms = args.arms.split(",")
     grpo_arms = [a for a in arms if a in GRPO_ARMS]
     if grpo_arms and not args.colocate:
         parser.error(
             f"{grpo_arms} run with --colocate only (GRPO rolls out with its own HF engine in-process)"
         )
-    if grpo_arms and args.base_steps > 0:  # the sft run is their base checkpoint: it runs first
+    from_base = [a for a in arms if a in GRPO_ARMS or a == CANONICAL]  # start from the seed's base checkpoint
+    if from_base and args.base_steps > 0:  # the sft run is their base checkpoint: it runs first
         arms = ["sft", *[a for a in arms if a != "sft"]]
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
@@ -765,86 +1024,106 @@ def main(argv: list[str] | None = None) -> int:
         else {"servers": [{"base_url": url}], "sync": {"transport": "http"}}  # another host's staging dir
     )
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
-    seconds: dict[tuple[str, int], float | None] = {}
+    units: dict[tuple[str, int], str] = {}
     samples: dict[tuple[str, int], int] = {}
+    orders: dict[tuple[str, int], dict[str, Any]] = {}
+    gpus = run_gpus(colocate=args.colocate, own_server=server is not None)
     results = out / "ab.jsonl"
     try:
         with results.open("a") as fh:
             for seed in [int(s) for s in args.seeds.split(",")]:
+                # the seed's base: the sft run's weights at the base steps (saved for them), else the task's
+                base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
+                base = str(base_dir) if args.base_steps > 0 else None
                 for arm in arms:
                     run_dir = out / f"{arm}-s{seed}-{args.steps}"
                     metrics = run_dir / "metrics.jsonl"
-                    total = args.base_steps + args.steps
+                    # a run from the base counts its own steps; the curve is shifted onto the others' steps
+                    own_steps = arm in GRPO_ARMS or arm == CANONICAL
+                    total = args.steps if own_steps else args.base_steps + args.steps
                     if arm in GRPO_ARMS:
-                        base = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
                         cfg = grpo_run_config(
                             task_config,
                             common,
                             grpo=grpo_override(arm),
-                            model=str(base) if args.base_steps > 0 else base_model(task_config, common),
+                            model=base or base_model(task_config, common),
                             run_dir=run_dir,
                             seed=seed,
                             steps=args.steps,
                             eval_every=args.eval_every,
                             learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
                         )
-                        if not finished(run_dir, cfg, args.steps, base_sha):
-                            if args.summarize_only:
-                                print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
-                                continue
-                            t0 = time.time()
-                            metrics.unlink(missing_ok=True)
-                            run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
-                            (run_dir / BASE_STAMP).write_text(base_sha + "\n")
-                            print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
-                        curve = [{**p, "step": p["step"] + args.base_steps} for p in eval_curve(metrics)]
-                        samples[(arm, seed)] = args.steps * samples_per_step(cfg)
-                        curves[(arm, seed)] = curve
-                        seconds[(arm, seed)] = train_seconds(metrics)
-                        for point in curve:
-                            fh.write(
-                                json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n"
-                            )
-                            fh.flush()
-                        continue
-                    training = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
-                    training["eval_steps"] = args.eval_every
-                    if args.learning_rate is not None:
-                        training["learning_rate"] = args.learning_rate
-                    # the base's F1 once it is the stage-1 itself (no shared plain-GT phase)
-                    stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": args.base_steps == 0}})
-                    # every arm: plain GT for the base steps (the same run for a seed), then its recipe
-                    stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
-                    if arm == "sft" and grpo_arms and args.base_steps > 0:  # the GRPO arms' base checkpoint
-                        training |= {"save_strategy": "steps", "save_steps": args.base_steps}
-                        training["save_only_model"] = True
-                    cfg = deep_merge(
-                        common,
-                        {
-                            "output_dir": str(run_dir),
-                            "rollout": rollout,
-                            "training": training,
-                            "stage2": stage2,
-                            "save_final_model": False,
-                        },
-                    )
-                    if not finished(run_dir, cfg, total, base_sha):
+                    elif arm == CANONICAL:
+                        canonical = {"model": base, "run_dir": run_dir, "seed": seed, "steps": args.steps}
+                        canonical |= {"eval_every": args.eval_every, "learning_rate": args.learning_rate}
+                        ordering = canonical_ordering(read_order(run_dir), task["ordering"])
+                        cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
+                    else:
+                        training = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
+                        training["eval_steps"] = args.eval_every
+                        if args.learning_rate is not None:
+                            training["learning_rate"] = args.learning_rate
+                        # the base's F1 once it is the stage-1 itself (no shared plain-GT phase)
+                        stage2 = deep_merge(ARMS[arm], {"eval": {"at_start": args.base_steps == 0}})
+                        # every arm: plain GT for the base steps (the same run for a seed), then its recipe
+                        stage2["sft_warmup_steps"] = total if arm == "sft" else args.base_steps
+                        if arm == "sft" and from_base and args.base_steps > 0:  # their base checkpoint
+                            training |= {"save_strategy": "steps", "save_steps": args.base_steps}
+                            training["save_only_model"] = True
+                        cfg = deep_merge(
+                            common,
+                            {
+                                "output_dir": str(run_dir),
+                                "rollout": rollout,
+                                "training": training,
+                                "stage2": stage2,
+                                "save_final_model": False,
+                            },
+                        )
+                    if not finished(run_dir, cfg, total, base_sha) or (
+                        arm == CANONICAL and read_order(run_dir) is None
+                    ):
                         if args.summarize_only:
                             print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
                             continue
                         t0 = time.time()
                         metrics.unlink(missing_ok=True)
+                        if arm == CANONICAL:
+                            order = measure_base_order(
+                                common,
+                                model=base or base_model(task_config, common),
+                                train=train,
+                                run_dir=run_dir,
+                                seed=seed,
+                                n_items=args.order_samples,
+                            )
+                            print(
+                                f"[ab] {args.task} seed {seed}: the base's order {json.dumps(order)}",
+                                flush=True,
+                            )
+                            ordering = canonical_ordering(order, task["ordering"])
+                            cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
                         run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
                         (run_dir / BASE_STAMP).write_text(base_sha + "\n")
+                        (run_dir / DEVICE_STAMP).write_text(json.dumps({"gpus": gpus}) + "\n")
                         print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
-                    curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
-                    curves[(arm, seed)] = curve
-                    seconds[(arm, seed)] = train_seconds(metrics)
+                    if own_steps:
+                        curve, units[(arm, seed)] = with_seconds(eval_curve(metrics), run_dir)
+                        curve = [{**p, "step": p["step"] + args.base_steps} for p in curve]
+                    else:
+                        curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
+                        curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)
+                    if arm == CANONICAL:  # the order measured and the annotation order it trained on
+                        orders[(arm, seed)] = {
+                            **(read_order(run_dir) or {}),
+                            "ordering": cfg["data"]["object_ordering"],
+                        }
                     samples[(arm, seed)] = args.steps * samples_per_step(cfg)
+                    curves[(arm, seed)] = curve
                     for point in curve:
                         fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
                         fh.flush()
-            summary = summarize(args.task, curves, seconds, samples)
+            summary = summarize(args.task, curves, samples, units, orders)
             for line in summary:
                 fh.write(json.dumps({"summary": True, **line}) + "\n")
                 print(json.dumps(line), flush=True)

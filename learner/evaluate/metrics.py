@@ -77,6 +77,15 @@ def summary_table(metrics: Mapping[str, Any], gate: float) -> str:
         ],
         ["duplicate predictions", f"{get('duplicates'):.0f} ({get('duplicate_rate'):.3f} of predictions)"],
     ]
+    order = metrics.get("object_order") or {}
+    if order.get("pairs"):
+        agreement = ", ".join(f"{k} {v:.2f}" for k, v in order["agreement"].items())
+        other.append(
+            [
+                "object order followed (pair agreement)",
+                f"{order['follows'] or 'none'} ({agreement}; {order['pairs']} pairs)",
+            ]
+        )
     coco = metrics.get("coco") or {}
     for key in ("segm_AP", "segm_AP50", "segm_AP75", "bbox_AP", "bbox_AP50", "bbox_AP75"):
         if key in coco:

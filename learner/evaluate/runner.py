@@ -15,7 +15,8 @@ temperature is 0), with per-token log-probabilities requested for the object sco
 the config's `data.eval` (cut to `data.max_eval_samples`, as training does), then `--limit`.
 
 Outputs go to a temporary sibling of `--out` and are renamed into place at the end, so `--out` never holds a
-half-written result: `metrics.json`, `predictions.jsonl`, `gallery.png` (image records only).
+half-written result: `metrics.json`, `predictions.jsonl`, `gallery.png` (image records only). `metrics.json`
+also says which object order the model emits (``object_order``, `learner.evaluate.order`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 from learner.config import RunConfig, load_run_config, resolve_path
 from learner.evaluate.gallery import pick_samples, write_gallery
 from learner.evaluate.metrics import per_category
+from learner.evaluate.order import prediction_order
 from learner.evaluate.predictions import SamplePrediction, sample_prediction
 from learner.rollout.base import RolloutSource
 from learner.stage2.pipeline import eval_metrics
@@ -189,7 +191,7 @@ def evaluate_samples(
         ctx=ctx,
         stage2=cfg.stage2,
         decoding=cfg.rollout.decoding,
-        seed=int(cfg.training.get("seed", 42)),
+        seed=cfg.training_view.seed,
         rank=0,
         world_size=1,
         per_device_batch_size=batch_size,
@@ -298,6 +300,7 @@ def run_evaluation(
         "matching_gate": cfg.stage2.matching.maskiou_gate,
         **metrics,
         "per_category": per_category(predictions),
+        "object_order": prediction_order(predictions).to_json(),
     }
     if options.coco:
         from learner.evaluate.coco import coco_ap

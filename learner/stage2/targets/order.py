@@ -8,16 +8,47 @@ from collections.abc import Sequence
 from learner.stage2.gt import GTObject, anchor_order
 from learner.stage2.matching.match import MatchResult
 
-__all__ = ["REORDER_AGREEMENT", "model_order", "reorder_ground_truth"]
+__all__ = [
+    "ORDER_NAMES",
+    "REORDER_AGREEMENT",
+    "candidate_order",
+    "concordant_pairs",
+    "model_order",
+    "reorder_ground_truth",
+]
+
+ORDER_NAMES = ("listed", "sorted")
+"""The object orders the code knows by name (`stage2.targets.reorder_orders`): ``listed``, as the record
+lists the GT (after `data.object_ordering`); ``sorted``, by the ``(y, x)`` anchor (as `object_ordering:
+sorted` lists it)."""
+
+
+def candidate_order(name: str, objects: Sequence[GTObject]) -> list[int]:
+    """Indices of ``objects`` (the listed GT) in the order named ``name`` (one of :data:`ORDER_NAMES`).
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`ORDER_NAMES`.
+    """
+    if name == "listed":
+        return list(range(len(objects)))
+    if name == "sorted":
+        return anchor_order(objects)
+    raise ValueError(f"object order {name!r} is not one of {list(ORDER_NAMES)}")
+
+
+def concordant_pairs(emitted: Sequence[int], order: Sequence[int]) -> int:
+    """Pairs of ``emitted`` (GT indices in the order a model emitted them) that ``order`` ranks the same way
+    (Kendall concordance; ``len(emitted) * (len(emitted) - 1) / 2`` pairs in all)."""
+    rank = {j: r for r, j in enumerate(order)}
+    return sum(rank[a] < rank[b] for i, a in enumerate(emitted) for b in emitted[i + 1 :])
 
 
 def reorder_ground_truth(
     match: MatchResult, objects: Sequence[GTObject], order_names: Sequence[str]
 ) -> list[GTObject]:
     """``objects`` (the listed GT) in :func:`model_order`, the candidate orders named by ``order_names``
-    (``listed``: as given; ``sorted``: by the ``(y, x)`` anchor)."""
-    named = {"listed": lambda: range(len(objects)), "sorted": lambda: anchor_order(objects)}
-    orders = [named[name]() for name in order_names]
+    (:func:`candidate_order`)."""
+    orders = [candidate_order(name, objects) for name in order_names]
     return [objects[j] for j in model_order(match, len(objects), orders)]
 
 
@@ -40,12 +71,12 @@ def model_order(match: MatchResult, n_gt: int, orders: Sequence[Sequence[int]] |
     order."""
     candidates = [list(o) for o in orders] if orders is not None else [list(range(n_gt))]
     matched = [j for _, j, _ in match.pairs]  # pairs are sorted by prediction index: the model's order
-    best, best_rank, best_concordant = candidates[0], {}, -1
+    best, best_concordant = candidates[0], -1
     for order in candidates:
-        rank = {j: r for r, j in enumerate(order)}
-        concordant = sum(rank[a] < rank[b] for i, a in enumerate(matched) for b in matched[i + 1 :])
+        concordant = concordant_pairs(matched, order)
         if concordant > best_concordant:
-            best, best_rank, best_concordant = order, rank, concordant
+            best, best_concordant = order, concordant
+    best_rank = {j: r for r, j in enumerate(best)}
     seen = set(matched)
     if best_concordant < REORDER_AGREEMENT * len(matched) * (len(matched) - 1) / 2:
         return matched + [j for j in candidates[0] if j not in seen]

@@ -97,4 +97,5 @@ def test_text_only_run_prints_the_table_without_pictures(config, tmp_path, capsy
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.jsonl"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples"] == 2 and "eval_rollout_f1_iou50" in metrics and "segm_AP" in metrics["coco"]
+    assert set(metrics["object_order"]["agreement"]) == {"listed", "sorted"}
     assert len((out / "predictions.jsonl").read_text().splitlines()) == 2

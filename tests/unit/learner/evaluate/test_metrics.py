@@ -39,3 +39,11 @@ def test_table_lists_every_threshold_and_the_coco_figures():
         "cat",
     ):
         assert text in table
+
+
+def test_table_names_the_object_order_the_model_follows():
+    order = {"agreement": {"listed": 0.5, "sorted": 0.97}, "pairs": 120, "follows": "sorted"}
+    table = summary_table({"samples": 2, "object_order": order}, gate=0.3)
+    assert "object order followed (pair agreement)" in table
+    assert "sorted (listed 0.50, sorted 0.97; 120 pairs)" in table
+    assert "object order" not in summary_table({"samples": 2, "object_order": {"pairs": 0}}, gate=0.3)

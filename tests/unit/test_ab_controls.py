@@ -1,0 +1,253 @@
+"""bench/ab_learning.py's two controls and its seconds: the `sft-canonical` arm (its base-order measurement,
+its run config, its ordering), every arm paired with `sft` and `sft-canonical` by trained samples and by
+training seconds, and the seconds themselves (evaluations excluded, GPU-seconds from the run's stamp)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import ab_learning  # noqa: E402
+
+CANONICAL = ab_learning.CANONICAL
+
+
+def _curve(f1s: list[float], seconds: list[float] | None = None) -> list[dict[str, float]]:
+    points = [{"step": 10 * i, "f1": f1, "pred": 10.0} for i, f1 in enumerate(f1s)]
+    if seconds is not None:
+        points = [{**p, "seconds": t} for p, t in zip(points, seconds, strict=True)]
+    return points
+
+
+def _lines(curves, **kwargs) -> dict[str, dict]:
+    return {x["arm"]: x for x in ab_learning.summarize("t", curves, **kwargs)}
+
+
+def test_every_arm_is_paired_with_both_controls_by_trained_samples() -> None:
+    curves = {}
+    for seed, (sft, canonical, arm) in enumerate([(0.30, 0.60, 0.65), (0.34, 0.62, 0.61)]):
+        curves |= {("sft", seed): _curve([0.5, sft]), (CANONICAL, seed): _curve([0.5, canonical])}
+        curves[("rm-drop", seed)] = _curve([0.5, arm])
+    lines = _lines(curves)
+    arm = lines["rm-drop"]
+    assert arm["paired_diff"] == pytest.approx([0.35, 0.27]) and arm["paired_seeds"] == [0, 1]
+    assert arm["canonical_paired_diff"] == pytest.approx([0.05, -0.01])
+    assert arm["canonical_paired_mean"] == pytest.approx(0.02) and len(arm["canonical_paired_ci95"]) == 2
+    assert lines[CANONICAL]["paired_diff"] == pytest.approx([0.30, 0.28])  # the strong control vs the weak
+    assert "canonical_paired_diff" not in lines[CANONICAL] and "paired_diff" not in lines["sft"]
+    assert ab_learning.arm_label(arm) == "rm-drop (n=2) vs sft +0.310, sft-canonical +0.020"
+
+
+def test_without_a_canonical_run_only_the_weak_control_is_paired() -> None:
+    curves = {("sft", 0): _curve([0.5, 0.3]), ("rm-drop", 0): _curve([0.5, 0.6])}
+    line = _lines(curves)["rm-drop"]
+    assert line["paired_mean"] == pytest.approx(0.3)
+    assert not any(k.startswith("canonical_paired") for k in line)
+
+
+def test_equal_seconds_cut_both_runs_at_the_faster_runs_seconds() -> None:
+    """The arm takes 100 s for what the control trains in 40 s: at 40 s the arm has only its base F1."""
+    curves = {
+        (CANONICAL, 0): _curve([0.5, 0.55, 0.58], [0.0, 20.0, 40.0]),
+        ("rm-drop", 0): _curve([0.5, 0.60, 0.70], [0.0, 50.0, 100.0]),
+    }
+    units = {(CANONICAL, 0): "gpu", ("rm-drop", 0): "gpu"}
+    line = _lines(curves, units=units)["rm-drop"]
+    assert line["canonical_paired_diff"] == pytest.approx([0.12])  # equal samples: the arm is ahead
+    assert line["canonical_paired_at_seconds_budget"] == [40.0]
+    assert line["canonical_paired_at_seconds_diff"] == pytest.approx([0.5 - 0.58])  # equal seconds: behind
+    assert line["canonical_paired_seconds_ratio"] == pytest.approx([2.5])
+    assert line["train_seconds"] == [100.0] and line["seconds_unit"] == ["gpu"]
+    # a faster arm is compared at its own seconds: the control at its last evaluation within them
+    curves[("rm-drop", 0)] = _curve([0.5, 0.60, 0.70], [0.0, 10.0, 30.0])
+    line = _lines(curves, units=units)["rm-drop"]
+    assert line["canonical_paired_at_seconds_diff"] == pytest.approx([0.70 - 0.55])
+
+
+def test_seconds_of_different_units_are_not_paired() -> None:
+    curves = {
+        (CANONICAL, 0): _curve([0.5, 0.58], [0.0, 40.0]),
+        ("rm-drop", 0): _curve([0.5, 0.70], [0.0, 100.0]),
+    }
+    line = _lines(curves, units={(CANONICAL, 0): "gpu", ("rm-drop", 0): "cpu"})["rm-drop"]
+    assert "canonical_paired_diff" in line and "canonical_paired_at_seconds_diff" not in line
+
+
+def _metrics(run: Path, rows: list[dict]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+ROWS = [  # as the learner logs them: training lines, an evaluation after its step, then train_runtime
+    {"step": 0, "wall_s": 0.5, "eval_rollout_f1": 0.5, "eval_rollout_pred_objects": 9.0},
+    {"step": 1, "wall_s": 1.5, "loss": 1.0},
+    {"step": 2, "wall_s": 2.0, "loss": 1.0},
+    {"step": 2, "wall_s": 7.0, "eval_rollout_f1": 0.6, "eval_rollout_pred_objects": 9.0},
+    {"step": 3, "wall_s": 8.0, "loss": 1.0},
+    {"step": 4, "wall_s": 9.5, "loss": 1.0},
+    {"step": 4, "wall_s": 12.0, "eval_rollout_f1": 0.7, "eval_rollout_pred_objects": 9.0},
+    {"step": 4, "wall_s": 12.0, "train_runtime": 11.5},
+]
+
+
+def test_training_seconds_leave_the_evaluations_out(tmp_path: Path) -> None:
+    _metrics(tmp_path, ROWS)
+    assert ab_learning.step_seconds(tmp_path / "metrics.jsonl") == {1: 1.0, 2: 1.5, 3: 2.5, 4: 4.0}
+    assert ab_learning.step_seconds(tmp_path / "metrics.jsonl", after_step=2) == {3: 1.0, 4: 2.5}
+
+
+@pytest.mark.parametrize(("stamp", "unit", "factor"), [(None, "wall", 1), (0, "cpu", 1), (2, "gpu", 2)])
+def test_seconds_are_gpu_seconds_where_the_run_held_gpus(tmp_path: Path, stamp, unit, factor) -> None:
+    _metrics(tmp_path, ROWS)
+    if stamp is not None:
+        (tmp_path / ab_learning.DEVICE_STAMP).write_text(json.dumps({"gpus": stamp}))
+    curve, got = ab_learning.with_seconds(ab_learning.eval_curve(tmp_path / "metrics.jsonl"), tmp_path)
+    assert got == unit and [p["seconds"] for p in curve] == [0.0, 1.5 * factor, 4.0 * factor]
+
+
+@pytest.mark.parametrize(
+    ("order", "task_ordering", "expected"),
+    [
+        ({"follows": "sorted"}, "random", "sorted"),
+        ({"follows": "listed"}, "random", "random"),
+        ({"follows": None, "best": "sorted"}, "random", "random"),  # follows none: the task's own order
+        (None, "sorted", "sorted"),
+    ],
+)
+def test_the_canonical_arm_lists_the_annotations_in_the_order_the_base_follows(
+    order, task_ordering, expected
+) -> None:
+    assert ab_learning.canonical_ordering(order, task_ordering) == expected
+
+
+def test_the_canonical_run_config_is_plain_sft_from_the_base_in_that_order(tmp_path: Path) -> None:
+    from learner.config import load_run_config
+
+    task = ab_learning.TASKS["text-random"]
+    common = {
+        "extends": str(ab_learning.REPO / task["config"]),
+        "data": {"train": ["t.jsonl"], "eval": ["e.jsonl"], "object_ordering": "random"},
+        "training": {"report_to": []},
+    }
+    rollout = {"servers": [{"base_url": "http://127.0.0.1:1"}], "sync": {"transport": "http"}}
+    cfg = ab_learning.canonical_run_config(
+        common,
+        rollout,
+        model=str(tmp_path / "checkpoint-150"),
+        ordering="sorted",
+        run_dir=tmp_path / "run",
+        seed=2,
+        steps=20,
+        eval_every=10,
+        learning_rate=3e-4,
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = load_run_config(path)
+    assert run.data.object_ordering == "sorted" and run.stage2.sft_warmup_steps == 20
+    assert run.stage2.eval.at_start and run.model.path == str(tmp_path / "checkpoint-150")
+    assert run.training["max_steps"] == 20 and run.training["seed"] == 2
+    assert run.training["learning_rate"] == 3e-4 and not run.save_final_model
+    assert ab_learning.samples_per_step(cfg) == ab_learning.samples_per_step(common)
+    no_base = ab_learning.canonical_run_config(
+        common, rollout, model=None, ordering="random", run_dir=tmp_path / "r", seed=0, steps=5,
+        eval_every=5, learning_rate=None,
+    )  # fmt: skip
+    assert "model" not in no_base and "learning_rate" not in no_base["training"]
+
+
+def test_the_base_order_is_measured_by_the_evaluation_command(tmp_path: Path, monkeypatch) -> None:
+    """The harness's glue: `python -m learner.evaluate` on the base (colocated HF, the seed's listing, the
+    first N training rows), whose `object_order` it returns; a failed evaluation is an error with its log."""
+    calls = []
+    order = {"agreement": {"listed": 0.5, "sorted": 0.98}, "pairs": 300, "follows": "sorted"}
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        out = Path(command[command.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "metrics.json").write_text(json.dumps({"object_order": order}))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(ab_learning.subprocess, "run", fake_run)
+    run_dir = tmp_path / "sft-canonical-s1-20"
+    common = {"data": {"object_ordering": "random"}, "training": {"report_to": []}}
+    got = ab_learning.measure_base_order(
+        common, model="/base", train=tmp_path / "train.jsonl", run_dir=run_dir, seed=1, n_items=32
+    )
+    assert got == order and ab_learning.read_order(run_dir) == order
+    command = calls[0]
+    assert command[1:3] == ["-m", "learner.evaluate"] and command[command.index("--model") + 1] == "/base"
+    assert command[command.index("--limit") + 1] == "32"
+    assert command[command.index("--data") + 1] == str(tmp_path / "train.jsonl")
+    cfg = yaml.safe_load((run_dir / "base_order.yaml").read_text())
+    assert cfg["rollout"]["mode"] == "colocate" and cfg["rollout"]["backend"] == "hf"
+    assert cfg["training"]["seed"] == 1 and cfg["data"]["object_ordering"] == "random"
+
+    def failing(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(ab_learning.subprocess, "run", failing)
+    with pytest.raises(SystemExit, match="measuring the base's order failed with exit code 1"):
+        ab_learning.measure_base_order(
+            common, model="/base", train=tmp_path / "t", run_dir=tmp_path / "x", seed=0, n_items=8
+        )
+
+
+def test_copied_runs_report_both_controls_the_base_order_and_seconds(tmp_path: Path) -> None:
+    """`--from-runs` over sft, sft-canonical (with its order measurement) and an arm: both pairings, the
+    base order in the canonical line, GPU-seconds from the runs' stamps, the PNG."""
+    for arm, f1s in (("sft", (0.3, 0.2)), (CANONICAL, (0.62, 0.66)), ("rm-reorder-sorted", (0.64, 0.65))):
+        run = tmp_path / f"{arm}-s0-4"
+        rows = [dict(r) for r in ROWS]
+        rows[3]["eval_rollout_f1"], rows[6]["eval_rollout_f1"] = f1s
+        _metrics(run, rows)
+        (run / ab_learning.DEVICE_STAMP).write_text(json.dumps({"gpus": 1}))
+        (run / "run.yaml").write_text(yaml.safe_dump({"data": {"object_ordering": "sorted"}}))
+    order = {"agreement": {"listed": 0.49, "sorted": 0.97}, "pairs": 800, "follows": "sorted"}
+    (tmp_path / f"{CANONICAL}-s0-4" / ab_learning.ORDER_DIR).mkdir()
+    (tmp_path / f"{CANONICAL}-s0-4" / ab_learning.ORDER_DIR / "metrics.json").write_text(
+        json.dumps({"object_order": order})
+    )
+    argv = ["--task", "crowded-random", "--steps", "4", "--from-runs", "--out", str(tmp_path)]
+    assert ab_learning.main(argv) == 0
+    lines = [json.loads(x) for x in (tmp_path / "ab.jsonl").read_text().splitlines()]
+    summary = {x["arm"]: x for x in lines if x.get("summary")}
+    arm = summary["rm-reorder-sorted"]
+    assert arm["paired_diff"] == pytest.approx([0.45]) and arm["canonical_paired_diff"] == pytest.approx(
+        [-0.01]
+    )
+    assert arm["train_seconds"] == [4.0] and arm["seconds_unit"] == ["gpu"]
+    assert arm["canonical_paired_at_seconds_diff"] == pytest.approx([-0.01])
+    assert summary[CANONICAL]["base_order"] == [{**order, "ordering": "sorted"}]
+    assert all("seconds" in x for x in lines if not x.get("summary"))
+    assert (tmp_path / "ab.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--arms", "sft,sft-canonical", "--order-samples", "0"], "--order-samples 0 must be >= 1"),
+        (["--arms", "sft,sft-canonicl"], "unknown arm"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_built(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        ab_learning.main(["--out", "/nonexistent/ab", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_a_cpu_host_holds_no_gpu(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ab_learning.run_gpus(colocate=True, own_server=False) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ab_learning.run_gpus(colocate=False, own_server=True) == 2
+    assert ab_learning.run_gpus(colocate=True, own_server=False) == 1
