@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         # Log lines go through tqdm.write so they never break the live progress bar.
         with logging_redirect_tqdm():
             first = trainer.evaluate() if cfg.stage2.eval.at_start and trainer.eval_samples else {}
-            trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
+            trainer.train(resume_from_checkpoint=cfg.training_view.resume_from_checkpoint)
             evaluated_last = (
                 trainer.args.eval_strategy == "steps"
                 and trainer.state.global_step % max(int(trainer.args.eval_steps or 1), 1) == 0

@@ -1,8 +1,8 @@
 """The learner's run configuration: one pydantic model per YAML section (docs/ARCHITECTURE.md#configuration).
 
 Knob names and defaults follow docs/ALGORITHM.md and docs/ARCHITECTURE.md#configuration. A section owned by
-one package is defined there and assembled here: `rollout:` in `learner.rollout.config`, `stage2.*` parts
-beside their modules. Every section
+one package is defined there and assembled here: `rollout:` in `learner.rollout.config`, the typed view of
+`training:` in `learner.training_config`, `stage2.*` parts beside their modules. Every section
 forbids unknown keys; `load_run_config` turns validation errors into one-line `ConfigError`s naming the
 file and the dotted key. The `server:` section belongs to the rollout server and its launcher: `RunConfig`
 keeps it as an opaque mapping (a demo or compose file carries both); GRPO runs check it with the server's own
@@ -28,11 +28,12 @@ from learner.rollout.config import (
     RolloutConfig,
     ServerEntry,
 )
-from learner.rollout.seeds import MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP
+from learner.rollout.seeds import MAX_REQUESTS_PER_MICRO_STEP
 from learner.stage2.losses import CoordLossConfig, LossConfig
 from learner.stage2.matching.match import MatchingConfig
 from learner.stage2.rollout_reuse import RolloutBufferConfig
 from learner.stage2.targets.y_train import TargetsConfig
+from learner.training_config import TrainingConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
 from shared_schemas.config import REPO_ROOT, ConfigSection
 
@@ -46,6 +47,7 @@ __all__ = [
     "RunConfig",
     "ServerEntry",
     "Stage2Config",
+    "TrainingConfig",
     "check_runtime_guards",
     "deep_merge",
     "load_run_config",
@@ -243,7 +245,8 @@ class RunConfig(ConfigSection):
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     training: dict[str, Any] = Field(default_factory=dict)
-    """Passed to HF `TrainingArguments` (keys checked against its fields)."""
+    """Passed to HF `TrainingArguments`, as written; the keys the learner reads are typed, with their
+    defaults, in `training_view` (`learner.training_config`: the `training` table)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     stage2: Stage2Config = Field(default_factory=Stage2Config)
     server: dict[str, Any] | None = None
@@ -263,21 +266,13 @@ class RunConfig(ConfigSection):
     @field_validator("training")
     @classmethod
     def _check_training(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from dataclasses import fields
-
-        from transformers import TrainingArguments
-
-        known = {f.name for f in fields(TrainingArguments)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainingArguments key(s) {unknown}")
-        gas = int(value.get("gradient_accumulation_steps", 1))
-        if gas > MAX_GAS:
-            raise ValueError(
-                f"gradient_accumulation_steps {gas} > {MAX_GAS} collides per-request seeds"
-                " (docs/ALGORITHM.md#seeds)"
-            )
+        TrainingConfig.model_validate(value)  # its errors are reported under `training.`
         return value
+
+    @property
+    def training_view(self) -> TrainingConfig:
+        """`training:` typed: the keys the learner reads, with their defaults (`learner.training_config`)."""
+        return TrainingConfig.model_validate(self.training)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -289,19 +284,17 @@ class RunConfig(ConfigSection):
             raise ValueError("rollout.vllm.max_model_len is required for a colocated vLLM engine")
         if self.stage2.offload.enabled and self.rollout.mode != "colocate":
             raise ValueError("stage2.offload.enabled only applies to rollout.mode colocate")
-        if self.stage2.offload.enabled and (self.training.get("deepspeed") or self.training.get("fsdp")):
+        training = self.training_view
+        if self.stage2.offload.enabled and (training.deepspeed or training.fsdp):
             raise ValueError(
                 "stage2.offload.enabled cannot be combined with sharded parameters or optimizer states "
                 "(training.deepspeed / training.fsdp); use ZeRO's own offload instead"
                 " (docs/ALGORITHM.md#offload)"
             )
-        eval_strategy = (
-            str(self.training.get("eval_strategy", "no")).lower().removeprefix("intervalstrategy.")
-        )
-        if eval_strategy != "no" and not self.data.eval:
+        if training.eval_enabled and not self.data.eval:
             raise ValueError(
-                f"training.eval_strategy={eval_strategy!r} needs held-out samples but data.eval is empty; "
-                "list eval JSONL files under data.eval or set training.eval_strategy: 'no'"
+                f"training.eval_strategy={training.eval_strategy!r} needs held-out samples but data.eval is"
+                " empty; list eval JSONL files under data.eval or set training.eval_strategy: 'no'"
             )
         return self
 
@@ -337,7 +330,7 @@ def check_runtime_guards(
         server_max_model_len: smallest `max_model_len` over the servers (server mode).
         longest_prompt_tokens: longest templated prompt of the data, when known.
     """
-    per_device = int(cfg.training.get("per_device_train_batch_size", 8))
+    per_device = cfg.training_view.per_device_train_batch_size
     if world_size * per_device > MAX_REQUESTS_PER_MICRO_STEP:
         raise ConfigError(
             f"training.per_device_train_batch_size {per_device} × world size {world_size} >"

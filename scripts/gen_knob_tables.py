@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Markdown knob tables generated from the config models, so docs/RUNBOOK.md cannot drift from the code.
 
-One table per YAML section: every field of `learner.config.RunConfig` (learner process),
+One table per YAML section: every field of `learner.config.RunConfig` (learner process) and the typed keys of
+its `training:` mapping (`learner.training_config.TrainingConfig`),
 `shared_schemas.server_config.ServerConfig` (the one `server:` schema: rollout server process and GRPO
 resolver) and the GRPO sections (`learner.grpo.config.sections.GrpoConfig`,
 `learner.grpo.config.batch_plan.BatchPlan`), with its type and constraints, its default and its docstring.
@@ -201,13 +202,17 @@ def render_all() -> str:
     from learner.config import RunConfig
     from learner.grpo.config.batch_plan import BatchPlan
     from learner.grpo.config.sections import GrpoConfig
+    from learner.training_config import TrainingConfig
     from shared_schemas.server_config import ServerConfig
 
     groups = [
         (
             "Learner (`python -m learner`): `learner.config.RunConfig`",
             "Everything except `server:` (the learner keeps `server:` and `grpo:` as opaque mappings).",
-            iter_sections(RunConfig, "", "Top-level keys of a run YAML."),
+            (
+                *iter_sections(RunConfig, "", "Top-level keys of a run YAML."),
+                *iter_sections(TrainingConfig, "training"),
+            ),
         ),
         (
             "Rollout server (`python -m rollout_server`): `shared_schemas.server_config.ServerConfig`",

@@ -106,11 +106,10 @@ def _training_args(cfg: RunConfig, output_dir: Path, max_steps: int) -> Training
 
 def _num_steps(cfg: RunConfig, num_rows: int, prompts_per_step: int) -> int:
     """``training.max_steps`` when set, else ``num_train_epochs`` passes over the prompts (rounded up)."""
-    max_steps = int(cfg.training.get("max_steps", -1))
-    if max_steps > 0:
-        return max_steps
-    epochs = float(cfg.training.get("num_train_epochs", 1.0))
-    return max(1, math.ceil(epochs * num_rows / prompts_per_step))
+    training = cfg.training_view
+    if training.max_steps > 0:
+        return training.max_steps
+    return max(1, math.ceil(training.num_train_epochs * num_rows / prompts_per_step))
 
 
 def _load_encode(encoder: PromptEncoder):
@@ -387,7 +386,7 @@ def train_with_evaluation(trainer: GrpoTrainer, cfg: RunConfig) -> tuple[dict[st
     """
     evaluates = trainer.heldout is not None
     first = trainer.evaluate() if evaluates and cfg.stage2.eval.at_start else {}
-    trainer.train(resume_from_checkpoint=cfg.training.get("resume_from_checkpoint"))
+    trainer.train(resume_from_checkpoint=cfg.training_view.resume_from_checkpoint)
     if not evaluates:
         return first, {}
     step, every = trainer.state.global_step, max(int(trainer.args.eval_steps or 1), 1)

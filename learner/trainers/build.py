@@ -50,18 +50,8 @@ logger = logging.getLogger(__name__)
 
 # TrainingArguments we must own (and why), for both trainers: the identity collators need the raw columns
 # (GRPO: the slot tags); the step windows and the rollout-buffer repetition order live in the dataset order,
-# so sampling must be sequential.
+# so sampling must be sequential. The defaults of `training:` are `learner.training_config.TrainingConfig`'s.
 _FORCED_ARGS = {"remove_unused_columns": False, "train_sampling_strategy": "sequential"}
-_DEFAULT_ARGS = {
-    "logging_steps": 1,
-    "report_to": ["tensorboard"],
-    "save_strategy": "no",
-    "eval_strategy": "no",
-    "per_device_train_batch_size": 8,
-    "disable_tqdm": True,
-    "dataloader_num_workers": 0,
-    "use_cpu": not torch.cuda.is_available(),
-}
 
 
 def training_args(
@@ -73,19 +63,18 @@ def training_args(
 ) -> TrainingArguments:
     """`training:` → `TrainingArguments`, the one map of both trainers (docs/ARCHITECTURE.md#configuration).
 
-    Our defaults, then `defaults` (a trainer's own), then the YAML's `training:`, then the forced settings,
+    `use_cpu` (true without CUDA), then `defaults` (a trainer's own), then `training:` (`cfg.training_view`:
+    its typed keys with their defaults and every other key as written), then the forced settings,
     `output_dir` and `fixed` (values a trainer computes, e.g. GRPO's `max_steps`, which also drops
-    `num_train_epochs`). `resume_from_checkpoint` is a `Trainer.train` argument, so it is dropped here.
-    """
+    `num_train_epochs`)."""
     kwargs = {
-        **_DEFAULT_ARGS,
+        "use_cpu": not torch.cuda.is_available(),
         **(defaults or {}),
-        **cfg.training,
+        **cfg.training_view.arguments(),
         **_FORCED_ARGS,
         "output_dir": str(output_dir),
         **(fixed or {}),
     }
-    kwargs.pop("resume_from_checkpoint", None)
     if "max_steps" in (fixed or {}):
         kwargs.pop("num_train_epochs", None)
     return TrainingArguments(**kwargs)
@@ -98,7 +87,7 @@ def load_samples(files: list[str], cfg: RunConfig) -> list[dict[str, Any]]:
     the user prompt on a new line (`learner.data.records.record_user_text`).
     """
     samples: list[dict[str, Any]] = []
-    seed = int(cfg.training.get("seed", 42))
+    seed = cfg.training_view.seed
     for namespace, file in enumerate(files):
         path = resolve_path(file)
         for base_idx, record in enumerate(

@@ -15,14 +15,12 @@ from typing import Any
 
 from pydantic import Field
 
+from learner.training_config import TRAINING_DEFAULTS
 from shared_schemas.config import ConfigError, ConfigSection, GpuList, parse_gpu_list
 
-__all__ = ["HF_DEFAULT_PER_DEVICE_BATCH", "BatchPlan", "apply_batch_plan", "parse_gpu_list", "set_dotted"]
+__all__ = ["BatchPlan", "apply_batch_plan", "parse_gpu_list", "set_dotted"]
 
 logger = logging.getLogger(__name__)
-
-HF_DEFAULT_PER_DEVICE_BATCH = 8
-"""Default ``TrainingArguments.per_device_train_batch_size``, used when neither plan nor training sets it."""
 
 
 class BatchPlan(ConfigSection):
@@ -80,7 +78,9 @@ def apply_batch_plan(raw: dict[str, Any], plan: BatchPlan) -> dict[str, Any]:
     if plan.effective_batch_size is None:
         return out
     if per_device is None:
-        per_device = int(training.get("per_device_train_batch_size", HF_DEFAULT_PER_DEVICE_BATCH))
+        per_device = int(
+            training.get("per_device_train_batch_size", TRAINING_DEFAULTS.per_device_train_batch_size)
+        )
     train_gpus = parse_gpu_list(out.get("train_gpus", ()))
     world = len(train_gpus) if isinstance(train_gpus, tuple | list) else 0
     denominator = per_device * world

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from learner.grpo.config.sections import GrpoConfig
 from learner.rewards.registry import PRESETS, REWARD_NAMES, SCHEMA_TREE
 from learner.rewards.summary_schema import load_schemas
+from learner.training_config import TRAINING_DEFAULTS
 from shared_schemas.config import CONFIG_RULE, ConfigError, is_loopback
 from shared_schemas.server_config import ServerConfig, VllmServerConfig
 
@@ -242,8 +243,8 @@ def check_gpu_sets(server_gpus: tuple[int, ...] | None, train_gpus: tuple[int, .
 
 def batch_sizes(training: Mapping[str, Any], world: int, grpo: GrpoConfig) -> tuple[int, int, int, int]:
     """``(per_device, gas, effective, generation_batch_size)`` after the rule-8 checks."""
-    per_device = training.get("per_device_train_batch_size", 8)
-    gas = training.get("gradient_accumulation_steps", 1)
+    per_device = training.get("per_device_train_batch_size", TRAINING_DEFAULTS.per_device_train_batch_size)
+    gas = training.get("gradient_accumulation_steps", TRAINING_DEFAULTS.gradient_accumulation_steps)
     for key, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", gas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise fail(f"training.{key}", f"{value!r} is not an int >= 1", "rule 8", "set a positive integer")

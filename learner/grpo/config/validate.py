@@ -36,7 +36,9 @@ __all__ = ["ConfigError", "GrpoConfig", "ResolvedGrpoRun", "validate_grpo_run"]
 DEFAULT_TRAIN_GPUS = (6, 7)
 COLOCATE_TRAIN_GPUS = (0,)
 """``train_gpus`` of a colocated run when the YAML sets none: one learner, which also generates."""
-DEFAULT_LEARNING_RATE = 5e-6
+GRPO_TRAINING_DEFAULTS = {"learning_rate": 5e-6, "num_train_epochs": 1.0}
+"""The `training:` defaults a GRPO run overrides (`learner.training_config.TrainingConfig` holds the others):
+a small learning rate for RL on a trained policy, and one pass over the prompts when `max_steps` is unset."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def validate_grpo_run(
         "sync": {**sync, "mode": "full"},
         "decoding": rules.decoding(rollout, grpo),
     }
-    learner_config["training"] = {"learning_rate": DEFAULT_LEARNING_RATE, **training}
+    learner_config["training"] = {**GRPO_TRAINING_DEFAULTS, **training}
     output_dir = Path(str(data.get("output_dir", "runs/default"))).expanduser()
     return ResolvedGrpoRun(
         grpo=grpo,

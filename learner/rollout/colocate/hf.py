@@ -123,7 +123,7 @@ class HfColocateBackend:
             encoder=encoder,
             batch_size=cfg.rollout.decoding.rollout_generate_batch_size,
             max_model_len=cfg.rollout.vllm.max_model_len,
-            default_seed=int(cfg.training.get("seed", 42)),
+            default_seed=cfg.training_view.seed,
         )
 
     @property

@@ -88,7 +88,7 @@ def server_config_for(cfg: RunConfig) -> Any:
         model=cfg.model.path,  # relative paths resolve against the repository root, as the learner's do
         backend="vllm",
         dtype=v.dtype,
-        seed=int(cfg.training.get("seed", 42)),
+        seed=cfg.training_view.seed,
         vllm=VllmServerConfig(
             tensor_parallel_size=v.tensor_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization,
