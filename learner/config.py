@@ -98,7 +98,7 @@ class ModelConfig(ConfigSection):
     """VL models only: the processor's maximum image area (pixels) after resizing (see image_min_pixels)."""
     liger_kernel: bool = False
     """Qwen3-VL on CUDA only: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU (`learner.kernels`; the `gpu`
-    extra). On the packed 2B image step of an H100: 1.26x tokens/s, peak memory 47.5 -> 38.7 GiB."""
+    extra). Measured: bench/RESULTS.md, "learner throughput"."""
     varlen_kernel: Literal["auto", "fa4", "torch"] = "auto"
     """Packed rows' attention kernel on CUDA (`learner.trainers.packed_attention`): `fa4` = FlashAttention-4
     (the `fa4` extra, Hopper/Blackwell; on an H200 the compiled 8k image step 1.10x, MFU 34 -> 38 %),
@@ -107,12 +107,9 @@ class ModelConfig(ConfigSection):
     FA4 compiles each attention configuration on first use (~10 s each)."""
     compile_blocks: bool = False
     """Regional `torch.compile` of every decoder layer and ViT block (`learner.kernels.compile_blocks`,
-    dynamic shapes; generation stays eager). On the packed 2B image step of an H100: 1.60x tokens/s over
-    eager (MFU 20 -> 32-33 %), peak memory 47.5 -> 38.8 GiB; 16,384-token rows then fit an 80 GB card
-    without checkpointing (72.4 GiB) and run faster still (MFU 36.0 % on an H200, 34.0-34.4 % at 8,192; with
-    `varlen_kernel` FA4 38.0 % at 8,192 and 39.8 % at 16,384); the
-    first steps compile (~20-30 s on CUDA; CPU works too). Not with `liger_kernel` (dynamo cannot trace
-    Liger's RMSNorm). Not HF's `training.torch_compile` (whole model)."""
+    dynamic shapes; generation stays eager); the first steps compile (CPU works too). Not with
+    `liger_kernel` (dynamo cannot trace Liger's RMSNorm). Not HF's `training.torch_compile` (whole model).
+    Measured: bench/RESULTS.md, "learner throughput"."""
 
     @model_validator(mode="after")
     def _check_pixels(self) -> ModelConfig:
@@ -126,7 +123,7 @@ class ModelConfig(ConfigSection):
         if self.compile_blocks and self.liger_kernel:
             raise ValueError(
                 "model.compile_blocks and model.liger_kernel do not compose (torch.compile cannot trace"
-                " Liger's RMSNorm); set one of them false — compile_blocks measured faster (1.60x vs 1.26x)"
+                " Liger's RMSNorm); set one of them false — compile_blocks measured faster (bench/RESULTS.md)"
             )
         return self
 

@@ -79,9 +79,9 @@ class VllmServerConfig(ConfigSection):
     quantization: str | None = None
     """Passed through to vLLM when set."""
     startup_timeout_s: float = Field(default=900.0, gt=0.0, le=7200.0)
-    """Seconds the engine may take to start (weights, torch.compile, CUDA graphs; ~50 s for a 2 B model on
-    an H200, more for a first compile of a large one); past it the server exits with an error naming the
-    stage reached and the fixes, instead of waiting for ever."""
+    """Seconds the engine may take to start (weights, torch.compile, CUDA graphs; a first compile of a large
+    model takes longest); past it the server exits with an error naming the stage reached and the fixes,
+    instead of waiting for ever. Measured start-ups: bench/RESULTS.md, "the vLLM backend on GPUs"."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra `EngineArgs` keyword arguments, passed through unchanged (typed knobs above win)."""
 
