@@ -2,7 +2,7 @@
 a torch.profiler breakdown of one packed step, the attention calls of one packed step replayed through each
 varlen kernel, and the matmul ceiling of the card.
 
-Every function takes ``step(batch)``: one learner step (``forward_for_loss`` + ``step_loss_sums`` + backward,
+Every function takes ``step(batch)``: one learner step (``learner.stage2.step.micro_step_loss`` + backward,
 attention set up as the trainer does) returning the loss tensor, so the numbers are those of the learner's own
 path.
 """

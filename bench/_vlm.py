@@ -221,7 +221,7 @@ def forward_attention(model: torch.nn.Module) -> str:
     configured implementation, or the per-segment SDPA where `forward_for_loss` switches `sdpa` to it."""
     import inspect
 
-    from learner.trainers.rollout_matching import forward_for_loss
+    from learner.stage2.step import forward_for_loss
 
     configured = model.config.text_config._attn_implementation
     if configured == "sdpa" and "segment_attention" in inspect.signature(forward_for_loss).parameters:

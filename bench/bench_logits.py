@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 
 from learner.kernels import packed_attention  # noqa: E402
-from learner.stage2.losses import CoordLossConfig, micro_loss, read_columns, step_loss_sums  # noqa: E402
-from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
+from learner.stage2.losses import LossConfig, read_columns  # noqa: E402
+from learner.stage2.step import micro_step_loss  # noqa: E402
 
 IGNORE = -100
 
@@ -155,16 +155,9 @@ def step(
     model: torch.nn.Module, batch: Batch, coord_ids: torch.Tensor, compact: bool, eos_id: int | None
 ) -> float:
     with packed_attention(model):  # forward and backward, as the trainer's training_step
-        outputs, columns = forward_for_loss(model, batch, compact=compact)
-        sums = step_loss_sums(
-            outputs.logits,
-            batch,
-            coord_ids=coord_ids,
-            coord_cfg=CoordLossConfig(),
-            eos_id=eos_id,
-            columns=columns,
-        )
-        loss = micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1)
+        loss = micro_step_loss(
+            model, batch, coord_ids=coord_ids, eos_id=eos_id, loss_cfg=LossConfig(compact_logits=compact)
+        ).loss
         loss.backward()
     return float(loss.detach())
 

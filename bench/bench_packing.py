@@ -18,9 +18,9 @@ tower included, gradient checkpointing only with ``--gradient-checkpointing``; `
 learner's own path: image prompts of 448–896 px (196–784 image tokens) encoded by ``PromptEncoder`` (expanded
 ids, ``pixel_values``, ``image_grid_thw``, M-RoPE positions), answers of 50–600 tokens turned into segments by
 ``build_segment``, rows of ``--packing-length`` (default 8192, the configs' value) packed / padded as above,
-and every step ``forward_for_loss`` + ``step_loss_sums`` (compact logits unless ``--logits full``). Attention
+and every step the learner's ``micro_step_loss`` (compact logits unless ``--logits full``). Attention
 is the learner's: ``sdpa`` as configured (flash-attn is not on the device image, Qwen3-VL takes no
-flex-attention), which ``forward_for_loss`` runs per packed segment where it does so (``attn`` prints
+flex-attention), which ``micro_step_loss`` runs per packed segment where it does so (``attn`` prints
 ``segment_sdpa``; on CUDA one varlen flash call per row, ``varlen: true``), else densely under transformers'
 block-diagonal mask (``sdpa``). The ratio line also prints
 the padding-free bound of the mix (padded slots / real tokens of the padded batches); target ≥ 2×, or ≥ 0.9 ×
@@ -86,10 +86,10 @@ from learner.kernels import (  # noqa: E402
     varlen_kernel,
 )
 from learner.stage2.coords import CoordVocab  # noqa: E402
-from learner.stage2.losses import CoordLossConfig, micro_loss, step_loss_sums  # noqa: E402
+from learner.stage2.losses import LossConfig  # noqa: E402
+from learner.stage2.step import micro_step_loss  # noqa: E402
 from learner.stage2.targets.labels import build_labels  # noqa: E402
 from learner.stage2.targets.segment import Segment, SegmentMeta  # noqa: E402
-from learner.trainers.rollout_matching import forward_for_loss  # noqa: E402
 
 
 def emit(**record: object) -> None:
@@ -222,28 +222,29 @@ def learner_step(
     mark: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward + loss + backward of one batch on the device, as the trainer's ``training_step``: forward and
-    backward (checkpointing recomputes) under one attention set-up. Returns ``(loss, logit columns)``;
-    ``compact=None`` calls the model directly with full logits (the text bench as first recorded).
+    backward (checkpointing recomputes) under one attention set-up, the forward and loss the learner's
+    ``micro_step_loss``. Returns ``(loss, logit columns)``; ``compact=None``: full logits under the model's
+    own attention (the text bench as first recorded).
     ``varlen``: False = the per-segment loop; True or a ``model.varlen_kernel`` choice (``auto``, ``fa4``,
     ``torch``) = that varlen kernel where it runs."""
-    columns = None
     kernel = varlen if isinstance(varlen, str) else "auto"
+    # compact=None: full logits, the model's own attention (segment bounds passed where flash attends them).
+    loss_cfg = LossConfig(
+        compact_logits=bool(compact), segment_attention=compact is not None or packed_kwargs
+    )
     with packed_attention(model, enabled=compact is not None, varlen=bool(varlen), kernel=kernel):
-        if compact is None:
-            logits = model(**b.model_inputs(flash_varlen_kwargs=packed_kwargs)).logits
-        else:
-            outputs, columns = forward_for_loss(model, b, compact=compact)
-            logits = outputs.logits
-        if mark:
-            mark("loss")
-        sums = step_loss_sums(
-            logits, b, coord_ids=coord_ids, coord_cfg=CoordLossConfig(), eos_id=eos_id, columns=columns
+        step = micro_step_loss(
+            model,
+            b,
+            coord_ids=coord_ids,
+            eos_id=eos_id,
+            loss_cfg=loss_cfg,
+            after_forward=(lambda: mark("loss")) if mark else None,
         )
-        loss = micro_loss(sums, sums.n_ce, sums.n_coord, 1, "token_weighted", 1)
         if mark:
             mark("backward")
-        loss.backward()
-    return loss.detach(), columns
+        step.loss.backward()
+    return step.loss.detach(), step.columns
 
 
 def train_tokens_per_s(
@@ -261,8 +262,8 @@ def train_tokens_per_s(
 ) -> tuple[float, dict]:
     """Real tokens / s of fwd + loss + bwd over ``batches`` (the first ``warmup`` untimed).
 
-    ``compact=None``: the model called directly with full logits (the text bench as first recorded);
-    else the learner's ``forward_for_loss`` with ``compact`` logits. ``varlen``: packed rows attend through
+    ``compact=None``: full logits under the model's own attention (the text bench as first recorded);
+    else the learner's step with ``compact`` logits. ``varlen``: packed rows attend through
     the varlen kernel where it runs (else the per-segment loop). With ``flop_model`` the info also holds the
     timed steps' model and attention FLOPs (``learner.flops``); on CUDA it holds the peak allocated memory.
     """
@@ -737,7 +738,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model and lengths (runs on CPU)")
     p.add_argument("--vlm", action="store_true", help="with --gpu: Qwen3-VL and image segments (see above)")
     p.add_argument(
-        "--logits", choices=["compact", "full"], default="compact", help="--vlm: forward_for_loss mode"
+        "--logits",
+        choices=["compact", "full"],
+        default="compact",
+        help="--vlm: the step's logits (stage2.loss.compact_logits)",
     )
     p.add_argument(
         "--gradient-checkpointing",

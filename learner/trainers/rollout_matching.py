@@ -30,10 +30,11 @@ from learner.flops import FlopModel, peak_tflops, utilization
 from learner.kernels import packed_attention
 from learner.metrics import StepMetrics
 from learner.rollout.colocate.offload import offload_context
-from learner.stage2.losses import micro_loss, read_columns, step_loss_sums, zero_loss
+from learner.stage2.losses import zero_loss
 from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
 from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
+from learner.stage2.step import forward_for_loss, micro_step_loss
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.eval_gallery import EvalGallery
 from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
@@ -41,6 +42,7 @@ from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
 
 __all__ = ["RolloutMatchingTrainer", "forward_for_loss"]
+# `forward_for_loss` lives in `learner.stage2.step`; named here until tests/integration import it from there.
 
 logger = logging.getLogger(__name__)
 
@@ -242,30 +244,22 @@ class RolloutMatchingTrainer(Trainer):
             return (loss, None) if return_outputs else loss
         t0 = time.perf_counter()
         batch = inputs["batch"].to(self.args.device, non_blocking=True)  # pinned on CUDA (planner)
-        outputs, columns = forward_for_loss(
-            model, batch, compact=loss_cfg.compact_logits, segment_attention=loss_cfg.segment_attention
-        )
-        sums = step_loss_sums(
-            outputs.logits,
+        step = micro_step_loss(
+            model,
             batch,
-            coord_ids=self.coord_ids.to(outputs.logits.device),
-            coord_cfg=self.run_cfg.stage2.coord_loss,
+            coord_ids=self.coord_ids,
             eos_id=self.planner.ctx.eot_id,
-            columns=columns,
+            loss_cfg=loss_cfg,
+            coord_cfg=self.run_cfg.stage2.coord_loss,
+            totals=(inputs["n_ce_total"], inputs["n_coord_total"]),
+            world_size=self.args.world_size,
+            gas=gas,
         )
-        loss = micro_loss(
-            sums,
-            inputs["n_ce_total"],
-            inputs["n_coord_total"],
-            self.args.world_size,
-            loss_cfg.normalization,
-            gas,
-        )
-        self.step_metrics.add(sums.metric_sums())
-        self.step_metrics.add(self._step_flops(model, inputs["batch"], columns))
+        self.step_metrics.add(step.sums.metric_sums())
+        self.step_metrics.add(self._step_flops(model, inputs["batch"], step.columns))
         self._last_forward_s = time.perf_counter() - t0
         self.step_metrics.add_time("time/forward_s", self._last_forward_s)
-        return (loss, outputs) if return_outputs else loss
+        return (step.loss, step.outputs) if return_outputs else step.loss
 
     def _step_flops(
         self, model: torch.nn.Module, batch: Any, columns: torch.Tensor | None
@@ -342,25 +336,6 @@ class RolloutMatchingTrainer(Trainer):
             if warning and self.is_world_process_zero():
                 logger.warning(warning)
         super().log(logs, start_time)
-
-
-def forward_for_loss(
-    model: torch.nn.Module, batch: Any, *, compact: bool, segment_attention: bool = True
-) -> tuple[Any, torch.Tensor | None]:
-    """The model's forward over a prepared micro-batch, as `step_loss_sums` reads it.
-
-    With `compact` (`stage2.loss.compact_logits`) the model returns logits only at the columns the losses
-    read (`read_columns`, passed as `logits_to_keep`); pass the returned columns on to `step_loss_sums`.
-    With `segment_attention` (`stage2.loss.segment_attention`) an `sdpa` model attends per packed segment
-    without a mask (`learner.kernels.attention`); a packed row then passes its segment bounds.
-
-    Returns:
-        `(model outputs, columns or None)`.
-    """
-    columns = read_columns(batch.labels, batch.coord_pos) if compact else None
-    keep = {} if columns is None else {"logits_to_keep": columns}
-    with packed_attention(model, enabled=segment_attention):
-        return model(**batch.model_inputs(flash_varlen_kwargs=segment_attention), **keep), columns
 
 
 def _tag(raw: list[dict[str, Any]]) -> TaggedBatch:
