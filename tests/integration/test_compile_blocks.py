@@ -4,7 +4,7 @@ The policy loaded with `compile_blocks: true` (`learner.kernels.compile_blocks`:
 block under `torch.compile(dynamic=True)`) against the same checkpoint loaded eagerly:
 
 - a packed row of three image segments (different image-token counts) through the learner's own training
-  step (`packed_attention` + `forward_for_loss` + `step_loss_sums` + backward) gives the same loss and
+  step (`packed_attention` + `micro_step_loss` + backward of its sums) gives the same loss and
   parameter gradients, also under gradient checkpointing, and a second row of other lengths reuses the graphs
   (no recompilation);
 - the colocated HF rollout of an image prompt gives the same greedy tokens and compiles nothing (generation
@@ -25,12 +25,10 @@ from pydantic import ValidationError
 from learner.batching.packing import pack_segments
 from learner.config import ModelConfig, RunConfig
 from learner.data.prompt_encoding import PromptEncoder
-from learner.kernels import index_deepstack
+from learner.kernels import index_deepstack, packed_attention
 from learner.policy import load_policy
 from learner.rollout.colocate.hf import HfColocateBackend
-from learner.stage2.losses import CoordLossConfig, step_loss_sums
-from learner.trainers.packed_attention import packed_attention
-from learner.trainers.rollout_matching import forward_for_loss
+from learner.stage2.step import micro_step_loss
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 
 pytestmark = pytest.mark.integration
@@ -112,15 +110,7 @@ def _train_step(
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with packed_attention(model):
-        out, columns = forward_for_loss(model, batch, compact=True)
-        sums = step_loss_sums(
-            out.logits,
-            batch,
-            coord_ids=coord_ids,
-            coord_cfg=CoordLossConfig(),
-            eos_id=eos_id,
-            columns=columns,
-        )
+        sums = micro_step_loss(model, batch, coord_ids=coord_ids, eos_id=eos_id).sums
         loss = sums.s_ce + sums.s_coord
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -152,7 +152,7 @@ def test_segment_isolation_in_packed_row(model_and_segments) -> None:
 def test_segment_attention_equals_sdpa(model_and_segments, layout: str) -> None:
     """`stage2.loss.segment_attention` (per-segment causal SDPA, no mask) = sdpa with its mask: values at the
     real positions and parameter gradients (the VL version: tests/integration/test_vl_packing.py)."""
-    from learner.trainers.rollout_matching import forward_for_loss
+    from learner.stage2.step import forward_for_loss
 
     model, segments, coord_ids, tok = model_and_segments
     eot = tok.convert_tokens_to_ids("<|im_end|>")

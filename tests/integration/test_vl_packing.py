@@ -161,7 +161,7 @@ def test_packed_and_padded_losses_are_equal(vl_parts, compact: bool) -> None:
 def _step(model, batch, coord_ids, eos_id: int, **forward_kwargs):
     """`forward_for_loss` (compact logits) + `step_loss_sums` + backward of CE + coord; returns
     `(outputs, columns, {parameter name: gradient})`."""
-    from learner.trainers.rollout_matching import forward_for_loss
+    from learner.stage2.step import forward_for_loss
 
     out, columns = forward_for_loss(model, batch, compact=True, **forward_kwargs)
     sums = step_loss_sums(
@@ -175,7 +175,7 @@ def _step(model, batch, coord_ids, eos_id: int, **forward_kwargs):
 def test_segment_attention_equals_sdpa_values_and_gradients(vl_parts, layout: str) -> None:
     """`stage2.loss.segment_attention`: per-segment causal SDPA without a mask = transformers' sdpa with its
     block-diagonal (packed) or padding (padded) mask — logits at the read columns and parameter gradients."""
-    from learner.trainers.packed_attention import SEGMENT_SDPA
+    from learner.kernels import SEGMENT_SDPA
 
     model, segments, coord_ids, ctx = vl_parts
     batch = (
@@ -209,8 +209,8 @@ def test_segment_attention_under_gradient_checkpointing(vl_parts) -> None:
     """Checkpointing re-runs the forward inside the backward: wrapped around forward AND backward (as the
     trainer's `training_step` is), the packed row's gradients equal the plain sdpa ones without
     checkpointing."""
-    from learner.trainers.packed_attention import packed_attention
-    from learner.trainers.rollout_matching import forward_for_loss
+    from learner.kernels import packed_attention
+    from learner.stage2.step import forward_for_loss
 
     model, segments, coord_ids, ctx = vl_parts
     batch = pack_segments(segments)
@@ -252,13 +252,14 @@ def test_varlen_attention_equals_segment_loop(vl_parts, monkeypatch, checkpointi
     """The varlen path (one kernel call per packed row in every language layer AND every vision block) gives
     the per-segment loop's logits and gradients. The flash kernel is CUDA-only, so a dense stand-in takes its
     place on CPU (`tests/unit/learner/varlen_reference.py`); its call counts show both towers used it."""
-    from learner.trainers import packed_attention as pa
+    from learner.kernels import attention as pa
+    from learner.kernels.varlen import torch_op
     from tests.unit.learner.varlen_reference import API_FULL, ReferenceVarlen
 
     model, segments, coord_ids, ctx = vl_parts
     ref = ReferenceVarlen()
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
-    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal: "torch" if pa._use_varlen[0] else None)
+    monkeypatch.setattr(torch_op, "_varlen_op", lambda: (ref, API_FULL))
+    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal, choice: "torch" if choice else None)
     batch = pack_segments(segments)
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -295,13 +296,14 @@ def test_vision_tower_ignores_the_rows_bounds(vl_parts, monkeypatch) -> None:
     """Some transformers releases (5.17) pass the whole model's keyword arguments, the language model's
     `cu_seq_lens_q` / `max_length_q` among them, on into the vision tower, whose varlen branch names its own
     `cu_seq_lens_q`: under `packed_attention` the tower drops the row's bounds and attends per image."""
-    from learner.trainers import packed_attention as pa
+    from learner.kernels import attention as pa
+    from learner.kernels.varlen import torch_op
     from tests.unit.learner.varlen_reference import API_FULL, ReferenceVarlen
 
     model, segments, _, _ = vl_parts
     ref = ReferenceVarlen()
-    monkeypatch.setattr(pa, "_varlen_op", lambda: (ref, API_FULL))
-    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal: "torch")
+    monkeypatch.setattr(torch_op, "_varlen_op", lambda: (ref, API_FULL))
+    monkeypatch.setattr(pa, "varlen_kernel", lambda q, k, causal, choice: "torch")
     batch = pack_segments(segments)
     tower = model.model.visual
     pixels, grid = batch.mm_inputs["pixel_values"], batch.mm_inputs["image_grid_thw"]
