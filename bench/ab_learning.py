@@ -66,6 +66,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from learner.training_config import TrainingConfig  # noqa: E402
 from shared_schemas.config import deep_merge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,10 +163,7 @@ def samples_per_step(cfg: dict[str, Any]) -> int:
         tree = deep_merge(
             load_yaml_with_extends(cfg["extends"]), {k: v for k, v in cfg.items() if k != "extends"}
         )
-    training = tree.get("training", {})
-    return int(training.get("per_device_train_batch_size", 8)) * int(
-        training.get("gradient_accumulation_steps", 1)
-    )
+    return TrainingConfig.model_validate(tree.get("training") or {}).samples_per_step
 
 
 def free_port() -> int:
@@ -761,9 +759,7 @@ def grpo_run_config(
     base.pop("server", None)
     decoding = dict(base.get("rollout", {}).get("decoding") or {})
     training = base.get("training", {})
-    completions = int(training.get("per_device_train_batch_size", 8)) * int(
-        training.get("gradient_accumulation_steps", 1)
-    )
+    completions = TrainingConfig.model_validate(training or {}).samples_per_step
     if completions % GRPO_GENERATIONS:
         raise SystemExit(
             f"GRPO arm: {completions} samples per step is not a multiple of {GRPO_GENERATIONS} generations"

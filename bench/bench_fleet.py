@@ -337,7 +337,7 @@ def step_batch(cfg: Any, model_dir: Path, rows: int, global_step: int) -> Any:
         ctx=sample_context(cfg, tokenizer),
         stage2=cfg.stage2,
         decoding=cfg.rollout.decoding,
-        seed=int(cfg.training["seed"]),
+        seed=cfg.training_view.seed,
         rank=0,
         world_size=1,
         per_device_batch_size=rows,

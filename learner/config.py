@@ -100,11 +100,11 @@ class ModelConfig(ConfigSection):
     """Qwen3-VL on CUDA only: Liger-Kernel's Triton RMSNorm, rotary and SwiGLU (`learner.kernels`; the `gpu`
     extra). Measured: bench/RESULTS.md, "learner throughput"."""
     varlen_kernel: Literal["auto", "fa4", "torch"] = "auto"
-    """Packed rows' attention kernel on CUDA (`learner.trainers.packed_attention`): `fa4` = FlashAttention-4
-    (the `fa4` extra, Hopper/Blackwell; on an H200 the compiled 8k image step 1.10x, MFU 34 -> 38 %),
-    `torch` = PyTorch's varlen op (FlashAttention-2 kernels),
-    `auto` = the first of them that imports and passes its one-time check here (else the per-segment loop).
-    FA4 compiles each attention configuration on first use (~10 s each)."""
+    """Packed rows' attention kernel on CUDA (`learner.kernels.varlen`, whose registry spells the names):
+    `fa4` = FlashAttention-4 (the `fa4` extra, Hopper/Blackwell), `torch` = PyTorch's varlen op
+    (FlashAttention-2 kernels), `auto` = the first of them that imports and passes its one-time check here
+    (else the per-segment loop). FA4 compiles each attention configuration on first use. Measured:
+    bench/RESULTS.md, "learner throughput"."""
     compile_blocks: bool = False
     """Regional `torch.compile` of every decoder layer and ViT block (`learner.kernels.compile_blocks`,
     dynamic shapes; generation stays eager); the first steps compile (CPU works too). Not with

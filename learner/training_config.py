@@ -90,6 +90,11 @@ class TrainingConfig(BaseModel):
         return self
 
     @property
+    def samples_per_step(self) -> int:
+        """Samples one optimizer step trains in ONE process: per-device batch x gradient accumulation."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
     def eval_enabled(self) -> bool:
         """Whether HF evaluates during training (`eval_strategy` other than `no`)."""
         return self.eval_strategy.lower() != "no"
