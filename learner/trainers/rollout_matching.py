@@ -34,15 +34,14 @@ from learner.stage2.losses import zero_loss
 from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
 from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
-from learner.stage2.step import forward_for_loss, micro_step_loss
+from learner.stage2.step import micro_step_loss
 from learner.trainers.callbacks import OverlapCallback
 from learner.trainers.eval_gallery import EvalGallery
 from learner.trainers.overlap import RolloutOverlap, Rollouts, WindowLookahead
 from learner.trainers.planner import StepPlanner
 from learner.weights.sync import WeightSyncPolicy
 
-__all__ = ["RolloutMatchingTrainer", "forward_for_loss"]
-# `forward_for_loss` lives in `learner.stage2.step`; named here until tests/integration import it from there.
+__all__ = ["RolloutMatchingTrainer"]
 
 logger = logging.getLogger(__name__)
 
