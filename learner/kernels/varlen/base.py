@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from shared_schemas.registry import registrar
 
@@ -49,7 +50,8 @@ VARLEN_KERNEL_NAMES: tuple[str, ...] = ("fa4", "torch")
 
 class VarlenKernel:
     """One varlen attention kernel (see the module docstring). Subclasses are registered with `register`,
-    which sets `name`, and implement `missing` and `__call__`; one instance per process (`get_kernel`)."""
+    which sets `name`, and implement `missing` and `_attend` (what `__call__` runs); one instance per process
+    (`get_kernel`)."""
 
     name: ClassVar[str] = ""
 
@@ -81,6 +83,12 @@ class VarlenKernel:
         Returns:
             `(T, H, D)`, differentiable in q, k, v.
         """
+        return self._attend(q, k, v, cu, max_len, causal, scale)
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool, scale: float | None
+    ) -> Tensor:
+        """`__call__`'s attention, its arguments positional; each kernel implements it."""
         raise NotImplementedError
 
 

@@ -21,10 +21,11 @@ import importlib
 from types import ModuleType
 
 import torch
+from torch import Tensor
 
 from learner.kernels.varlen.base import VarlenKernel, register
 
-__all__ = ["Fa4Varlen", "fa4_importable", "fa4_supported", "fa4_varlen"]
+__all__ = ["Fa4Varlen", "fa4_importable", "fa4_supported"]
 
 _MODULE = "flash_attn.cute.interface"
 
@@ -64,7 +65,7 @@ def _fwd(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fa4 = _interface()
-    assert fa4 is not None, "fa4_varlen called where fa4_supported() is False"
+    assert fa4 is not None, "Fa4Varlen called where fa4_supported() is False"
     res = fa4._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
         softmax_scale=scale, causal=causal, return_lse=True,
@@ -92,7 +93,7 @@ def _bwd(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fa4 = _interface()
-    assert fa4 is not None, "fa4_varlen called where fa4_supported() is False"
+    assert fa4 is not None, "Fa4Varlen called where fa4_supported() is False"
     dq, dk, dv = fa4._flash_attn_bwd(
         q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=causal,
         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
@@ -121,50 +122,17 @@ def _backward(ctx, dout, dlse):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fa4_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    max_len: int,
-    *,
-    causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    """Attention of a packed row, each segment `[cu[i], cu[i+1])` to itself only.
-
-    Args:
-        q: `(T, H, D)`; k, v: `(T, H_kv, D)`, H a multiple of H_kv (grouped-query attention in the kernel,
-            query head h reads kv head h // (H / H_kv), as SDPA's `enable_gqa`). bf16 or fp16, CUDA.
-        cu: int32 `[k + 1]` segment bounds on the same device.
-        max_len: longest segment (tokens).
-        causal: causal within each segment (language model) or full (vision tower).
-        scale: softmax scale; None = `D ** -0.5`.
-
-    Returns:
-        `(T, H, D)`, differentiable in q, k, v.
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    return _fwd(q, k, v, cu, max_len, causal, scale)[0]
-
-
 @register("fa4")
 class Fa4Varlen(VarlenKernel):
-    """FlashAttention-4 through `fa4_varlen` (Hopper, Blackwell; the optional `flash-attn-4` wheel)."""
+    """FlashAttention-4 (Hopper, Blackwell; the optional `flash-attn-4` wheel): grouped-query attention in the
+    kernel; bf16 or fp16, CUDA."""
 
     def missing(self, device: torch.device) -> str:
         return "" if fa4_supported(device) else "flash-attn-4 not importable or the GPU is not SM 9.x/10.x"
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        max_len: int,
-        *,
-        causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        return fa4_varlen(q, k, v, cu, max_len, causal=causal, scale=scale)
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool, scale: float | None
+    ) -> Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        return _fwd(q, k, v, cu, max_len, causal, scale)[0]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from learner.kernels.varlen.base import VarlenKernel, register
 
@@ -35,17 +36,9 @@ class TorchVarlen(VarlenKernel):
     def missing(self, device: torch.device) -> str:
         return "" if _varlen_op() is not None else "this torch has no torch.nn.attention.varlen"
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        max_len: int,
-        *,
-        causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool, scale: float | None
+    ) -> Tensor:
         op = _varlen_op()
         assert op is not None
         fn, params = op
