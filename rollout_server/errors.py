@@ -63,6 +63,17 @@ class RolloutServerError(Exception):
     status: int = 500
     default_type: str = "internal_error"
 
+    def __init_subclass__(
+        cls, *, status: int | None = None, default_type: str | None = None, **kw: Any
+    ) -> None:
+        """A family is declared in its class line, `class X(RolloutServerError, status=404,
+        default_type="x")`; a subfamily names only its `default_type` and keeps its base's status."""
+        super().__init_subclass__(**kw)
+        if status is not None:
+            cls.status = status
+        if default_type is not None:
+            cls.default_type = default_type
+
     def __init__(
         self, message: str, *, type: str | None = None, detail: Any = None, status: int | None = None
     ) -> None:
@@ -78,89 +89,56 @@ class RolloutServerError(Exception):
         return ErrorEnvelope(error=ErrorBody(type=self.type, message=self.message, detail=self.detail))
 
 
-class BadRequestError(RolloutServerError):
+class BadRequestError(RolloutServerError, status=400, default_type="bad_request"):
     """400: a well-formed request the server cannot serve as asked."""
 
-    status = 400
-    default_type = "bad_request"
 
-
-class PromptTooLongError(BadRequestError):
+class PromptTooLongError(BadRequestError, default_type="prompt_too_long"):
     """400: prompt + max_tokens exceeds max_model_len."""
 
-    default_type = "prompt_too_long"
 
-
-class SyncValidationError(BadRequestError):
+class SyncValidationError(BadRequestError, default_type="sync_invalid"):
     """400: a weight-sync manifest or bucket does not match the engine's parameters or the manifest."""
 
-    default_type = "sync_invalid"
 
-
-class UnauthorizedError(RolloutServerError):
+class UnauthorizedError(RolloutServerError, status=401, default_type="unauthorized"):
     """401: missing or wrong bearer token."""
 
-    status = 401
-    default_type = "unauthorized"
 
-
-class NotFoundError(RolloutServerError):
+class NotFoundError(RolloutServerError, status=404, default_type="not_found"):
     """404: the named thing (route, sync id, adapter) does not exist."""
 
-    status = 404
-    default_type = "not_found"
 
-
-class UnknownSyncError(NotFoundError):
+class UnknownSyncError(NotFoundError, default_type="unknown_sync"):
     """404: no staged sync with this id (never begun, committed, aborted or timed out)."""
 
-    default_type = "unknown_sync"
 
-
-class UnknownAdapterError(NotFoundError):
+class UnknownAdapterError(NotFoundError, default_type="unknown_adapter"):
     """404: the request names an adapter the server has not loaded."""
 
-    default_type = "unknown_adapter"
 
-
-class ConflictError(RolloutServerError):
+class ConflictError(RolloutServerError, status=409, default_type="conflict"):
     """409: the request conflicts with the server's state."""
 
-    status = 409
-    default_type = "conflict"
 
-
-class LoraDisabledError(ConflictError):
+class LoraDisabledError(ConflictError, default_type="lora_disabled"):
     """409: adapter sync or adapter request on a server without LoRA (triggers fallback_to_full)."""
 
-    default_type = "lora_disabled"
 
-
-class StaleVersionError(ConflictError):
+class StaleVersionError(ConflictError, default_type="stale_version"):
     """409: a sync whose target version is not greater than the current one."""
 
-    default_type = "stale_version"
 
-
-class PayloadTooLargeError(RolloutServerError):
+class PayloadTooLargeError(RolloutServerError, status=413, default_type="payload_too_large"):
     """413: request body above `server.max_body_mb`."""
 
-    status = 413
-    default_type = "payload_too_large"
 
-
-class EngineNotReadyError(RolloutServerError):
+class EngineNotReadyError(RolloutServerError, status=503, default_type="engine_not_ready"):
     """503: the engine is loading or failed to load."""
 
-    status = 503
-    default_type = "engine_not_ready"
 
-
-class EngineError(RolloutServerError):
+class EngineError(RolloutServerError, status=500, default_type="engine_error"):
     """500: the engine failed while serving a valid request."""
-
-    status = 500
-    default_type = "engine_error"
 
 
 def error_response(err: RolloutServerError) -> JSONResponse:
