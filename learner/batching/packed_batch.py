@@ -215,15 +215,26 @@ def _concat_mm(segments: Sequence[Segment], pin_memory: bool = False) -> dict[st
     return out
 
 
-def _coord_tensors(
-    rows: list[int], pos: list[int], bins: list[int], is_prefix: list[bool]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        torch.tensor(rows, dtype=torch.long),
-        torch.tensor(pos, dtype=torch.long),
-        torch.tensor(bins, dtype=torch.long),
-        torch.tensor(is_prefix, dtype=torch.bool),
+def _assemble(
+    segments: Sequence[Segment],
+    coords: tuple[list[int], list[int], list[int], list[bool]],
+    *,
+    pin_memory: bool,
+    **layout: Any,
+) -> PackedBatch:
+    """The batch of `segments` in a layout (`pack_segments`, `pad_segments`): the coords `(batch row,
+    position, bin, is_prefix)` as tensors, the segments' meta and multimodal inputs, pinned if asked."""
+    rows, pos, bins, is_prefix = coords
+    batch = PackedBatch(
+        **layout,
+        coord_batch_idx=torch.tensor(rows, dtype=torch.long),
+        coord_pos=torch.tensor(pos, dtype=torch.long),
+        coord_bins=torch.tensor(bins, dtype=torch.long),
+        coord_is_prefix=torch.tensor(is_prefix, dtype=torch.bool),
+        meta=[seg.meta.as_dict() for seg in segments],
+        mm_inputs=_concat_mm(segments, pin_memory),
     )
+    return batch.pin_memory() if pin_memory else batch
 
 
 def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> PackedBatch:
@@ -259,27 +270,22 @@ def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> P
         bounds.append(offset + length)
     if bounds[-1] != len(ids):
         raise AssertionError(f"packed offsets end at {bounds[-1]} != row length {len(ids)}")
-    rows, pos, bins, pref = _coord_tensors([0] * len(c_pos), c_pos, c_bins, c_pref)
     position_ids = torch.tensor([positions], dtype=torch.long)
     if any(seg.rope_positions is not None for seg in segments):
         rope = [sum((_rope_rows(seg)[axis] for seg in segments), []) for axis in range(3)]
         position_ids = torch.cat([position_ids[None], torch.tensor(rope, dtype=torch.long)[:, None]], dim=0)
-    batch = PackedBatch(
+    return _assemble(
+        segments,
+        ([0] * len(c_pos), c_pos, c_bins, c_pref),
+        pin_memory=pin_memory,
         input_ids=torch.tensor([ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
         position_ids=position_ids,
         attention_mask=None,
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         max_seqlen=max(len(s.input_ids) for s in segments),
-        coord_batch_idx=rows,
-        coord_pos=pos,
-        coord_bins=bins,
-        coord_is_prefix=pref,
-        meta=[seg.meta.as_dict() for seg in segments],
-        mm_inputs=_concat_mm(segments, pin_memory),
         packed=True,
     )
-    return batch.pin_memory() if pin_memory else batch
 
 
 def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool = False) -> PackedBatch:
@@ -312,7 +318,6 @@ def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool =
         c_pos += seg.coord_pos
         c_bins += seg.coord_bins
         c_pref += seg.coord_is_prefix
-    rows_t, pos, bins, pref = _coord_tensors(rows, c_pos, c_bins, c_pref)
     position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(batch, width).contiguous()
     if any(seg.rope_positions is not None for seg in segments):
         # Padding keeps position 0 on every row (never attended, never read by a loss).
@@ -320,19 +325,15 @@ def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool =
         for r, seg in enumerate(segments):
             rope[:, r, : len(seg.input_ids)] = torch.tensor(_rope_rows(seg), dtype=torch.long)
         position_ids = torch.cat([position_ids[None], rope], dim=0)
-    batch = PackedBatch(
+    return _assemble(
+        segments,
+        (rows, c_pos, c_bins, c_pref),
+        pin_memory=pin_memory,
         input_ids=input_ids,
         labels=labels,
         position_ids=position_ids,
         attention_mask=attention_mask,
         cu_seqlens=None,
         max_seqlen=width,
-        coord_batch_idx=rows_t,
-        coord_pos=pos,
-        coord_bins=bins,
-        coord_is_prefix=pref,
-        meta=[seg.meta.as_dict() for seg in segments],
-        mm_inputs=_concat_mm(segments, pin_memory),
         packed=False,
     )
-    return batch.pin_memory() if pin_memory else batch
