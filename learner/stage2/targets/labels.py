@@ -109,6 +109,19 @@ class Labels(NamedTuple):
     coord_bins: list[int]
     coord_is_prefix: list[bool]
 
+    def segment(self, ids: Sequence[int], meta: SegmentMeta, **carried: Any) -> Segment:
+        """The `Segment` of `ids` with these labels and `meta`; `carried`: its `mm_inputs` and
+        `rope_positions`, if any."""
+        return Segment(
+            input_ids=tuple(ids),
+            labels=tuple(self.labels),
+            coord_pos=tuple(self.coord_pos),
+            coord_bins=tuple(self.coord_bins),
+            coord_is_prefix=tuple(self.coord_is_prefix),
+            meta=meta,
+            **carried,
+        )
+
 
 def _as_int_list(ids: Any) -> list[int]:
     # Tensors / arrays → Python ints; sequences are assumed to hold ints already (hot path: no per-item cast).
@@ -272,16 +285,7 @@ def build_segment(
         rollout_step=int(rollout_step),
         counters=dict(y_train.counters),
     )
-    return Segment(
-        input_ids=tuple(ids),
-        labels=tuple(lab.labels),
-        coord_pos=tuple(lab.coord_pos),
-        coord_bins=tuple(lab.coord_bins),
-        coord_is_prefix=tuple(lab.coord_is_prefix),
-        meta=meta,
-        mm_inputs=dict(mm_inputs or {}),
-        rope_positions=rope_positions,
-    )
+    return lab.segment(ids, meta, mm_inputs=dict(mm_inputs or {}), rope_positions=rope_positions)
 
 
 def encode_segment(

@@ -83,14 +83,7 @@ def make_segment(
         prefix_ce_pos=tuple(prefix_ce),
         rollout_step=rollout_step,
     )
-    return Segment(
-        input_ids=tuple(ids),
-        labels=tuple(lab.labels),
-        coord_pos=tuple(lab.coord_pos),
-        coord_bins=tuple(lab.coord_bins),
-        coord_is_prefix=tuple(lab.coord_is_prefix),
-        meta=meta,
-    )
+    return lab.segment(ids, meta)
 
 
 def random_segment(
