@@ -32,7 +32,7 @@ from __future__ import annotations
 import io
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,16 +128,21 @@ def make_row(rng: random.Random, row_id: str) -> dict[str, Any]:
     }
 
 
+def _check_request(n: int, split: str, splits: Mapping[str, Any]) -> None:
+    """Raises the ``ValueError`` of the row generators: ``split`` not in ``splits``, or ``n`` negative."""
+    if split not in splits:
+        raise ValueError(f"split {split!r} is not one of {sorted(splits)}")
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+
+
 def generate_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
     """``n`` rows of ``split`` (``train`` or ``eval``), deterministic in ``(seed, split, n)``.
 
     Raises:
         ValueError: unknown split or negative ``n``.
     """
-    if split not in _SPLIT_SALT:
-        raise ValueError(f"split {split!r} is not one of {sorted(_SPLIT_SALT)}")
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
+    _check_request(n, split, _SPLIT_SALT)
     rng = random.Random(seed * 1_000_003 + _SPLIT_SALT[split])
     return [make_row(rng, f"{split}-{i:05d}") for i in range(n)]
 
@@ -211,10 +216,7 @@ def generate_image_rows(
     Raises:
         ValueError: unknown split or negative ``n``.
     """
-    if split not in _IMAGE_SALT:
-        raise ValueError(f"split {split!r} is not one of {sorted(_IMAGE_SALT)}")
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
+    _check_request(n, split, _IMAGE_SALT)
     cfg = image_demo_config()
     rng = random.Random(f"rollmatch-grpo-vlm/{split}/{seed}")
     rows = []
