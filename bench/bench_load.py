@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -275,11 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         " or to normal priority before the load starts (an A/B of what its priority buys)",
     )
     args = parser.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))
-    try:
-        run(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="bench-load-", ignore_cleanup_errors=True) as tmp:
+        run(args, Path(tmp))
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -211,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         args.transports = ["nccl", "http", "shm"] if args.gpu else ["http", "shm", "gloo"]
     if args.learner_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.learner_cpus.split(",")})
-    tmp = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    try:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="bench-sync-", dir=shm, ignore_cleanup_errors=True) as folder:
+        tmp = Path(folder)
         if args.gpu and args.servers > 1:
             from _sync_fleet import bench_fleet
 
@@ -223,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
             bench_gpu(args, tmp)
         else:
             bench(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
