@@ -52,15 +52,27 @@ def head(n: int, desc: str, geom: str = "bbox", first: bool = False) -> list:
     return key + (["bbox", "_", "2", "d", '":'] if geom == "bbox" else ["poly", '":'])
 
 
-def bbox(n: int, desc: str, bins: list[int], first: bool = False, close: str = "},") -> list:
-    out = head(n, desc, first=first) + [' ["']
+def coords(bins: list) -> list:
+    """Tokens of a coordinate list up to its last value, `[' ["', b0, '",', ' "', b1, ...]`; an entry that is
+    a list stands for the pieces of one value."""
+    out = [' ["']
     for j, b in enumerate(bins):
-        out += ([] if j == 0 else ['",', ' "']) + [b]
-    return out + ['"]', close]
+        out += ([] if j == 0 else ['",', ' "']) + (b if isinstance(b, list) else [b])
+    return out
+
+
+def bbox(n: int, desc: str, bins: list, first: bool = False, close: str = "},") -> list:
+    return head(n, desc, first=first) + coords(bins) + ['"]', close]
 
 
 def parse(tok, cv, pieces):
     r = parse_rollout(tok.ids_of(pieces), tok, cv)
+    assert_parse_invariants(r, tok, cv)
+    return r
+
+
+def parse_text(tok, cv, text: str):
+    r = parse_rollout(tok.encode(text), tok, cv)
     assert_parse_invariants(r, tok, cv)
     return r
 
@@ -224,21 +236,7 @@ def test_empty_rollout_falls_back(tok, cv):
 
 
 def test_coordinate_written_as_plain_characters_is_invalid(tok, cv):
-    toks = head(1, "cat", first=True) + [
-        ' ["',
-        1,
-        '",',
-        ' "',
-        2,
-        '",',
-        ' "',
-        *"<|coord_3|>",
-        '",',
-        ' "',
-        4,
-        '"]',
-        "}}",
-    ]
+    toks = bbox(1, "cat", [1, 2, list("<|coord_3|>"), 4], first=True, close="}}")
     r = parse(tok, cv, toks)
     (o,) = r.all_objects
     assert not o.valid and len(o.coord_token_indices) == 3
@@ -286,21 +284,7 @@ def test_cut_right_after_a_token_that_holds_a_partial_character(tok, cv):
     # '"]}' + first byte of 猫 in one token (piece ""), the rest in the next (piece '"]}猫'):
     # the cut after '}' must not keep the dangling byte (refinement of §6.6; the literal rule would leave
     # '\ufffd' in the prefix).
-    toks = head(1, "cat", first=True) + [
-        ' ["',
-        1,
-        '",',
-        ' "',
-        2,
-        '",',
-        ' "',
-        3,
-        '",',
-        ' "',
-        4,
-        b'"]}\xe7',
-        CAT[1:],
-    ]
+    toks = head(1, "cat", first=True) + coords([1, 2, 3, 4]) + [b'"]}\xe7', CAT[1:]]
     ids = tok.ids_of(toks)
     tp = token_pieces(ids, tok)
     assert tp.pieces[-2:] == ["", '"]}猫'] and len(ids) - 1 in tp.unclean
@@ -356,16 +340,14 @@ def test_structural_characters_inside_strings_are_ignored(tok, cv):
         '{"object_1": {"desc": "a \\"}{[,:\\" b", "bbox_2d": '
         '["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}'
     )
-    r = parse_rollout(tok.encode(text), tok, cv)
-    assert_parse_invariants(r, tok, cv)
+    r = parse_text(tok, cv, text)
     (o,) = r.valid_objects
     assert o.desc == 'a "}{[,:" b'
 
 
 def test_non_canonical_spacing_is_parsed_by_the_general_path(tok, cv):
     text = '{"object_1":{"bbox_2d":[["<|coord_1|>","<|coord_2|>"],["<|coord_3|>","<|coord_4|>"]],"desc":"x"}}'
-    r = parse_rollout(tok.encode(text), tok, cv)
-    assert_parse_invariants(r, tok, cv)
+    r = parse_text(tok, cv, text)
     (o,) = r.valid_objects
     assert o.bins == (1, 2, 3, 4) and o.geom_type == "bbox_2d"
 
@@ -385,8 +367,7 @@ def test_non_canonical_spacing_is_parsed_by_the_general_path(tok, cv):
     ],
 )
 def test_object_validation_rules(tok, cv, value, reason):
-    r = parse_rollout(tok.encode('{"object_1": ' + value + "}"), tok, cv)
-    assert_parse_invariants(r, tok, cv)
+    r = parse_text(tok, cv, '{"object_1": ' + value + "}")
     (o,) = r.all_objects
     assert not o.valid and reason in (o.reason or "")
 
@@ -396,8 +377,7 @@ def test_nested_garbage_object_is_not_an_object(tok, cv):
     text += (
         '"object_1": {"desc": "b", "bbox_2d": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}}'
     )
-    r = parse_rollout(tok.encode(text), tok, cv)
-    assert_parse_invariants(r, tok, cv)
+    r = parse_text(tok, cv, text)
     assert [o.key for o in r.all_objects] == ["object_1"] and r.valid_objects[0].desc == "b"
 
 
@@ -416,8 +396,7 @@ def test_object_value_inside_a_list_follows_the_scan_rules(tok, cv, monkeypatch)
         '{"object_1": [{"desc": "a", "bbox_2d": '
         '["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>"]}]}'
     )
-    r = parse_rollout(tok.encode(text), tok, cv)
-    assert_parse_invariants(r, tok, cv)
+    r = parse_text(tok, cv, text)
     (o,) = r.all_objects
     assert not o.valid and o.coord_token_indices == ()
     assert r.prefix_text == text[:-2]

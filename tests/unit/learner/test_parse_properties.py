@@ -129,6 +129,16 @@ STRUCTURAL = [
 STRUCTURAL += ["object", "_", "1", "2", "desc", "bbox", "poly", "cat", "\\", " ", "<|im_end|>"]
 
 
+def general_path_parse(ids: list[int], tok, cv: CoordVocab):
+    """`parse_rollout` with the canonical fast path off (its matcher never matches): the general path only."""
+    orig = parse_mod._CANONICAL_VALUE_RE
+    parse_mod._CANONICAL_VALUE_RE = parse_mod.re.compile(r"(?!)")
+    try:
+        return parse_rollout(ids, tok, cv)
+    finally:
+        parse_mod._CANONICAL_VALUE_RE = orig
+
+
 @pytest.fixture(scope="module")
 def junk_pool(tiny_tokenizer, cv) -> list[int]:
     pool = sorted({t for s in STRUCTURAL for t in encode_text(tiny_tokenizer, s)})
@@ -145,12 +155,7 @@ def test_parser_never_raises_on_junk_and_both_value_paths_agree(tiny_tokenizer, 
     ids = encode_text(tok, prefix) + ids
     r = parse_rollout(ids, tok, cv)
     assert_parse_invariants(r, tok, cv)
-    orig = parse_mod._CANONICAL_VALUE_RE
-    parse_mod._CANONICAL_VALUE_RE = parse_mod.re.compile(r"(?!)")
-    try:
-        assert parse_rollout(ids, tok, cv) == r
-    finally:
-        parse_mod._CANONICAL_VALUE_RE = orig
+    assert general_path_parse(ids, tok, cv) == r
 
 
 @SETTINGS
@@ -160,12 +165,7 @@ def test_canonical_fast_path_matches_general_path(tiny_tokenizer, cv, objs):
     ids = encode_text(tok, serialize_objects(objs))
     ids = ids[: random.Random(len(ids)).randint(0, len(ids))]
     fast = parse_rollout(ids, tok, cv)
-    orig = parse_mod._CANONICAL_VALUE_RE
-    parse_mod._CANONICAL_VALUE_RE = parse_mod.re.compile(r"(?!)")
-    try:
-        assert parse_rollout(ids, tok, cv) == fast
-    finally:
-        parse_mod._CANONICAL_VALUE_RE = orig
+    assert general_path_parse(ids, tok, cv) == fast
 
 
 @SETTINGS
