@@ -11,8 +11,8 @@ from learner.trainers.build import sample_context
 from learner.trainers.overlap import RolloutOverlap
 from learner.trainers.planner import StepPlanner
 from shared_schemas.infer import Choice, InferResult
-
-OBJ = {"desc": "cat", "bbox_2d": ["<|coord_10|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"]}
+from tests.unit.learner.raw_records import CAT as OBJ
+from tests.unit.learner.raw_records import raw_record
 
 
 class RecordingSource:
@@ -46,16 +46,7 @@ class RecordingSource:
 
 
 def _sample(i: int) -> dict:
-    return {
-        "messages": [{"role": "user", "content": [{"type": "text", "text": f"scene {i}"}]}],
-        "gt_objects": [OBJ],
-        "images": [],
-        "width": 1000,
-        "height": 1000,
-        "base_idx": i,
-        "dataset": "t",
-        "sample_id": i,
-    }
+    return raw_record(i, [OBJ])
 
 
 def plan(planner, raws, *, global_step, metrics, before_rollout):

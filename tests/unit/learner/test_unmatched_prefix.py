@@ -17,6 +17,7 @@ from learner.stage2.gt import extract_gt
 from learner.stage2.pipeline import prepare_segment
 from learner.trainers.build import sample_context
 from shared_schemas.infer import Choice, InferResult
+from tests.unit.learner.raw_records import raw_record
 
 CAT = ("cat", "bbox_2d", [100, 100, 300, 300])
 BIRD = ("bird", "bbox_2d", [800, 800, 900, 900])  # overlaps no GT object: a false positive
@@ -52,16 +53,7 @@ def _prepare(
         }
     )
     ctx = sample_context(cfg, tokenizer)
-    sample = {
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "scene"}]}],
-        "gt_objects": [_raw(o) for o in gt],
-        "images": [],
-        "width": 1000,
-        "height": 1000,
-        "base_idx": 0,
-        "dataset": "t",
-        "sample_id": 0,
-    }
+    sample = raw_record(0, [_raw(o) for o in gt], text="scene")
     answer = "{" + ", ".join(serialize_entry(n + 1, *o) for n, o in enumerate(predicted)) + "}"
     result = InferResult(
         index=0,

@@ -14,8 +14,9 @@ from learner.trainers.build import sample_context
 from learner.trainers.planner import StepPlanner
 from shared_schemas.infer import Choice, InferResult
 from tests.unit.learner.evaluate.helpers import gt, png, sample
+from tests.unit.learner.raw_records import CAT as OBJ
+from tests.unit.learner.raw_records import raw_record
 
-OBJ = {"desc": "cat", "bbox_2d": ["<|coord_10|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"]}
 _BOX = '"<|coord_{}|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"'
 ANSWER = (
     '{"object_1": {"desc": "cat", "bbox_2d": [' + _BOX.format(10) + "]},"
@@ -51,16 +52,7 @@ class ScriptedSource:
 
 
 def _sample(i: int) -> dict:
-    return {
-        "messages": [{"role": "user", "content": [{"type": "text", "text": f"scene {i}"}]}],
-        "gt_objects": [OBJ, {"desc": "dog", "bbox_2d": [600, 600, 700, 700]}],
-        "images": [],
-        "width": 1000,
-        "height": 1000,
-        "base_idx": i,
-        "dataset": "t",
-        "sample_id": i,
-    }
+    return raw_record(i, [OBJ, {"desc": "dog", "bbox_2d": [600, 600, 700, 700]}])
 
 
 @pytest.fixture()
