@@ -56,11 +56,7 @@ def _reference_constant_volume(items: list[tuple[int, int]], volume: int) -> lis
 
 
 def _reference_select(lens: list[int], cap: int) -> list[int]:
-    fifo, total_f = [0], lens[0]
-    for i in range(1, len(lens)):
-        if total_f + lens[i] <= cap:
-            fifo.append(i)
-            total_f += lens[i]
+    fifo = _reference_select_fifo(lens, cap)
     rem = cap - lens[0]
     if rem <= 0:
         return fifo
@@ -70,7 +66,7 @@ def _reference_select(lens: list[int], cap: int) -> list[int]:
     bins = _reference_constant_volume(items, rem)
     best = min(bins, key=lambda b: (-sum(lens[i] for i in b), len(b), tuple(sorted(b))))
     cand = sorted([0, *best])
-    return cand if sum(lens[i] for i in cand) > total_f else fifo
+    return cand if sum(lens[i] for i in cand) > sum(lens[i] for i in fifo) else fifo
 
 
 @pytest.mark.parametrize(
