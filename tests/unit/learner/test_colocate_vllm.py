@@ -28,7 +28,8 @@ from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from learner.yaml_loader import ConfigError
 from rollout_server.engines.base import AdapterUpdate, EngineHealth, FullUpdate
 from rollout_server.errors import LoraDisabledError
-from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, RequestConfig
+from shared_schemas.infer import InferBatch, InferRequest, InferResult, RequestConfig
+from tests.unit.learner.infer_stubs import stub_results
 
 
 # -- TP layout and devices -----------------------------------------------------------------------------------
@@ -162,16 +163,7 @@ class FakeEngine:
 
     async def generate(self, batch: InferBatch) -> list[InferResult]:
         self.log.append(f"generate{len(batch.infer_requests)}")
-        return [
-            InferResult(
-                index=batch.first_index + i,
-                request_id=r.request_id,
-                prompt_token_ids=[1],
-                choices=[Choice(token_ids=[2], text="", finish_reason="stop")],
-                weight_version=self.version,
-            )
-            for i, r in enumerate(batch.infer_requests)
-        ]
+        return stub_results(batch, self.version)
 
     async def apply_update(self, update: Any) -> None:
         if isinstance(update, AdapterUpdate) and not self.lora:

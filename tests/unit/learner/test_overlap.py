@@ -19,6 +19,7 @@ from learner.trainers.overlap import (
     _runs,
 )
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult, RequestConfig
+from tests.unit.learner.infer_stubs import stub_results
 
 
 def _batch(n: int = 4, seed0: int = 100) -> InferBatch:
@@ -50,16 +51,7 @@ class Server:
             raise self.error
         n = len(batch.infer_requests)
         self.calls.append((batch.first_index, batch.first_index + n))
-        return [
-            InferResult(
-                index=batch.first_index + i,
-                request_id=req.request_id,
-                prompt_token_ids=[1],
-                choices=[Choice(token_ids=[2], text="", finish_reason="stop")],
-                weight_version=self.versions.pop(batch.first_index + i, self.version),
-            )
-            for i, req in enumerate(batch.infer_requests)
-        ]
+        return stub_results(batch, lambda index: self.versions.pop(index, self.version))
 
 
 @pytest.fixture()
