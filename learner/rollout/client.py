@@ -26,28 +26,9 @@ import httpx
 from learner.rollout.base import check_results
 from learner.rollout.errors import ServerError, ServerNotReady, ServerUnreachable, error_from_response
 from learner.weights.session import SyncSession
+from shared_schemas import sync as wire
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResponse, InferResult
-from shared_schemas.sync import (
-    BUCKET_PATH,
-    BUCKET_SHM_PATH,
-    SYNC_ABORT_PATH,
-    SYNC_BEGIN_PATH,
-    SYNC_COMMIT_PATH,
-    SYNC_PREPARE_PATH,
-    BucketAck,
-    CollectiveSpec,
-    ShmBucketRef,
-    SyncAbortRequest,
-    SyncAbortResponse,
-    SyncBeginRequest,
-    SyncBeginResponse,
-    SyncCommitRequest,
-    SyncCommitResponse,
-    SyncManifest,
-    SyncPrepareRequest,
-    SyncPrepareResponse,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -278,11 +259,11 @@ class RolloutClient:
     # -- /sync_weights/ --------------------------------------------------------------------------
     def sync_begin(
         self,
-        manifest: SyncManifest,
+        manifest: wire.SyncManifest,
         *,
         timeout_s: float | None = None,
-        collective: CollectiveSpec | None = None,
-    ) -> SyncBeginResponse:
+        collective: wire.CollectiveSpec | None = None,
+    ) -> wire.SyncBeginResponse:
         """Opens a sync: the server validates names, dtypes, shapes, version and LoRA up front. With
         `collective`, its receivers start joining that group (the buckets are then broadcast, not uploaded).
 
@@ -290,11 +271,11 @@ class RolloutClient:
             ServerConflict: 409 (`lora_disabled` for an adapter sync without LoRA, `stale_version`).
             ServerError: 400 (`unknown_parameter`, `parameter_mismatch`) and others.
         """
-        body = SyncBeginRequest(manifest=manifest, timeout_s=timeout_s, collective=collective)
-        response = self._request("POST", SYNC_BEGIN_PATH, json=body.model_dump(mode="json"))
-        return SyncBeginResponse.model_validate_json(response.content)
+        body = wire.SyncBeginRequest(manifest=manifest, timeout_s=timeout_s, collective=collective)
+        response = self._request("POST", wire.SYNC_BEGIN_PATH, json=body.model_dump(mode="json"))
+        return wire.SyncBeginResponse.model_validate_json(response.content)
 
-    def upload_bucket(self, sync_id: str, index: int, data: bytes | Sequence[memoryview]) -> BucketAck:
+    def upload_bucket(self, sync_id: str, index: int, data: bytes | Sequence[memoryview]) -> wire.BucketAck:
         """Sends one safetensors bucket as the request body: a blob, or its parts (header, then each tensor's
         bytes), streamed from the caller's memory with an exact `Content-Length` (no assembled copy)."""
         if isinstance(data, bytes | bytearray | memoryview):
@@ -305,21 +286,23 @@ class RolloutClient:
             length = sum(part.nbytes for part in data)
         response = self._request(
             "PUT",
-            BUCKET_PATH.format(sync_id=sync_id, index=index),
+            wire.BUCKET_PATH.format(sync_id=sync_id, index=index),
             content=content,
             headers={"Content-Type": "application/octet-stream", "Content-Length": str(length)},
         )
-        return BucketAck.model_validate_json(response.content)
+        return wire.BucketAck.model_validate_json(response.content)
 
-    def upload_bucket_shm(self, sync_id: str, index: int, file_name: str) -> BucketAck:
+    def upload_bucket_shm(self, sync_id: str, index: int, file_name: str) -> wire.BucketAck:
         """Names one bucket file already written into the server's staging directory (same host)."""
-        body = ShmBucketRef(file_name=file_name)
+        body = wire.ShmBucketRef(file_name=file_name)
         response = self._request(
-            "POST", BUCKET_SHM_PATH.format(sync_id=sync_id, index=index), json=body.model_dump(mode="json")
+            "POST",
+            wire.BUCKET_SHM_PATH.format(sync_id=sync_id, index=index),
+            json=body.model_dump(mode="json"),
         )
-        return BucketAck.model_validate_json(response.content)
+        return wire.BucketAck.model_validate_json(response.content)
 
-    def sync_prepare(self, sync_id: str, *, timeout_s: float | None = None) -> SyncPrepareResponse:
+    def sync_prepare(self, sync_id: str, *, timeout_s: float | None = None) -> wire.SyncPrepareResponse:
         """Returns once the server holds every bucket of the sync (collective: its receive has finished), so
         the commit will only apply; `timeout_s` bounds the wait (default the read timeout).
 
@@ -328,30 +311,30 @@ class RolloutClient:
                 `missing_bucket`; 404 when the sync is gone.
             ServerUnreachable: no answer within `timeout_s` (the server died or hangs).
         """
-        body = SyncPrepareRequest(sync_id=sync_id)
+        body = wire.SyncPrepareRequest(sync_id=sync_id)
         extra = {"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}
-        response = self._request("POST", SYNC_PREPARE_PATH, json=body.model_dump(mode="json"), **extra)
-        return SyncPrepareResponse.model_validate_json(response.content)
+        response = self._request("POST", wire.SYNC_PREPARE_PATH, json=body.model_dump(mode="json"), **extra)
+        return wire.SyncPrepareResponse.model_validate_json(response.content)
 
-    def sync_commit(self, sync_id: str) -> SyncCommitResponse:
+    def sync_commit(self, sync_id: str) -> wire.SyncCommitResponse:
         """Applies the staged sync atomically; afterwards every generation uses the new version."""
-        body = SyncCommitRequest(sync_id=sync_id)
-        response = self._request("POST", SYNC_COMMIT_PATH, json=body.model_dump(mode="json"))
-        return SyncCommitResponse.model_validate_json(response.content)
+        body = wire.SyncCommitRequest(sync_id=sync_id)
+        response = self._request("POST", wire.SYNC_COMMIT_PATH, json=body.model_dump(mode="json"))
+        return wire.SyncCommitResponse.model_validate_json(response.content)
 
-    def sync_abort(self, sync_id: str) -> SyncAbortResponse:
+    def sync_abort(self, sync_id: str) -> wire.SyncAbortResponse:
         """Discards the staged sync (idempotent)."""
-        body = SyncAbortRequest(sync_id=sync_id)
-        response = self._request("POST", SYNC_ABORT_PATH, json=body.model_dump(mode="json"))
-        return SyncAbortResponse.model_validate_json(response.content)
+        body = wire.SyncAbortRequest(sync_id=sync_id)
+        response = self._request("POST", wire.SYNC_ABORT_PATH, json=body.model_dump(mode="json"))
+        return wire.SyncAbortResponse.model_validate_json(response.content)
 
     @contextmanager
     def weight_sync(
         self,
-        manifest: SyncManifest,
+        manifest: wire.SyncManifest,
         *,
         timeout_s: float | None = None,
-        collective: CollectiveSpec | None = None,
+        collective: wire.CollectiveSpec | None = None,
     ) -> Iterator[SyncSession]:
         """Groups one sync: begin on entry, commit on a clean exit, abort when the body raises.
 

@@ -13,24 +13,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from rollout_server.deps import EngineDep, StateDep, get_engine
 from rollout_server.errors import ERROR_RESPONSES
 from rollout_server.weights.receivers import HttpReceiver, ShmReceiver
-from shared_schemas.sync import (
-    BUCKET_PATH,
-    BUCKET_SHM_PATH,
-    SYNC_ABORT_PATH,
-    SYNC_BEGIN_PATH,
-    SYNC_COMMIT_PATH,
-    SYNC_PREPARE_PATH,
-    BucketAck,
-    ShmBucketRef,
-    SyncAbortRequest,
-    SyncAbortResponse,
-    SyncBeginRequest,
-    SyncBeginResponse,
-    SyncCommitRequest,
-    SyncCommitResponse,
-    SyncPrepareRequest,
-    SyncPrepareResponse,
-)
+from shared_schemas import sync as wire
 
 __all__ = ["router"]
 
@@ -40,45 +23,53 @@ SyncId = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$")]
 BucketIndex = Annotated[int, Path(ge=0)]
 
 
-@router.post(SYNC_BEGIN_PATH, response_model=SyncBeginResponse, responses=ERROR_RESPONSES)
-async def begin(body: SyncBeginRequest, state: StateDep, engine: EngineDep) -> SyncBeginResponse:
+@router.post(wire.SYNC_BEGIN_PATH, response_model=wire.SyncBeginResponse, responses=ERROR_RESPONSES)
+async def begin(body: wire.SyncBeginRequest, state: StateDep, engine: EngineDep) -> wire.SyncBeginResponse:
     """Validates the manifest (names, dtypes, shapes, version, LoRA) and opens a staged sync."""
     return await state.staging.begin(body, engine)
 
 
 @router.put(
-    BUCKET_PATH, response_model=BucketAck, responses=ERROR_RESPONSES, dependencies=[Depends(get_engine)]
+    wire.BUCKET_PATH,
+    response_model=wire.BucketAck,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(get_engine)],
 )
-async def put_bucket(sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep) -> BucketAck:
+async def put_bucket(
+    sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep
+) -> wire.BucketAck:
     """Stages one bucket sent as the safetensors body (`application/octet-stream`), streamed into its
     staging file as it arrives."""
     return await state.staging.receive(sync_id, index, request.stream(), HttpReceiver.name)
 
 
 @router.post(
-    BUCKET_SHM_PATH, response_model=BucketAck, responses=ERROR_RESPONSES, dependencies=[Depends(get_engine)]
+    wire.BUCKET_SHM_PATH,
+    response_model=wire.BucketAck,
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(get_engine)],
 )
 async def put_shm_bucket(
-    sync_id: SyncId, index: BucketIndex, body: ShmBucketRef, state: StateDep
-) -> BucketAck:
+    sync_id: SyncId, index: BucketIndex, body: wire.ShmBucketRef, state: StateDep
+) -> wire.BucketAck:
     """Stages one bucket the learner wrote into the server's staging directory (named by file name)."""
     return await state.staging.receive(sync_id, index, body, ShmReceiver.name)
 
 
-@router.post(SYNC_PREPARE_PATH, response_model=SyncPrepareResponse, responses=ERROR_RESPONSES)
-async def prepare(body: SyncPrepareRequest, state: StateDep) -> SyncPrepareResponse:
+@router.post(wire.SYNC_PREPARE_PATH, response_model=wire.SyncPrepareResponse, responses=ERROR_RESPONSES)
+async def prepare(body: wire.SyncPrepareRequest, state: StateDep) -> wire.SyncPrepareResponse:
     """Answers once the staged sync holds every bucket (collective: its receive has finished), so the commit
     will only apply; a learner with several servers prepares them all before it commits any."""
     return await state.staging.prepare(body.sync_id)
 
 
-@router.post(SYNC_COMMIT_PATH, response_model=SyncCommitResponse, responses=ERROR_RESPONSES)
-async def commit(body: SyncCommitRequest, state: StateDep, engine: EngineDep) -> SyncCommitResponse:
+@router.post(wire.SYNC_COMMIT_PATH, response_model=wire.SyncCommitResponse, responses=ERROR_RESPONSES)
+async def commit(body: wire.SyncCommitRequest, state: StateDep, engine: EngineDep) -> wire.SyncCommitResponse:
     """Applies the staged sync atomically; on any failure nothing is applied and the sync is discarded."""
     return await state.staging.commit(body.sync_id, engine)
 
 
-@router.post(SYNC_ABORT_PATH, response_model=SyncAbortResponse, responses=ERROR_RESPONSES)
-async def abort(body: SyncAbortRequest, state: StateDep) -> SyncAbortResponse:
+@router.post(wire.SYNC_ABORT_PATH, response_model=wire.SyncAbortResponse, responses=ERROR_RESPONSES)
+async def abort(body: wire.SyncAbortRequest, state: StateDep) -> wire.SyncAbortResponse:
     """Discards the staged sync (idempotent)."""
     return await state.staging.abort(body.sync_id)
