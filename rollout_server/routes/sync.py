@@ -6,7 +6,7 @@ The route split is documented in `shared_schemas.sync`; the state machine lives 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request
 
@@ -22,6 +22,14 @@ router = APIRouter(tags=["sync"])
 SyncId = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$")]
 BucketIndex = Annotated[int, Path(ge=0)]
 
+_BUCKET_ROUTE: dict[str, Any] = {
+    "response_model": wire.BucketAck,
+    "responses": ERROR_RESPONSES,
+    "dependencies": [Depends(get_engine)],
+}
+"""The options of both bucket routes (HTTP body, shm file name): they answer a `BucketAck` and need the
+engine loaded."""
+
 
 @router.post(wire.SYNC_BEGIN_PATH, response_model=wire.SyncBeginResponse, responses=ERROR_RESPONSES)
 async def begin(body: wire.SyncBeginRequest, state: StateDep, engine: EngineDep) -> wire.SyncBeginResponse:
@@ -29,12 +37,7 @@ async def begin(body: wire.SyncBeginRequest, state: StateDep, engine: EngineDep)
     return await state.staging.begin(body, engine)
 
 
-@router.put(
-    wire.BUCKET_PATH,
-    response_model=wire.BucketAck,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(get_engine)],
-)
+@router.put(wire.BUCKET_PATH, **_BUCKET_ROUTE)
 async def put_bucket(
     sync_id: SyncId, index: BucketIndex, request: Request, state: StateDep
 ) -> wire.BucketAck:
@@ -43,12 +46,7 @@ async def put_bucket(
     return await state.staging.receive(sync_id, index, request.stream(), HttpReceiver.name)
 
 
-@router.post(
-    wire.BUCKET_SHM_PATH,
-    response_model=wire.BucketAck,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(get_engine)],
-)
+@router.post(wire.BUCKET_SHM_PATH, **_BUCKET_ROUTE)
 async def put_shm_bucket(
     sync_id: SyncId, index: BucketIndex, body: wire.ShmBucketRef, state: StateDep
 ) -> wire.BucketAck:
