@@ -32,7 +32,6 @@ Shipped weights: ``python scripts/copy_pretrain.py --model-dir .cache/models/tin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import shutil
@@ -40,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
-from learner.demo_data.files import one_builder_at_a_time  # noqa: E402
+from learner.demo_data.files import built_from, one_builder_at_a_time, recipe_key, staging_dir  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -246,11 +245,9 @@ def build_tiny_lm(
 
     out_dir = Path(out_dir).resolve()
     recipe = _recipe(preset, seed, tie_word_embeddings)
-    info_path = out_dir / "build_info.json"
-    if info_path.exists() and json.loads(info_path.read_text()).get("recipe_key") == _key(recipe):
+    if built_from(out_dir, recipe):
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
     tmp.mkdir(parents=True)
     tok = build_tokenizer(tmp)
     vocab = -(-len(tok) // 64) * 64
@@ -272,15 +269,11 @@ def build_tiny_lm(
     model = Qwen2ForCausalLM(cfg)
     model.generation_config = GenerationConfig(eos_token_id=[eot, eos], pad_token_id=eos, bos_token_id=eos)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "build_info.json").write_text(json.dumps({"recipe_key": _key(recipe), **recipe}, indent=1))
+    (tmp / "build_info.json").write_text(json.dumps({"recipe_key": recipe_key(recipe), **recipe}, indent=1))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     logger.info("built %s (%s, seed %d, vocab %d)", out_dir, preset, seed, vocab)
     return out_dir
-
-
-def _key(recipe: dict) -> str:
-    return hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
 COPY_ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2-copy"
@@ -304,8 +297,7 @@ def build_copy_pretrained(out_dir: Path, base_dir: Path, *, rebuild: bool = Fals
         and not rebuild
     ):
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
     if asset_ok and not rebuild:
         shutil.copytree(COPY_ASSET, tmp)
     else:

@@ -24,7 +24,6 @@ Building is deterministic and idempotent: a directory already holding the same r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import shutil
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
-from learner.demo_data.files import one_builder_at_a_time  # noqa: E402
+from learner.demo_data.files import built_from, one_builder_at_a_time, recipe_key, staging_dir  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +173,6 @@ def _recipe(seed: int, preset: str) -> dict:
     return recipe
 
 
-def _key(recipe: dict) -> str:
-    return hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def _build_processor(tmp: Path, image_processor_config: dict):
     """Tokenizer (shared with the tiny LM) + PIL image processor + real Qwen3-VL video processor, saved."""
     import build_tiny_models
@@ -219,11 +214,9 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0, preset: str = MODEL_NAME) -> Pa
     out_dir = Path(out_dir).resolve()
     arch = PRESETS[preset]
     recipe = _recipe(seed, preset)
-    info_path = out_dir / "build_info.json"
-    if info_path.exists() and json.loads(info_path.read_text()).get("recipe_key") == _key(recipe):
+    if built_from(out_dir, recipe):
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
     tmp.mkdir(parents=True)
     tokenizer = _build_processor(tmp, arch.image_processor)
     ids = {
@@ -254,7 +247,7 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0, preset: str = MODEL_NAME) -> Pa
     model.save_pretrained(tmp, safe_serialization=True)
     n_params = sum(p.numel() for p in model.parameters())
     (tmp / "build_info.json").write_text(
-        json.dumps({"recipe_key": _key(recipe), "parameters": n_params, **recipe}, indent=1)
+        json.dumps({"recipe_key": recipe_key(recipe), "parameters": n_params, **recipe}, indent=1)
     )
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
@@ -302,8 +295,7 @@ def build_demo_stage1(out_dir: Path, init_dir: Path, *, rebuild: bool = False) -
     if not rebuild and asset_ok and _matches_preset(out_dir, init_dir):
         if (out_dir / "model.safetensors").read_bytes() == (DEMO_ASSET / "model.safetensors").read_bytes():
             return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
     if asset_ok and not rebuild:
         shutil.copytree(DEMO_ASSET, tmp)
     else:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import io
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +59,26 @@ def one_builder_at_a_time(build: Callable[..., T]) -> Callable[..., T]:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     return locked
+
+
+def recipe_key(recipe: dict[str, Any]) -> str:
+    """A short stable hash of a model build's recipe, as its ``build_info.json`` records it."""
+    return hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def built_from(out_dir: Path, recipe: dict[str, Any]) -> bool:
+    """Whether ``out_dir`` holds a finished build of ``recipe`` (its ``build_info.json`` names the recipe's
+    key), to be kept as it is."""
+    info = out_dir / "build_info.json"
+    return info.exists() and json.loads(info.read_text()).get("recipe_key") == recipe_key(recipe)
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """``<out_dir>.tmp``, where a build is written before it replaces ``out_dir``; removed first if an
+    interrupted build left it."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
 
 
 def write_if_changed(path: Path, data: bytes) -> bool:
