@@ -42,10 +42,9 @@ from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
 from learner.rollout.base import RolloutSource
-from learner.trainers.build import all_ranks_ok, build_rollout_source, training_args
+from learner.trainers.build import build_rollout_source, run_weight_sync, training_args
 from learner.trainers.callbacks import MetricsJsonlCallback
 from learner.trainers.strategy import StrategyCallback
-from learner.weights.sync import WeightSyncPolicy
 from learner.yaml_loader import ConfigError, format_validation_error, load_yaml_with_extends
 from shared_schemas.config import REPO_ROOT
 
@@ -266,14 +265,7 @@ def build_grpo_trainer(
         longest_prompt_tokens=max(len(r.prompt_ids) for r in prompts.rows),
     )
     # a colocated HF engine records the version on its own rank (nothing moves: it IS the policy)
-    sends = getattr(source, "sends_weights", args.process_index == 0)
-    sync = WeightSyncPolicy(
-        cfg.rollout.sync,
-        is_rank0=lambda: bool(sends),
-        all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
-        dtype=_sync_dtype(resolved),
-        seed=args.seed,
-    )
+    sync = run_weight_sync(cfg, args, source, _sync_dtype(resolved))
     generator = (
         _generator(resolved, cfg, tokenizer, source, prompts, args.seed) if args.process_index == 0 else None
     )

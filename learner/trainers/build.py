@@ -247,21 +247,12 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
         server_max_model_len=health.max_model_len,
         longest_prompt_tokens=longest,
     )
-    # Colocated engines: every TP-group host rank feeds its own engine; servers: only global rank 0 sends.
-    sends = getattr(source, "sends_weights", args.process_index == 0)
     gas = args.gradient_accumulation_steps
     buffer_cfg = cfg.stage2.rollout_buffer
     m_steps = buffer_cfg.m_steps if buffer_cfg.enabled else 1
     block = args.per_device_train_batch_size * gas * args.world_size
     dataset = RepeatedWindowDataset(train, block=block, m_steps=m_steps, seed=args.seed)
-    sync = WeightSyncPolicy(
-        cfg.rollout.sync,
-        is_rank0=lambda: bool(sends),
-        all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
-        dtype=_engine_dtype(health),
-        seed=args.seed,
-        seed_plan=stage2_seed_plan(args.seed),
-    )
+    sync = run_weight_sync(cfg, args, source, _engine_dtype(health), seed_plan=stage2_seed_plan(args.seed))
     planner = StepPlanner(
         source=source,
         ctx=ctx,
@@ -322,6 +313,24 @@ def _engine_dtype(health: Any) -> torch.dtype | None:
 def _identity_collator(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Micro-batches are plain lists of sample dicts (docs/ALGORITHM.md#records §1.5)."""
     return batch
+
+
+def run_weight_sync(
+    cfg: RunConfig, args: TrainingArguments, source: RolloutSource, dtype: torch.dtype | None, **extra: Any
+) -> WeightSyncPolicy:
+    """The run's `WeightSyncPolicy` over `rollout.sync`: the ranks that send are the ones `source` names
+    (colocated engines: every TP-group host rank feeds its own engine; servers: only global rank 0), and
+    with several ranks every rank agrees on each sync's outcome (`all_ranks_ok`). `extra`: further
+    `WeightSyncPolicy` keywords (`seed_plan`)."""
+    sends = getattr(source, "sends_weights", args.process_index == 0)
+    return WeightSyncPolicy(
+        cfg.rollout.sync,
+        is_rank0=lambda: bool(sends),
+        all_ok=all_ranks_ok if args.world_size > 1 else (lambda ok: ok),
+        dtype=dtype,
+        seed=args.seed,
+        **extra,
+    )
 
 
 def all_ranks_ok(ok: bool) -> bool:
