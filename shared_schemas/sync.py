@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = [
     "BUCKET_PATH",
     "BUCKET_SHM_PATH",
-    "BUCKET_SHM_PATH",
     "COLLECTIVE_BACKENDS",
     "DTYPE_NBYTES",
     "SYNC_ABORT_PATH",
