@@ -7,7 +7,7 @@ Supported: vLLM 0.26.x (the release built for torch 2.11, as on the GPU images o
 `logprob_token_ids` / `flat_logprobs` — have the same names and signatures in both, except:
 
 - 0.26's `WeightTransferEngine` declares `trainer_send_weights` abstract (0.32 moved the trainer half to
-  `TrainerWeightTransferEngine`); `TransferEngineBase` defines it, so one engine class loads on both.
+  `TrainerWeightTransferEngine`); `transfer_engine_base()` defines it, so one engine class loads on both.
 
 Anything outside the range is refused before an engine starts (`check_vllm_version`), with the versions that
 work and how to install them: an engine that starts on an untested release fails later, mid-sync.
@@ -15,16 +15,17 @@ work and how to install them: an engine that starts on an untested release fails
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "SUPPORTED_VLLM",
-    "TransferEngineBase",
     "UnsupportedVllmError",
     "check_vllm_version",
     "parse_version",
+    "transfer_engine_base",
 ]
 
 SUPPORTED_VLLM = ((0, 26), (0, 32))
@@ -75,22 +76,22 @@ def check_vllm_version(version: str | None = None) -> tuple[int, int]:
     return found
 
 
-def _transfer_engine_class() -> type:
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
-
-    return WeightTransferEngine
-
-
-class TransferEngineBase(_transfer_engine_class()):  # type: ignore[misc]
-    """vLLM's `WeightTransferEngine` with the trainer-side hook 0.26 declares abstract.
+@functools.cache
+def transfer_engine_base() -> type:
+    """vLLM's `WeightTransferEngine` with the trainer-side hook 0.26 declares abstract (built on first use,
+    so that importing this module, and `check_vllm_version`, work whatever vLLM is installed).
 
     rollmatch's learner sends with its own sender (`learner/weights/collective.py`), never through the
     inference engine's class, so the hook only says where to look.
     """
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    @staticmethod
-    def trainer_send_weights(iterator: Iterator[Any], trainer_args: Any) -> None:
-        raise NotImplementedError(
-            "rollmatch's learner sends weights with learner.weights.collective.CollectiveSender; the"
-            " server-side transfer engine only receives"
-        )
+    class TransferEngineBase(WeightTransferEngine):  # type: ignore[misc]
+        @staticmethod
+        def trainer_send_weights(iterator: Iterator[Any], trainer_args: Any) -> None:
+            raise NotImplementedError(
+                "rollmatch's learner sends weights with learner.weights.collective.CollectiveSender; the"
+                " server-side transfer engine only receives"
+            )
+
+    return TransferEngineBase

@@ -23,7 +23,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rollout_server.engines.collective import ReceivedTensors, open_receiver_group, receive_buckets
-from rollout_server.engines.vllm.compat import TransferEngineBase
+from rollout_server.engines.vllm.compat import transfer_engine_base
 from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND
 from shared_schemas.torch_common.process_group import retire_group
 
@@ -56,7 +56,7 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
     """`server.sync_staging`: `device`, `host` or `auto` (`engines.collective.resolve_staging`)."""
 
 
-class CollectiveTransferEngine(TransferEngineBase):
+class CollectiveTransferEngine(transfer_engine_base()):  # type: ignore[misc]
     """vLLM weight-transfer engine that receives flattened buckets and STAGES them (loaded at commit)."""
 
     init_info_cls = CollectiveInitInfo

@@ -104,3 +104,20 @@ def test_engine_start_refuses_an_unsupported_vllm_before_starting(monkeypatch: p
     cfg = ServerConfig(model="/nonexistent/model", vllm={"max_model_len": 64})
     with pytest.raises(UnsupportedVllmError, match="vLLM 0.25.2 is not supported"):
         asyncio.run(VllmEngine.from_config(cfg))
+
+
+def test_version_check_imports_nothing_of_vllm() -> None:
+    """An installed vLLM too old for `vllm.distributed.weight_transfer` must still get the clear refusal:
+    importing the compat module and checking a version load no vLLM module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rollout_server.engines.vllm.compat import check_vllm_version\n"
+        "try:\n    check_vllm_version('0.20.1')\nexcept Exception as e:\n    print(type(e).__name__)\n"
+        "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["UnsupportedVllmError", "False"]
