@@ -66,8 +66,9 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from learner.grpo.config import grpo_config_from_sft  # noqa: E402
 from learner.training_config import TrainingConfig  # noqa: E402
-from shared_schemas.config import deep_merge  # noqa: E402
+from shared_schemas.config import ConfigError, deep_merge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -742,69 +743,28 @@ def grpo_run_config(
     eval_every: int,
     learning_rate: float,
 ) -> dict[str, Any]:
-    """The YAML of a GRPO arm (``learner.grpo``, colocated HF rollouts) from ``model``: the task config with
-    the harness's data and batch (``common``), the server section dropped, and GRPO's sampling knobs in place
-    of the task's decoding, which still sets the held-out evaluation: greedy, the task's ``max_new_tokens``
-    and ``repetition_penalty`` (so the evaluation decodes as the other arms' does). The step's completions
-    are the task's samples per step (``GRPO_GENERATIONS`` per prompt).
+    """The YAML of a GRPO arm from ``model``: the task config with the harness's data and batch (``common``)
+    turned into a GRPO run by `learner.grpo.config.grpo_config_from_sft` (``GRPO_GENERATIONS`` per prompt,
+    the task's samples per step), evaluated first at its start (the base checkpoint's F1: the other arms' at
+    the base step), with the harness's steps, seed, evaluation period and constant ``learning_rate``.
 
     Raises:
         SystemExit: the task's samples per step are not a multiple of ``GRPO_GENERATIONS``.
     """
     from learner.yaml_loader import load_yaml_with_extends
 
-    base = deep_merge(
-        load_yaml_with_extends(task_config), {k: v for k, v in common.items() if k != "extends"}
-    )
-    base.pop("server", None)
-    decoding = dict(base.get("rollout", {}).get("decoding") or {})
-    training = base.get("training", {})
-    completions = TrainingConfig.model_validate(training or {}).samples_per_step
-    if completions % GRPO_GENERATIONS:
-        raise SystemExit(
-            f"GRPO arm: {completions} samples per step is not a multiple of {GRPO_GENERATIONS} generations"
-        )
-    eval_cfg = base.get("stage2", {}).get("eval", {})
-    sampling = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty")
+    sft = deep_merge(load_yaml_with_extends(task_config), {k: v for k, v in common.items() if k != "extends"})
+    try:
+        cfg = grpo_config_from_sft(sft, model=model, num_generations=GRPO_GENERATIONS, grpo=grpo)
+    except ConfigError as exc:
+        raise SystemExit(f"GRPO arm: {exc}") from exc
+    training = {"max_steps": steps, "seed": seed, "eval_strategy": "steps", "eval_steps": eval_every}
     return deep_merge(
-        base,
+        cfg,
         {
             "output_dir": str(run_dir),
-            "model": {"path": model, "freeze_vision": None},  # grpo.freeze_vision_tower decides
-            "train_gpus": [0],
-            "rollout": {
-                "mode": "colocate",
-                "backend": "hf",
-                "async": {"enabled": False},
-                # GRPO's sampling knobs come from grpo.*: null clears the task's
-                "decoding": {**dict.fromkeys(sampling), "rollout_generate_batch_size": completions},
-            },
-            "training": {
-                "max_steps": steps,
-                "seed": seed,
-                "eval_strategy": "steps",
-                "eval_steps": eval_every,
-                "learning_rate": learning_rate,
-                "lr_scheduler_type": "constant",
-                "lr_scheduler_kwargs": {},
-                "warmup_steps": 0,
-            },
-            "stage2": {
-                "eval": {
-                    "at_start": True,  # the base checkpoint's F1: the other arms' at the base step
-                    "temperature": eval_cfg.get("temperature") or decoding.get("temperature", 0.0),
-                },
-            },
-            "grpo": {
-                "num_generations": GRPO_GENERATIONS,
-                "temperature": 1.0,
-                "max_completion_length": int(decoding.get("max_new_tokens", 512)),
-                "repetition_penalty": float(decoding.get("repetition_penalty", 1.0)),
-                "global_max_length": int(
-                    base.get("stage2", {}).get("encode", {}).get("global_max_length", 4096)
-                ),
-                **grpo,
-            },
+            "training": {**training, "learning_rate": learning_rate},
+            "stage2": {"eval": {"at_start": True}},
             "save_final_model": False,
         },
     )
