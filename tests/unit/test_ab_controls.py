@@ -14,8 +14,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import ab_learning  # noqa: E402
+from _ab import order as base_order  # noqa: E402
+from _ab import plots, run_configs, run_folder, summary, tables  # noqa: E402
 
-CANONICAL = ab_learning.CANONICAL
+CANONICAL = tables.CANONICAL
 
 
 def _curve(f1s: list[float], seconds: list[float] | None = None) -> list[dict[str, float]]:
@@ -26,7 +28,7 @@ def _curve(f1s: list[float], seconds: list[float] | None = None) -> list[dict[st
 
 
 def _lines(curves, **kwargs) -> dict[str, dict]:
-    return {x["arm"]: x for x in ab_learning.summarize("t", curves, **kwargs)}
+    return {x["arm"]: x for x in summary.summarize("t", curves, **kwargs)}
 
 
 def test_every_arm_is_paired_with_both_controls_by_trained_samples() -> None:
@@ -41,7 +43,7 @@ def test_every_arm_is_paired_with_both_controls_by_trained_samples() -> None:
     assert arm["canonical_paired_mean"] == pytest.approx(0.02) and len(arm["canonical_paired_ci95"]) == 2
     assert lines[CANONICAL]["paired_diff"] == pytest.approx([0.30, 0.28])  # the strong control vs the weak
     assert "canonical_paired_diff" not in lines[CANONICAL] and "paired_diff" not in lines["sft"]
-    assert ab_learning.arm_label(arm) == "rm-drop (n=2) vs sft +0.310, sft-canonical +0.020"
+    assert plots.arm_label(arm) == "rm-drop (n=2) vs sft +0.310, sft-canonical +0.020"
 
 
 def test_without_a_canonical_run_only_the_weak_control_is_paired() -> None:
@@ -98,16 +100,16 @@ ROWS = [  # as the learner logs them: training lines, an evaluation after its st
 
 def test_training_seconds_leave_the_evaluations_out(tmp_path: Path) -> None:
     _metrics(tmp_path, ROWS)
-    assert ab_learning.step_seconds(tmp_path / "metrics.jsonl") == {1: 1.0, 2: 1.5, 3: 2.5, 4: 4.0}
-    assert ab_learning.step_seconds(tmp_path / "metrics.jsonl", after_step=2) == {3: 1.0, 4: 2.5}
+    assert run_folder.step_seconds(tmp_path / "metrics.jsonl") == {1: 1.0, 2: 1.5, 3: 2.5, 4: 4.0}
+    assert run_folder.step_seconds(tmp_path / "metrics.jsonl", after_step=2) == {3: 1.0, 4: 2.5}
 
 
 @pytest.mark.parametrize(("stamp", "unit", "factor"), [(None, "wall", 1), (0, "cpu", 1), (2, "gpu", 2)])
 def test_seconds_are_gpu_seconds_where_the_run_held_gpus(tmp_path: Path, stamp, unit, factor) -> None:
     _metrics(tmp_path, ROWS)
     if stamp is not None:
-        (tmp_path / ab_learning.DEVICE_STAMP).write_text(json.dumps({"gpus": stamp}))
-    curve, got = ab_learning.with_seconds(ab_learning.eval_curve(tmp_path / "metrics.jsonl"), tmp_path)
+        (tmp_path / run_folder.DEVICE_STAMP).write_text(json.dumps({"gpus": stamp}))
+    curve, got = run_folder.with_seconds(run_folder.eval_curve(tmp_path / "metrics.jsonl"), tmp_path)
     assert got == unit and [p["seconds"] for p in curve] == [0.0, 1.5 * factor, 4.0 * factor]
 
 
@@ -123,20 +125,20 @@ def test_seconds_are_gpu_seconds_where_the_run_held_gpus(tmp_path: Path, stamp, 
 def test_the_canonical_arm_lists_the_annotations_in_the_order_the_base_follows(
     order, task_ordering, expected
 ) -> None:
-    assert ab_learning.canonical_ordering(order, task_ordering) == expected
+    assert base_order.canonical_ordering(order, task_ordering) == expected
 
 
 def test_the_canonical_run_config_is_plain_sft_from_the_base_in_that_order(tmp_path: Path) -> None:
     from learner.config import load_run_config
 
-    task = ab_learning.TASKS["text-random"]
+    task = tables.TASKS["text-random"]
     common = {
-        "extends": str(ab_learning.REPO / task["config"]),
+        "extends": str(tables.REPO / task["config"]),
         "data": {"train": ["t.jsonl"], "eval": ["e.jsonl"], "object_ordering": "random"},
         "training": {"report_to": []},
     }
     rollout = {"servers": [{"base_url": "http://127.0.0.1:1"}], "sync": {"transport": "http"}}
-    cfg = ab_learning.canonical_run_config(
+    cfg = run_configs.canonical_run_config(
         common,
         rollout,
         model=str(tmp_path / "checkpoint-150"),
@@ -154,8 +156,8 @@ def test_the_canonical_run_config_is_plain_sft_from_the_base_in_that_order(tmp_p
     assert run.stage2.eval.at_start and run.model.path == str(tmp_path / "checkpoint-150")
     assert run.training["max_steps"] == 20 and run.training["seed"] == 2
     assert run.training["learning_rate"] == 3e-4 and not run.save_final_model
-    assert ab_learning.samples_per_step(cfg) == ab_learning.samples_per_step(common)
-    no_base = ab_learning.canonical_run_config(
+    assert run_configs.samples_per_step(cfg) == run_configs.samples_per_step(common)
+    no_base = run_configs.canonical_run_config(
         common, rollout, model=None, ordering="random", run_dir=tmp_path / "r", seed=0, steps=5,
         eval_every=5, learning_rate=None,
     )  # fmt: skip
@@ -175,13 +177,13 @@ def test_the_base_order_is_measured_by_the_evaluation_command(tmp_path: Path, mo
         (out / "metrics.json").write_text(json.dumps({"object_order": order}))
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(ab_learning.subprocess, "run", fake_run)
+    monkeypatch.setattr(base_order.subprocess, "run", fake_run)
     run_dir = tmp_path / "sft-canonical-s1-20"
     common = {"data": {"object_ordering": "random"}, "training": {"report_to": []}}
-    got = ab_learning.measure_base_order(
+    got = base_order.measure_base_order(
         common, model="/base", train=tmp_path / "train.jsonl", run_dir=run_dir, seed=1, n_items=32
     )
-    assert got == order and ab_learning.read_order(run_dir) == order
+    assert got == order and base_order.read_order(run_dir) == order
     command = calls[0]
     assert command[1:3] == ["-m", "learner.evaluate"] and command[command.index("--model") + 1] == "/base"
     assert command[command.index("--limit") + 1] == "32"
@@ -193,9 +195,9 @@ def test_the_base_order_is_measured_by_the_evaluation_command(tmp_path: Path, mo
     def failing(command, **kwargs):
         return subprocess.CompletedProcess(command, 1)
 
-    monkeypatch.setattr(ab_learning.subprocess, "run", failing)
+    monkeypatch.setattr(base_order.subprocess, "run", failing)
     with pytest.raises(SystemExit, match="measuring the base's order failed with exit code 1"):
-        ab_learning.measure_base_order(
+        base_order.measure_base_order(
             common, model="/base", train=tmp_path / "t", run_dir=tmp_path / "x", seed=0, n_items=8
         )
 
@@ -208,11 +210,11 @@ def test_copied_runs_report_both_controls_the_base_order_and_seconds(tmp_path: P
         rows = [dict(r) for r in ROWS]
         rows[3]["eval_rollout_f1"], rows[6]["eval_rollout_f1"] = f1s
         _metrics(run, rows)
-        (run / ab_learning.DEVICE_STAMP).write_text(json.dumps({"gpus": 1}))
+        (run / run_folder.DEVICE_STAMP).write_text(json.dumps({"gpus": 1}))
         (run / "run.yaml").write_text(yaml.safe_dump({"data": {"object_ordering": "sorted"}}))
     order = {"agreement": {"listed": 0.49, "sorted": 0.97}, "pairs": 800, "follows": "sorted"}
-    (tmp_path / f"{CANONICAL}-s0-4" / ab_learning.ORDER_DIR).mkdir()
-    (tmp_path / f"{CANONICAL}-s0-4" / ab_learning.ORDER_DIR / "metrics.json").write_text(
+    (tmp_path / f"{CANONICAL}-s0-4" / base_order.ORDER_DIR).mkdir()
+    (tmp_path / f"{CANONICAL}-s0-4" / base_order.ORDER_DIR / "metrics.json").write_text(
         json.dumps({"object_order": order})
     )
     argv = ["--task", "crowded-random", "--steps", "4", "--from-runs", "--out", str(tmp_path)]
@@ -247,7 +249,7 @@ def test_a_cpu_host_holds_no_gpu(monkeypatch) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ab_learning.run_gpus(colocate=True, own_server=False) == 0
+    assert run_folder.run_gpus(colocate=True, own_server=False) == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert ab_learning.run_gpus(colocate=False, own_server=True) == 2
-    assert ab_learning.run_gpus(colocate=True, own_server=False) == 1
+    assert run_folder.run_gpus(colocate=False, own_server=True) == 2
+    assert run_folder.run_gpus(colocate=True, own_server=False) == 1

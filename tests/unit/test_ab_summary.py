@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import ab_learning  # noqa: E402
+from _ab import prepare, run_configs, run_folder, summary, tables  # noqa: E402
 
 
 def _curve(f1: float) -> list[dict[str, float]]:
@@ -20,7 +21,7 @@ def test_paired_difference_uses_only_seeds_with_an_sft_run_and_carries_a_t_inter
     curves = {("sft", 0): _curve(0.30), ("sft", 1): _curve(0.32), ("sft", 2): _curve(0.34)}
     curves |= {("grpo", 0): _curve(0.60), ("grpo", 1): _curve(0.64), ("grpo", 2): _curve(0.65)}
     curves[("grpo", 3)] = _curve(0.99)  # its sft run was cut off: reported, not paired
-    line = {x["arm"]: x for x in ab_learning.summarize("t", curves)}["grpo"]
+    line = {x["arm"]: x for x in summary.summarize("t", curves)}["grpo"]
     assert line["seeds"] == [0, 1, 2, 3] and line["paired_seeds"] == [0, 1, 2]
     assert line["paired_diff"] == pytest.approx([0.30, 0.32, 0.31])
     half = 4.302652729911275 * 0.01 / 3**0.5  # t(0.975, 2 dof) x sd / sqrt(n)
@@ -29,34 +30,34 @@ def test_paired_difference_uses_only_seeds_with_an_sft_run_and_carries_a_t_inter
 
 def test_one_paired_seed_has_no_interval() -> None:
     curves = {("sft", 0): _curve(0.3), ("rm-reorder", 0): _curve(0.4)}
-    line = {x["arm"]: x for x in ab_learning.summarize("t", curves)}["rm-reorder"]
+    line = {x["arm"]: x for x in summary.summarize("t", curves)}["rm-reorder"]
     assert line["paired_mean"] == pytest.approx(0.1) and "paired_ci95" not in line
 
 
-@pytest.mark.parametrize("arm", sorted(ab_learning.GRPO_ARMS))
+@pytest.mark.parametrize("arm", sorted(tables.GRPO_ARMS))
 def test_every_grpo_arm_gives_a_valid_run_config_with_its_learning_rate(arm: str, tmp_path: Path) -> None:
     import yaml
 
     from learner.grpo.main import resolve_grpo_config
 
-    task = ab_learning.TASKS["crowded-sorted"]
+    task = tables.TASKS["crowded-sorted"]
     (tmp_path / "base").mkdir()
-    cfg = ab_learning.grpo_run_config(
-        ab_learning.REPO / task["config"],
+    cfg = run_configs.grpo_run_config(
+        tables.REPO / task["config"],
         {},
-        grpo=ab_learning.grpo_override(arm),
+        grpo=tables.grpo_override(arm),
         model=str(tmp_path / "base"),
         run_dir=tmp_path / "run",
         seed=3,
         steps=20,
         eval_every=10,
-        learning_rate=ab_learning.GRPO_ARMS[arm].get("learning_rate", 1e-4),
+        learning_rate=tables.GRPO_ARMS[arm].get("learning_rate", 1e-4),
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     resolved, run = resolve_grpo_config(path)
-    assert run.training["learning_rate"] == ab_learning.GRPO_ARMS[arm].get("learning_rate", 1e-4)
-    assert resolved.grpo.reward_preset == ab_learning.GRPO_ARMS[arm]["reward_preset"]
+    assert run.training["learning_rate"] == tables.GRPO_ARMS[arm].get("learning_rate", 1e-4)
+    assert resolved.grpo.reward_preset == tables.GRPO_ARMS[arm]["reward_preset"]
 
 
 def _write_run(out: Path, name: str, points: list[tuple[int, float]]) -> None:
@@ -115,17 +116,17 @@ def test_a_run_from_another_build_of_the_base_is_not_reused(tmp_path: Path) -> N
     _write_run(tmp_path, "sft-s0-20", [(0, 0.58), (20, 0.27)])
     run = tmp_path / "sft-s0-20"
     (run / "run.yaml").write_text(yaml.safe_dump(cfg))
-    assert ab_learning.finished(run, cfg, 20, "a1")  # no stamp: a run from before stamping, taken as it is
-    (run / ab_learning.BASE_STAMP).write_text("a1\n")
-    assert ab_learning.finished(run, cfg, 20, "a1") and not ab_learning.finished(run, cfg, 20, "b2")
-    assert not ab_learning.finished(run, cfg, 30, "a1")
+    assert run_folder.finished(run, cfg, 20, "a1")  # no stamp: a run from before stamping, taken as it is
+    (run / run_folder.BASE_STAMP).write_text("a1\n")
+    assert run_folder.finished(run, cfg, 20, "a1") and not run_folder.finished(run, cfg, 20, "b2")
+    assert not run_folder.finished(run, cfg, 30, "a1")
 
 
 def test_base_fingerprint_is_the_weights_sha256(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
-    monkeypatch.setattr(ab_learning, "REPO", tmp_path)
+    monkeypatch.setattr(prepare, "REPO", tmp_path)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "model.safetensors").write_bytes(b"weights")
-    assert ab_learning.base_fingerprint({"model": "m"}) == hashlib.sha256(b"weights").hexdigest()
-    assert ab_learning.base_fingerprint({"model": "absent"}) == ""
+    assert prepare.base_fingerprint({"model": "m"}) == hashlib.sha256(b"weights").hexdigest()
+    assert prepare.base_fingerprint({"model": "absent"}) == ""

@@ -1,0 +1,164 @@
+"""One A/B invocation: the task's data and base, then every (seed, arm) run in turn — reused when finished,
+else trained — its evaluations appended to ``ab.jsonl``, then the summary lines and the figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from _ab.order import canonical_ordering, measure_base_order, read_order
+from _ab.plots import plot, plot_grpo
+from _ab.prepare import base_fingerprint, build_data, build_model
+from _ab.processes import SHM_DIR, run_learner, start_server, stop_server
+from _ab.run_configs import (
+    base_model,
+    canonical_run_config,
+    common_config,
+    grpo_run_config,
+    rollout_section,
+    samples_per_step,
+    stage2_run_config,
+)
+from _ab.run_folder import BASE_STAMP, DEVICE_STAMP, eval_curve, finished, run_gpus, with_seconds
+from _ab.summary import summarize
+from _ab.tables import ARMS, CANONICAL, GRPO_ARMS, REPO, TASKS, grpo_override
+
+Key = tuple[str, int]
+"""(arm, seed) of one run."""
+
+
+def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> int:
+    """Runs ``arms`` (in order) for every seed of ``args`` (the command line's), then summarizes and plots.
+
+    ``saves_base``: a GRPO or ``sft-canonical`` arm starts from the seed's base, the ``sft`` run's weights at
+    the base steps (it runs first and saves them)."""
+    task = TASKS[args.task]
+    out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    train, held_out = build_data(task, out / "data", args.eval_samples, args.smoke)
+    stage1 = {"steps": args.stage1_steps, "every": args.stage1_every, "target_f1": args.stage1_target_f1}
+    stage1 |= {"device": args.stage1_device, "eval_from": args.stage1_eval_from}
+    if args.smoke:  # a throw-away stage-1 of its own, never the cached real one
+        stage1 |= {"n_eval": 2, "max_new_tokens": 32, "batch": 2}
+        task = {**task, "model": task["model"] + "-smoke"}
+    build_model(task, out / "data", stage1)
+    if args.prepare_only:
+        return 0
+    base_sha = base_fingerprint(task)
+    task_config = REPO / task["config"]
+    common = common_config(task, train, held_out, eval_samples=args.eval_samples, smoke=args.smoke)
+
+    server = None
+    url = args.server_url
+    if url is None and not args.colocate:
+        server, url = start_server(task_config, Path(task["model"]), out)
+    shm_dir = SHM_DIR if server is not None else None
+    rollout = rollout_section(colocate=args.colocate, url=url, shm_dir=shm_dir)
+    curves: dict[Key, list[dict[str, float]]] = {}
+    units: dict[Key, str] = {}
+    samples: dict[Key, int] = {}
+    orders: dict[Key, dict[str, Any]] = {}
+    gpus = run_gpus(colocate=args.colocate, own_server=server is not None)
+    results = out / "ab.jsonl"
+    try:
+        with results.open("a") as fh:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                # the seed's base: the sft run's weights at the base steps (saved for them), else the task's
+                base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
+                base = str(base_dir) if args.base_steps > 0 else None
+                for arm in arms:
+                    run_dir = out / f"{arm}-s{seed}-{args.steps}"
+                    metrics = run_dir / "metrics.jsonl"
+                    # a run from the base counts its own steps; the curve is shifted onto the others' steps
+                    own_steps = arm in GRPO_ARMS or arm == CANONICAL
+                    total = args.steps if own_steps else args.base_steps + args.steps
+                    if arm in GRPO_ARMS:
+                        cfg = grpo_run_config(
+                            task_config,
+                            common,
+                            grpo=grpo_override(arm),
+                            model=base or base_model(task_config, common),
+                            run_dir=run_dir,
+                            seed=seed,
+                            steps=args.steps,
+                            eval_every=args.eval_every,
+                            learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
+                        )
+                    elif arm == CANONICAL:
+                        canonical = {"model": base, "run_dir": run_dir, "seed": seed, "steps": args.steps}
+                        canonical |= {"eval_every": args.eval_every, "learning_rate": args.learning_rate}
+                        ordering = canonical_ordering(read_order(run_dir), task["ordering"])
+                        cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
+                    else:
+                        cfg = stage2_run_config(
+                            common,
+                            rollout,
+                            ARMS[arm],
+                            sft=arm == "sft",
+                            run_dir=run_dir,
+                            seed=seed,
+                            base_steps=args.base_steps,
+                            steps=args.steps,
+                            eval_every=args.eval_every,
+                            learning_rate=args.learning_rate,
+                            saves_base=saves_base,
+                        )
+                    if not finished(run_dir, cfg, total, base_sha) or (
+                        arm == CANONICAL and read_order(run_dir) is None
+                    ):
+                        if args.summarize_only:
+                            print(f"[ab] {run_dir.name}: not finished, left out", flush=True)
+                            continue
+                        t0 = time.time()
+                        metrics.unlink(missing_ok=True)
+                        if arm == CANONICAL:
+                            order = measure_base_order(
+                                common,
+                                model=base or base_model(task_config, common),
+                                train=train,
+                                run_dir=run_dir,
+                                seed=seed,
+                                n_items=args.order_samples,
+                            )
+                            print(
+                                f"[ab] {args.task} seed {seed}: the base's order {json.dumps(order)}",
+                                flush=True,
+                            )
+                            ordering = canonical_ordering(order, task["ordering"])
+                            cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
+                        run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
+                        (run_dir / BASE_STAMP).write_text(base_sha + "\n")
+                        (run_dir / DEVICE_STAMP).write_text(json.dumps({"gpus": gpus}) + "\n")
+                        print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
+                    if own_steps:
+                        curve, units[(arm, seed)] = with_seconds(eval_curve(metrics), run_dir)
+                        curve = [{**p, "step": p["step"] + args.base_steps} for p in curve]
+                    else:
+                        curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
+                        curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)
+                    if arm == CANONICAL:  # the order measured and the annotation order it trained on
+                        orders[(arm, seed)] = {
+                            **(read_order(run_dir) or {}),
+                            "ordering": cfg["data"]["object_ordering"],
+                        }
+                    samples[(arm, seed)] = args.steps * samples_per_step(cfg)
+                    curves[(arm, seed)] = curve
+                    for point in curve:
+                        fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
+                        fh.flush()
+            summary = summarize(args.task, curves, samples, units, orders)
+            for line in summary:
+                fh.write(json.dumps({"summary": True, **line}) + "\n")
+                print(json.dumps(line), flush=True)
+    finally:
+        if server is not None:
+            stop_server(server)
+    plot(args.task, curves, out / "ab.png")
+    grpo_runs = {(arm, seed): out / f"{arm}-s{seed}-{args.steps}" for arm, seed in curves if arm in GRPO_ARMS}
+    if grpo_runs:
+        plot_grpo(grpo_runs, out / "grpo.png")
+    print(f"[ab] {results} and {out / 'ab.png'}", flush=True)
+    return 0

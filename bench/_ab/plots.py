@@ -1,0 +1,106 @@
+"""The A/B's figures: ``ab.png`` (held-out figures per arm by step and by seconds) and ``grpo.png``."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from _ab.summary import PAIRING_PREFIX, summarize
+from _ab.tables import CONTROLS
+
+PANELS = (
+    ("f1", "F1 at the matching gate"),
+    ("precision", "precision (gate)"),
+    ("recall", "recall (gate)"),
+    ("f1_iou50", "F1 at maskIoU 0.5"),
+    ("duplicates", "duplicate predictions"),
+    ("pred_gt_ratio", "predicted / GT objects"),
+)
+"""The held-out figures ``ab.png`` plots per arm (mean line, min-max band over seeds)."""
+
+
+def arm_label(line: dict[str, Any]) -> str:
+    """An arm's legend entry: its name, seeds, and its paired mean final F1 against each control it is not."""
+    label = f"{line['arm']} (n={len(line['seeds'])})"
+    versus = [
+        f"{control} {line[f'{PAIRING_PREFIX[control]}_mean']:+.3f}"
+        for control in CONTROLS
+        if f"{PAIRING_PREFIX[control]}_mean" in line
+    ]
+    return label + (f" vs {', '.join(versus)}" if versus else "")
+
+
+def plot(task: str, curves: dict[tuple[str, int], list[dict[str, float]]], path: Path) -> None:
+    """``ab.png``: one panel per :data:`PANELS` figure the runs logged, by step, per arm (the controls
+    dashed), and the F1 by training seconds when the runs carry them; the legend pairs each arm with both
+    controls (:func:`arm_label`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {line["arm"]: arm_label(line) for line in summarize(task, curves)}
+    panels = [(k, t) for k, t in PANELS if any(k in p for c in curves.values() for p in c)]
+    if all("seconds" in p for c in curves.values() for p in c):
+        panels.append(("seconds", "F1 by training seconds (GPU-s on GPUs)"))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+        for arm in sorted({a for a, _ in curves}):
+            runs = [c for (a, _), c in sorted(curves.items()) if a == arm]
+            steps = [p["step"] for p in runs[0]]
+            value = "f1" if key == "seconds" else key
+            by_step = [[r[i][value] for r in runs if i < len(r) and value in r[i]] for i in range(len(steps))]
+            xs_of = steps
+            if key == "seconds":  # mean seconds of the runs at each evaluation
+                xs_of = [
+                    statistics.fmean(r[i]["seconds"] for r in runs if i < len(r)) for i in range(len(steps))
+                ]
+            kept = [(x, v) for x, v in zip(xs_of, by_step, strict=True) if v]
+            if not kept:
+                continue
+            xs = [x for x, _ in kept]
+            style = "--" if arm in CONTROLS else "-"
+            ax.plot(xs, [statistics.fmean(v) for _, v in kept], style, marker="o", label=labels[arm])
+            ax.fill_between(xs, [min(v) for _, v in kept], [max(v) for _, v in kept], alpha=0.2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("training seconds" if key == "seconds" else "step")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{task}: held-out figures, mean and min-max over seeds; controls dashed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_grpo(run_dirs: dict[tuple[str, int], Path], path: Path) -> None:
+    """``grpo.png``: per GRPO run (arm, seed), the training reward, the KL to the reference and the mean
+    completion length by step, from its ``metrics.jsonl``; one colour per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = (
+        ("reward/total_mean", "reward (total, mean over completions)"),
+        ("kl/mean", "KL to the reference"),
+        ("completions/mean_length", "completion length (tokens)"),
+    )
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.4))
+    colours = {arm: f"C{i}" for i, arm in enumerate(sorted({arm for arm, _ in run_dirs}))}
+    for (arm, seed), run_dir in sorted(run_dirs.items()):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for ax, (key, title) in zip(axes, keys, strict=True):
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=f"{arm} s{seed}", color=colours[arm], alpha=0.6)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("GRPO step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,175 @@
+"""The YAML of each run of the A/B: the supervised arms', ``sft-canonical``'s and the GRPO arms' (through
+`learner.grpo.config.grpo_config_from_sft`), and the samples one of their steps trains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from _ab.tables import GRPO_GENERATIONS, REPO
+from learner.grpo.config import grpo_config_from_sft
+from learner.training_config import TrainingConfig
+from learner.yaml_loader import load_yaml_with_extends
+from shared_schemas.config import ConfigError, deep_merge
+
+
+def base_model(task_config: Path, common: dict[str, Any]) -> str:
+    """The task's starting model (``common``'s ``model.path``, else the task config's), absolute."""
+    path = common.get("model", {}).get("path") or load_yaml_with_extends(task_config)["model"]["path"]
+    return str(Path(path) if Path(path).is_absolute() else REPO / path)
+
+
+def samples_per_step(cfg: dict[str, Any]) -> int:
+    """Samples one optimizer step of the run ``cfg`` trains (its ``extends`` resolved): per-device batch x
+    gradient accumulation (one process); a GRPO step's completions, ``prompts x num_generations``."""
+    tree = cfg
+    if "extends" in cfg:
+        tree = deep_merge(
+            load_yaml_with_extends(cfg["extends"]), {k: v for k, v in cfg.items() if k != "extends"}
+        )
+    return TrainingConfig.model_validate(tree.get("training") or {}).samples_per_step
+
+
+def canonical_run_config(
+    common: dict[str, Any],
+    rollout: dict[str, Any],
+    *,
+    model: str | None,
+    ordering: str,
+    run_dir: Path,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    learning_rate: float | None,
+) -> dict[str, Any]:
+    """The YAML of the ``sft-canonical`` run: plain GT for ``steps`` steps in ``ordering``, from ``model``
+    (the sft run's checkpoint at the base steps; None: the task's model), evaluated first at its start (the
+    base, as the GRPO arms are); from a checkpoint with a fresh optimizer and schedule, as the GRPO arms."""
+    training: dict[str, Any] = {"max_steps": steps, "seed": seed, "eval_strategy": "steps"}
+    training["eval_steps"] = eval_every
+    if learning_rate is not None:
+        training["learning_rate"] = learning_rate
+    cfg = deep_merge(
+        common,
+        {
+            "output_dir": str(run_dir),
+            "data": {"object_ordering": ordering},
+            "rollout": rollout,
+            "training": training,
+            "stage2": {"sft_warmup_steps": steps, "eval": {"at_start": True}},
+            "save_final_model": False,
+        },
+    )
+    return deep_merge(cfg, {"model": {"path": model}}) if model is not None else cfg
+
+
+def grpo_run_config(
+    task_config: Path,
+    common: dict[str, Any],
+    *,
+    grpo: dict[str, Any],
+    model: str,
+    run_dir: Path,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    learning_rate: float,
+) -> dict[str, Any]:
+    """The YAML of a GRPO arm from ``model``: the task config with the harness's data and batch (``common``)
+    turned into a GRPO run by `learner.grpo.config.grpo_config_from_sft` (``GRPO_GENERATIONS`` per prompt,
+    the task's samples per step), evaluated first at its start (the base checkpoint's F1: the other arms' at
+    the base step), with the harness's steps, seed, evaluation period and constant ``learning_rate``.
+
+    Raises:
+        SystemExit: the task's samples per step are not a multiple of ``GRPO_GENERATIONS``.
+    """
+    sft = deep_merge(load_yaml_with_extends(task_config), {k: v for k, v in common.items() if k != "extends"})
+    try:
+        cfg = grpo_config_from_sft(sft, model=model, num_generations=GRPO_GENERATIONS, grpo=grpo)
+    except ConfigError as exc:
+        raise SystemExit(f"GRPO arm: {exc}") from exc
+    training = {"max_steps": steps, "seed": seed, "eval_strategy": "steps", "eval_steps": eval_every}
+    return deep_merge(
+        cfg,
+        {
+            "output_dir": str(run_dir),
+            "training": {**training, "learning_rate": learning_rate},
+            "stage2": {"eval": {"at_start": True}},
+            "save_final_model": False,
+        },
+    )
+
+
+def common_config(
+    task: dict[str, Any], train: Path, held_out: Path, *, eval_samples: int, smoke: bool
+) -> dict[str, Any]:
+    """What every run of the task shares: its config (``extends``), the harness's data and held-out rows, no
+    reporting; with ``smoke`` a small batch and short decoding; a crowded task's stage-1 as the model."""
+    batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1} if smoke else {}
+    smoke_decoding = {"decoding": {"max_new_tokens": 48}} if smoke else {}
+    common: dict[str, Any] = {
+        "extends": str(REPO / task["config"]),
+        "data": {
+            "train": [str(train)],
+            "eval": [str(held_out)],
+            "object_ordering": task["ordering"],
+            "max_eval_samples": eval_samples,
+        },
+        "training": {"report_to": [], **batch},
+        "rollout": smoke_decoding,
+    }
+    if task["kind"] == "crowded":  # the stage-1 the harness built
+        common["model"] = {"path": str(REPO / task["model"])}
+    return common
+
+
+def rollout_section(*, colocate: bool, url: str | None, shm_dir: str | None) -> dict[str, Any]:
+    """The supervised runs' ``rollout:``: in-process HF rollouts (``colocate``), or the server at ``url``,
+    synced through ``shm_dir`` when the harness started it (else over HTTP: another host's staging dir)."""
+    if (
+        colocate
+    ):  # every row of a step in one decode call (the spec's default of 1 decodes them one at a time)
+        return {"mode": "colocate", "backend": "hf", "decoding": {"rollout_generate_batch_size": 16}}
+    if shm_dir is not None:
+        return {"servers": [{"base_url": url}], "sync": {"shm_dir": shm_dir}}
+    return {"servers": [{"base_url": url}], "sync": {"transport": "http"}}
+
+
+def stage2_run_config(
+    common: dict[str, Any],
+    rollout: dict[str, Any],
+    stage2: dict[str, Any],
+    *,
+    sft: bool,
+    run_dir: Path,
+    seed: int,
+    learning_rate: float | None,
+    base_steps: int,
+    steps: int,
+    eval_every: int,
+    saves_base: bool,
+) -> dict[str, Any]:
+    """The YAML of a supervised arm (``stage2`` its :data:`~_ab.tables.ARMS` override): plain GT for
+    ``base_steps`` (the same run for a seed), then its recipe for ``steps``; ``sft`` stays on plain GT and,
+    with ``saves_base``, saves its weights at the base steps (the base of the GRPO and canonical arms)."""
+    total = base_steps + steps
+    training: dict[str, Any] = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
+    training["eval_steps"] = eval_every
+    if learning_rate is not None:
+        training["learning_rate"] = learning_rate
+    # the base's F1 once it is the stage-1 itself (no shared plain-GT phase)
+    stage2 = deep_merge(stage2, {"eval": {"at_start": base_steps == 0}})
+    stage2["sft_warmup_steps"] = total if sft else base_steps
+    if sft and saves_base and base_steps > 0:
+        training |= {"save_strategy": "steps", "save_steps": base_steps}
+        training["save_only_model"] = True
+    return deep_merge(
+        common,
+        {
+            "output_dir": str(run_dir),
+            "rollout": rollout,
+            "training": training,
+            "stage2": stage2,
+            "save_final_model": False,
+        },
+    )

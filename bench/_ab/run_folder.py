@@ -1,0 +1,115 @@
+"""Reading a run folder: its held-out evaluations (``metrics.jsonl``), its training seconds, its stamps, and
+whether it is already the run asked for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def eval_curve(metrics: Path) -> list[dict[str, float]]:
+    """Per evaluation: the step, ``f1`` (gate F1), ``pred`` (predicted objects) and every other
+    ``eval_rollout_*`` figure of the breakdown (precision, recall, F1 at maskIoU 0.5 / 0.75, duplicates,
+    predicted ÷ GT, …) under its name without the prefix."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    prefix = "eval_rollout_"
+    return [
+        {
+            "step": int(r["step"]),
+            "f1": r["eval_rollout_f1"],
+            "pred": r["eval_rollout_pred_objects"],
+            **{
+                k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix) and k != f"{prefix}f1"
+            },
+        }
+        for r in rows
+        if "eval_rollout_f1" in r
+    ]
+
+
+BASE_STAMP = "base.sha256"
+"""File in a run folder: the sha256 of the task's base weights the run started from."""
+
+
+def finished(run_dir: Path, cfg: dict[str, Any], total: int, base: str = "") -> bool:
+    """Whether ``run_dir`` holds this run already: its last evaluation is at step ``total``, its
+    ``run.yaml`` is ``cfg`` apart from where rollouts came from (the server's address and staging dir change
+    from one harness invocation to the next; the runs are deterministic whichever server serves them), and it
+    started from the base whose fingerprint is ``base`` (a run folder without a stamp predates stamping and
+    is taken as it is)."""
+    metrics, path = run_dir / "metrics.jsonl", run_dir / "run.yaml"
+    if not metrics.exists() or not path.exists():
+        return False
+    stamp = run_dir / BASE_STAMP
+    if base and stamp.exists() and stamp.read_text().strip() != base:
+        print(f"[ab] {run_dir.name}: trained from another build of the base; training it again", flush=True)
+        return False
+    curve = eval_curve(metrics)
+    if not curve or curve[-1]["step"] != total:
+        return False
+
+    def comparable(config: dict[str, Any]) -> dict[str, Any]:
+        rollout = {k: v for k, v in config.get("rollout", {}).items() if k not in ("servers", "sync")}
+        return {**config, "rollout": rollout}
+
+    return comparable(yaml.safe_load(path.read_text())) == comparable(cfg)
+
+
+DEVICE_STAMP = "device.json"
+"""File in a run folder: ``{"gpus": N}``, the GPUs the run held (0 on a CPU host), written once it trained."""
+
+
+def run_gpus(*, colocate: bool, own_server: bool) -> int:
+    """GPUs one run holds on this host: 0 without CUDA; else the learner's one, plus the rollout server's when
+    this harness started it (``--server-url``'s server is another host's, not counted)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return 1 if colocate or not own_server else 2
+
+
+def step_seconds(metrics: Path, after_step: int = 0) -> dict[int, float]:
+    """Seconds the run spent training its steps after ``after_step``, cumulated up to each logged step: per
+    training line (one with ``loss``), its ``wall_s`` minus the previous line's, so that the evaluations the
+    learner logs between steps are not counted (seconds of training, not of measuring it). A run that starts
+    from the base (GRPO, ``sft-canonical``) pays its first step's warm-up here; the stage-2 arms paid theirs
+    in the shared base phase (on the CPU smoke ~0.8 s of 2 steps; small against real runs' steps)."""
+    out: dict[int, float] = {}
+    total = previous = 0.0
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("wall_s") is None:
+            continue
+        if "loss" in row and int(row["step"]) > after_step:
+            total += float(row["wall_s"]) - previous
+            out[int(row["step"])] = total
+        previous = float(row["wall_s"])
+    return out
+
+
+def seconds_unit(run_dir: Path) -> tuple[str, int]:
+    """``(unit, factor)`` of a run's seconds from its :data:`DEVICE_STAMP`: ``gpu`` (GPU-seconds: wall seconds
+    x the GPUs it held), ``cpu`` (wall seconds on a CPU host), ``wall`` (a run from before the stamp)."""
+    stamp = run_dir / DEVICE_STAMP
+    if not stamp.exists():
+        return "wall", 1
+    gpus = int(json.loads(stamp.read_text())["gpus"])
+    return ("gpu", gpus) if gpus > 0 else ("cpu", 1)
+
+
+def with_seconds(
+    curve: list[dict[str, float]], run_dir: Path, after_step: int = 0
+) -> tuple[list[dict[str, float]], str]:
+    """``curve`` with ``seconds`` at each evaluation (:func:`step_seconds` after ``after_step``, in the run's
+    :func:`seconds_unit`; 0 at the base) and that unit. Call before shifting a curve's steps."""
+    unit, factor = seconds_unit(run_dir)
+    cumulative = step_seconds(run_dir / "metrics.jsonl", after_step)
+    out = []
+    for point in curve:
+        done = [t for step, t in cumulative.items() if step <= point["step"]]
+        out.append({**point, "seconds": round(factor * max(done, default=0.0), 3)})
+    return out, unit
