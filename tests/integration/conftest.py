@@ -8,10 +8,10 @@ tests that ask for them:
 | fixture | scope | model | engines | used for |
 |---|---|---|---|---|
 | `vllm_server` | session | tiny-qwen2 (seed 0) | 1 | schema, health, guard, determinism, full sync, 409 |
-| `vllm_server_seed1` | module | tiny-qwen2-seed1, LoRA on | 1 | full-sync reference, adapter sync |
+| `vllm_server_seed1` | session | tiny-qwen2-seed1, LoRA on | 1 | sync reference, adapters, 2nd loop server |
 | `vllm_server_dp2` | module | tiny-qwen2 (seed 0), DP=2 | 2 | determinism, group sync |
-| `vlm_server` | module | tiny-qwen3-vl | 1 | image path |
-| `hf_vlm_server` | module | tiny-qwen3-vl, `backend: hf` | 1 (transformers) | image path of the HF backend |
+| `vlm_server` | session | tiny-qwen3-vl | 1 | image path (4 modules) |
+| `hf_vlm_server` | session | tiny-qwen3-vl, `backend: hf` | 1 (transformers) | image path of the HF backend |
 
 `image_server` is `vlm_server` or `hf_vlm_server`, parametrized (`vllm`, `hf`): a test taking it runs against
 both backends.
@@ -194,14 +194,15 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_server_seed1(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir_seed1: Path
 ) -> Iterator[ServerProcess]:
     """Seed-1 tiny-qwen2 server with LoRA enabled (rank <= 8): full-sync reference and adapter target.
 
     LoRA-enabled vLLM serves base weights bit-identically to a LoRA-less engine (measured), so it doubles as
-    the reference for syncs into the LoRA-less `vllm_server`.
+    the reference for syncs into the LoRA-less `vllm_server`, and as the second vLLM server of
+    `test_learner_loop` (whose step-0 sync replaces its weights; the test syncs them back).
     """
     server = start_server(
         "seed1-lora",
@@ -236,13 +237,13 @@ def _vlm_server(
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
     """Tiny Qwen3-VL server (torchvision-free shim on PYTHONPATH, one image per prompt, no video)."""
     yield from _vlm_server(tmp_path_factory, tiny_vlm_dir, "vllm")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_vlm_server(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[ServerProcess]:
     """Tiny Qwen3-VL served by the transformers backend (`server.backend: hf`),
     same limits as `vlm_server`."""

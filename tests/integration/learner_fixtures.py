@@ -29,7 +29,10 @@ __all__ = [
     "demo_data_fixture",
     "free_port",
     "run_config",
+    "spawn_server",
     "start_server",
+    "start_servers",
+    "wait_healthy",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,21 +93,17 @@ class RolloutServer:
         self.stopped = True
 
 
-def start_server(
+def spawn_server(
     model_dir: Path,
     tmp: Path,
     *,
     backend: str = "vllm",
     max_model_len: int = SERVER_MAX_MODEL_LEN,
     enable_lora: bool = False,
-    deadline_s: float = 240.0,
     sync_timeout_s: float = 600.0,
 ) -> RolloutServer:
-    """Starts a rollout server (float32, seed 0, eager, 1 GiB KV cache) and waits until `/health` is ok.
-
-    Raises:
-        AssertionError: the process died or was not healthy within `deadline_s` (log tail included).
-    """
+    """Spawns a rollout server (float32, seed 0, eager, 1 GiB KV cache) without waiting for it
+    (`wait_healthy`)."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     shm = tmp / "shm"
@@ -126,25 +125,56 @@ def start_server(
             env=env,
             start_new_session=True,
         )
-    server = RolloutServer(f"http://127.0.0.1:{port}", backend, proc, log, shm)
+    return RolloutServer(f"http://127.0.0.1:{port}", backend, proc, log, shm)
+
+
+def wait_healthy(servers: list[RolloutServer], deadline_s: float = 240.0) -> None:
+    """Waits until every server's `/health` is ok (they start side by side); a failure stops them all.
+
+    Raises:
+        AssertionError: a process died or was not healthy within `deadline_s` (its log tail included).
+    """
     deadline = time.monotonic() + deadline_s
-    while True:
-        if proc.poll() is not None:
-            server.stop()
-            raise AssertionError(
-                f"{backend} server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            )
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            server.stop()
-            raise AssertionError(
-                f"{backend} server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}"
-            )
+    waiting = list(servers)
+    while waiting:
+        server = waiting[0]
+        problem = None
+        if server.proc.poll() is not None:
+            problem = f"{server.backend} server exited with {server.proc.returncode}"
+        else:
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    waiting.pop(0)
+                    continue
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                problem = f"{server.backend} server not healthy within {deadline_s} s"
+        if problem is not None:
+            for other in servers:
+                other.stop()
+            raise AssertionError(f"{problem}:\n{server.log.read_text()[-3000:]}")
         time.sleep(0.25)
+
+
+def start_server(model_dir: Path, tmp: Path, *, deadline_s: float = 240.0, **options: Any) -> RolloutServer:
+    """Starts a rollout server (`spawn_server` with `options`) and waits until `/health` is ok.
+
+    Raises:
+        AssertionError: the process died or was not healthy within `deadline_s` (log tail included).
+    """
+    server = spawn_server(model_dir, tmp, **options)
+    wait_healthy([server], deadline_s)
+    return server
+
+
+def start_servers(
+    model_dir: Path, tmps: list[Path], *, deadline_s: float = 240.0, **options: Any
+) -> list[RolloutServer]:
+    """One server per folder of `tmps`, started side by side (their start-ups overlap on the cores)."""
+    servers = [spawn_server(model_dir, tmp, **options) for tmp in tmps]
+    wait_healthy(servers, deadline_s)
+    return servers
 
 
 @pytest.fixture(scope="module", name="demo_data")
@@ -196,8 +226,9 @@ def run_config(model_dir: Path, train: Path, output_dir: Path, **sections: Any) 
 EXIT_LOOP_RUNS = int(os.environ.get("ROLLMATCH_EXIT_LOOP_RUNS", "1"))
 """Two-rank runs per variant in the exit loop (issue 22: one in a few CI runs aborted at exit before the fix).
 One by default: the check that catches the cause is deterministic (a gloo thread still alive after
-`destroy_process_group`: it failed on the first run with the fix removed), and each run costs ~15 s of a
-suite that must stay under 20 minutes. Set `ROLLMATCH_EXIT_LOOP_RUNS=10` to soak the abort itself."""
+`destroy_process_group`: it failed on the first run with the fix removed), and each run costs ~15-30 s of a
+suite that must stay under 20 minutes; where another test already runs the same two-rank variant and checks
+its exit, that run counts as the loop's first. Set `ROLLMATCH_EXIT_LOOP_RUNS=10` to soak the abort itself."""
 EXIT_ABORTS = ("terminate called", "collective threads still alive", "Fatal Python error")
 
 

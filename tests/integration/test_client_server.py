@@ -14,7 +14,8 @@ throw-away HF-backend server (no second vLLM engine) that it kills.
   servers in the middle of a gloo sync fails the sync naming it, and no other server commits;
 - a gloo sync reaches two or three servers (vLLM and HF engines) through ONE group, one broadcast per bucket.
 
-Every test leaves the shared server serving the seed-0 weights it started with.
+The HF servers that are not killed come from one module pool of three (`hf_pool`, started side by side); a
+server a test kills is its own. Every test leaves the servers it shares serving the seed-0 weights it found.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
 from tests.integration.conftest import ServerProcess
-from tests.integration.learner_fixtures import start_server
+from tests.integration.learner_fixtures import RolloutServer, start_server, start_servers
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +99,19 @@ def same_model(served: list[Answer], expected: list[Answer], atol: float = 1e-4)
         s.tokens == e.tokens and torch.allclose(torch.tensor(s.logprobs), torch.tensor(e.logprobs), atol=atol)
         for s, e in zip(served, expected, strict=True)
     )
+
+
+@pytest.fixture(scope="module")
+def hf_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RolloutServer]]:
+    """Three HF-backend servers of the tiny seed-0 model, shared by the module's multi-server tests (each test
+    leaves them serving the seed-0 weights)."""
+    tmp = tmp_path_factory.mktemp("hf_pool")
+    servers = start_servers(
+        tiny_model_dir, [tmp / f"hf{i}" for i in range(3)], backend="hf", max_model_len=512
+    )
+    yield servers
+    for server in servers:
+        server.stop()
 
 
 def restore_seed0(source: ServerRolloutSource, tiny_model_dir: Path, transport: str = "http") -> None:
@@ -213,7 +228,12 @@ def test_adapter_sync_rejected_then_policy_falls_back_to_full(
 
 @pytest.mark.parametrize("during", ["infer", "gloo_sync"])
 def test_killed_server_fails_fast_naming_it(
-    vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path, during: str
+    vllm_server: ServerProcess,
+    tiny_model_dir: Path,
+    tiny_model_dir_seed1: Path,
+    tmp_path: Path,
+    during: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     """`infer`: the next rollout fails fast naming the killed server. `gloo_sync`: three servers in one gloo
     group (vLLM, the doomed HF server, another HF server); the doomed one is SIGKILLed before the learner's
@@ -222,7 +242,8 @@ def test_killed_server_fails_fast_naming_it(
     at once naming it again (the documented policy: the run stops), and a source over the two survivors (the
     dead server removed from rollout.servers) forms a new group and syncs."""
     if during == "gloo_sync":
-        killed_mid_gloo_sync(vllm_server, tiny_model_dir, tiny_model_dir_seed1, tmp_path)
+        other = request.getfixturevalue("hf_pool")[0]
+        killed_mid_gloo_sync(vllm_server, other, tiny_model_dir, tiny_model_dir_seed1, tmp_path)
         return
     doomed = start_server(tiny_model_dir, tmp_path, backend="hf", max_model_len=512)
     infer_timeout_s = 30.0
@@ -244,13 +265,16 @@ def test_killed_server_fails_fast_naming_it(
 
 
 def killed_mid_gloo_sync(
-    vllm_server: ServerProcess, tiny_model_dir: Path, tiny_model_dir_seed1: Path, tmp_path: Path
+    vllm_server: ServerProcess,
+    other: RolloutServer,
+    tiny_model_dir: Path,
+    tiny_model_dir_seed1: Path,
+    tmp_path: Path,
 ) -> None:
     from learner.weights.collective import CollectiveSender
 
     seed0, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
     doomed = start_server(tiny_model_dir, tmp_path / "doomed", backend="hf", max_model_len=512)
-    other = start_server(tiny_model_dir, tmp_path / "other", backend="hf", max_model_len=512)
     timeout_s = 5.0
     urls = [vllm_server.base_url, doomed.base_url, other.base_url]
     survivors = [vllm_server.base_url, other.base_url]
@@ -302,15 +326,14 @@ def killed_mid_gloo_sync(
             assert same_model(rollout(source), after_failure, atol=0.0)
     finally:
         doomed.stop()
-        other.stop()
 
 
 @pytest.mark.parametrize("fleet", ["vllm+hf", "hf+hf", "hf+hf+hf"])
 def test_gloo_sync_reaches_every_server_through_one_group(
     request: pytest.FixtureRequest,
+    hf_pool: list[RolloutServer],
     tiny_model_dir: Path,
     tiny_model_dir_seed1: Path,
-    tmp_path: Path,
     fleet: str,
 ) -> None:
     """ONE gloo group over every server (world size 1 + every receiver), each bucket one broadcast: the vLLM
@@ -321,38 +344,28 @@ def test_gloo_sync_reaches_every_server_through_one_group(
     seed1 = load_lm(tiny_model_dir_seed1)
     kinds = fleet.split("+")
     vllm = request.getfixturevalue("vllm_server") if "vllm" in kinds else None
-    started = [
-        start_server(tiny_model_dir, tmp_path / f"hf{i}", backend="hf", max_model_len=512)
-        for i in range(kinds.count("hf"))
-    ]
-    urls = ([vllm.base_url] if vllm is not None else []) + [s.base_url for s in started]
-    try:
-        with ServerRolloutSource(urls, timeout_s=30, transport="gloo", bucket_mb=0.1) as source:
-            before = {url: _health_of(url).weight_version for url in urls}
-            policy = WeightSyncPolicy(SyncConfig(transport="gloo"))
-            try:
-                policy.maybe_sync(seed1, 0, source)
-                assert policy.version == max(before.values()) + 1
-                assert {url: _health_of(url).weight_version for url in urls} == dict.fromkeys(
-                    urls, policy.version
-                )
-                assert source.last_sync_stages["collective_world_size"] == 1 + len(urls)  # 1 receiver each
-                group = source.weight_sync.transport.sender.fleet.token  # type: ignore[attr-defined]
-                after = rollout(source)  # 3 requests chunked in order over the servers
-                assert same_model(after, reference(seed1, after))
-                with ServerRolloutSource(
-                    urls[-1:], timeout_s=30
-                ) as single:  # one HF server, the same weights
-                    assert same_model(rollout(single), after, atol=0.0 if vllm is None else 1e-4)
-                if vllm is not None:
-                    assert "server_workers_receive_s" in source.last_sync_stages
-            finally:
-                restore_seed0(source, tiny_model_dir, "gloo")
-            assert source.weight_sync.transport.sender.fleet.token == group  # type: ignore[attr-defined]  # reused
-            assert same_model(rollout(source), reference(load_lm(tiny_model_dir), after))
-    finally:
-        for server in started:
-            server.stop()
+    urls = ([vllm.base_url] if vllm is not None else []) + [s.base_url for s in hf_pool[: kinds.count("hf")]]
+    with ServerRolloutSource(urls, timeout_s=30, transport="gloo", bucket_mb=0.1) as source:
+        before = {url: _health_of(url).weight_version for url in urls}
+        policy = WeightSyncPolicy(SyncConfig(transport="gloo"))
+        try:
+            policy.maybe_sync(seed1, 0, source)
+            assert policy.version == max(before.values()) + 1
+            assert {url: _health_of(url).weight_version for url in urls} == dict.fromkeys(
+                urls, policy.version
+            )
+            assert source.last_sync_stages["collective_world_size"] == 1 + len(urls)  # 1 receiver each
+            group = source.weight_sync.transport.sender.fleet.token  # type: ignore[attr-defined]
+            after = rollout(source)  # 3 requests chunked in order over the servers
+            assert same_model(after, reference(seed1, after))
+            with ServerRolloutSource(urls[-1:], timeout_s=30) as single:  # one HF server, the same weights
+                assert same_model(rollout(single), after, atol=0.0 if vllm is None else 1e-4)
+            if vllm is not None:
+                assert "server_workers_receive_s" in source.last_sync_stages
+        finally:
+            restore_seed0(source, tiny_model_dir, "gloo")
+        assert source.weight_sync.transport.sender.fleet.token == group  # type: ignore[attr-defined]  # reused
+        assert same_model(rollout(source), reference(load_lm(tiny_model_dir), after))
 
 
 def _health_of(base_url: str) -> Health:

@@ -19,8 +19,9 @@ Engines: the session's shared seed-0 vLLM server (`tests/integration/conftest.py
 change its weights restore them), one in-process vLLM engine (started and closed inside `colocate_step`,
 which runs before the shared server is first needed when this module runs alone), and cheap HF-backend
 servers for the kill test. The second server of test 1 is a vLLM server (the acceptance setting: two vLLM
-servers at once) unless `ROLLMATCH_LOOP_SECOND_SERVER=hf` (hosts that must not run two vLLM engines at once;
-the HF engine's float32 greedy tokens are the same, so the comparison stays exact).
+servers at once: the session's seed-1 server, `vllm_server_seed1`, whose weights the run's step-0 sync
+replaces and the test restores) unless `ROLLMATCH_LOOP_SECOND_SERVER=hf` (hosts that must not run two vLLM
+engines at once; the HF engine's float32 greedy tokens are the same, so the comparison stays exact).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from tests.integration.learner_fixtures import (  # noqa: F401 - fixtures
     run_config,
     start_server,
 )
+from tests.integration.vllm_helpers import checkpoint_tensors, sync_full
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -219,17 +221,27 @@ def test_colocate_vllm_matches_one_server(colocate_step, one_server_step):
     assert colocate_step[1:] == (loss, loss_total)
 
 
-def test_two_servers_match_one_server(tiny_model_dir, demo_data, vllm_server, one_server_step, tmp_path):
+def test_two_servers_match_one_server(
+    tiny_model_dir, tiny_model_dir_seed1, demo_data, vllm_server, one_server_step, tmp_path, request
+):
     rollouts, loss, loss_total = one_server_step
     assert len({sig[2] for sig in rollouts}) >= 1 and all(len(sig[2]) >= 1 for sig in rollouts)
-    second = start_server(tiny_model_dir, tmp_path / "second", backend=SECOND_SERVER_BACKEND)
+    if SECOND_SERVER_BACKEND == "vllm":
+        # The session's seed-1 vLLM server (LoRA on: it serves base weights bit-identically to a LoRA-less
+        # engine): the run's step-0 sync puts the checkpoint's seed-0 weights on it; its own come back after.
+        second = request.getfixturevalue("vllm_server_seed1")
+    else:
+        second = start_server(tiny_model_dir, tmp_path / "second", backend=SECOND_SERVER_BACKEND)
     try:
         cfg = server_cfg(tiny_model_dir, demo_data, tmp_path / "run", [vllm_server, second])
         rollouts2, loss2, loss_total2 = first_step(cfg)
         # Both servers received the step-0 sync and served half of the requests each.
-        assert second.weight_version() >= 1
+        assert served_version(second) >= 1
     finally:
-        second.stop()
+        if SECOND_SERVER_BACKEND == "vllm":
+            sync_full(second.base_url, checkpoint_tensors(tiny_model_dir_seed1), served_version(second) + 1)
+        else:
+            second.stop()
     assert rollouts2 == rollouts
     assert (loss2, loss_total2) == (loss, loss_total)
 
