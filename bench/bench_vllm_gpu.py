@@ -30,6 +30,7 @@ Exit code 0 when every stage ran, 1 otherwise (the `error` lines say which).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -369,6 +370,7 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[-4000:]
 
 
+@functools.cache
 def _images(n: int) -> list[str]:
     """`n` image paths of the image demo's held-out and training sets (192 x 192 px, built if missing)."""
     build_demo_assets(vlm=True)
