@@ -25,7 +25,9 @@ GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF e
 ``--grpo-learning-rate``, a fresh optimizer), evaluated by the rollout-matching evaluator on the same held-out
 rows with the same greedy decoding (``learner.grpo.evaluation``); its steps are shifted by the base steps in
 ``ab.jsonl``. ``sft-canonical`` starts from that base the same way (its annotation order is not the shared
-phase's), with the supervised arms' learning rate and schedule. Trained samples: a plain-GT or
+phase's), with the supervised arms' learning rate and schedule; ``--canonical-steps`` lets it train longer
+than ``--steps`` (an on-policy arm's step costs more: the control then gets the arm's seconds, and by
+samples it is read at the arm's last step). Trained samples: a plain-GT or
 rollout-matching step trains ``per_device_train_batch_size x gradient_accumulation_steps`` samples; a GRPO
 step trains ``prompts x num_generations`` completions, and the arm uses ``(that batch) / GRPO_GENERATIONS``
 prompts per step, so every arm trains the same number of samples per step (``trained_samples`` in the
@@ -68,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--base-steps", type=int, default=150)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument(
+        "--canonical-steps",
+        type=int,
+        default=None,
+        help=f"{CANONICAL}: steps it trains (default --steps; more gives it the on-policy arms' seconds)",
+    )
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-samples", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=None, help="constant; default: the config's")
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_runs:
         out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
         arms = args.arms.split(",") if args.arms else None
-        return summarize_copied_runs(args.task, out, args.steps, args.at_step, arms)
+        return summarize_copied_runs(args.task, out, args.steps, args.at_step, arms, args.canonical_steps)
     if args.smoke:
         args.seeds, args.base_steps, args.steps = "0", 2, 2
         args.eval_every, args.eval_samples = 2, 8
@@ -127,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.arms.split(",")) - set(ARMS) - set(GRPO_ARMS) - {CANONICAL})
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; known: {sorted([*ARMS, *GRPO_ARMS, CANONICAL])}")
+    args.canonical_steps = args.canonical_steps or args.steps
+    if args.canonical_steps % args.eval_every or args.steps % args.eval_every:
+        parser.error(
+            f"--steps {args.steps} and --canonical-steps {args.canonical_steps} must be multiples of"
+            f" --eval-every {args.eval_every} (the controls are read at the arms' last step)"
+        )
     if args.order_samples < 1:
         parser.error(f"--order-samples {args.order_samples} must be >= 1")
     arms = args.arms.split(",")

@@ -17,7 +17,12 @@ from _ab.tables import ARMS, CANONICAL, GRPO_ARMS
 
 
 def summarize_copied_runs(
-    task: str, out: Path, steps: int, at_step: int | None, arms: Sequence[str] | None = None
+    task: str,
+    out: Path,
+    steps: int,
+    at_step: int | None,
+    arms: Sequence[str] | None = None,
+    canonical_steps: int | None = None,
 ) -> int:
     """``--from-runs``: the summary, ``ab.png`` and ``grpo.png`` of the run folders ``<arm>-s<seed>-<steps>``
     in ``out`` as they are — runs copied back from another host (their ``run.yaml`` names that host's paths,
@@ -27,14 +32,18 @@ def summarize_copied_runs(
     every seed that got that far; ``arms`` keeps those arms only (default: every arm found). A seed's runs
     must start from one base (the same first held-out F1 in every arm), else the pairing would compare
     different bases: that is an error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` /
-    ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation.
+    ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation. The
+    ``sft-canonical`` runs are the folders of ``canonical_steps`` (default ``steps``).
     """
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
     units: dict[tuple[str, int], str] = {}
     orders: dict[tuple[str, int], dict[str, Any]] = {}
     grpo_runs: dict[tuple[str, int], Path] = {}
-    for run_dir in sorted(out.glob(f"*-s*-{steps}")):
-        arm, _, seed = run_dir.name.removesuffix(f"-{steps}").rpartition("-s")
+    canonical_steps = canonical_steps or steps
+    folders = [(d, steps) for d in sorted(out.glob(f"*-s*-{steps}")) if not d.name.startswith(CANONICAL)]
+    folders += [(d, canonical_steps) for d in sorted(out.glob(f"{CANONICAL}-s*-{canonical_steps}"))]
+    for run_dir, run_steps in folders:
+        arm, _, seed = run_dir.name.removesuffix(f"-{run_steps}").rpartition("-s")
         metrics = run_dir / "metrics.jsonl"
         known = arm in ARMS or arm in GRPO_ARMS or arm == CANONICAL
         if not known or not seed.isdigit() or not metrics.exists():

@@ -70,11 +70,12 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                 base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
                 base = str(base_dir) if args.base_steps > 0 else None
                 for arm in arms:
-                    run_dir = out / f"{arm}-s{seed}-{args.steps}"
+                    steps = args.canonical_steps if arm == CANONICAL else args.steps
+                    run_dir = out / f"{arm}-s{seed}-{steps}"
                     metrics = run_dir / "metrics.jsonl"
                     # a run from the base counts its own steps; the curve is shifted onto the others' steps
                     own_steps = arm in GRPO_ARMS or arm == CANONICAL
-                    total = args.steps if own_steps else args.base_steps + args.steps
+                    total = steps if own_steps else args.base_steps + steps
                     if arm in GRPO_ARMS:
                         cfg = grpo_run_config(
                             task_config,
@@ -88,7 +89,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                             learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
                         )
                     elif arm == CANONICAL:
-                        canonical = {"model": base, "run_dir": run_dir, "seed": seed, "steps": args.steps}
+                        canonical = {"model": base, "run_dir": run_dir, "seed": seed, "steps": steps}
                         canonical |= {"eval_every": args.eval_every, "learning_rate": args.learning_rate}
                         ordering = canonical_ordering(read_order(run_dir), task["ordering"])
                         cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
@@ -144,7 +145,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                             **(read_order(run_dir) or {}),
                             "ordering": cfg["data"]["object_ordering"],
                         }
-                    samples[(arm, seed)] = args.steps * samples_per_step(cfg)
+                    samples[(arm, seed)] = steps * samples_per_step(cfg)
                     curves[(arm, seed)] = curve
                     for point in curve:
                         fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")

@@ -37,6 +37,13 @@ def f1_within(curve: Sequence[dict[str, float]], budget: float) -> float:
     return [p for p in curve if p["seconds"] <= budget + 1e-9][-1]["f1"]
 
 
+def f1_at_step(curve: Sequence[dict[str, float]], step: float) -> float:
+    """F1 of the last evaluation at or before ``step`` (a control trained longer than the arm, e.g.
+    ``--canonical-steps``, is read where the arm stopped; its first point when none is that early)."""
+    reached = [p for p in curve if p.get("step", step) <= step]
+    return (reached or list(curve[:1]))[-1]["f1"]
+
+
 def pair_with(
     curves: dict[tuple[str, int], list[dict[str, float]]],
     arm: str,
@@ -46,17 +53,21 @@ def pair_with(
 ) -> dict[str, Any]:
     """``arm`` against ``control`` over the seeds both finished, as ``<prefix>_*`` keys of a summary line.
 
-    By trained samples (every arm trains the same samples per step): ``<prefix>_diff``, the final F1 minus the
-    control's of the same seed, and its :func:`paired_stats`. By seconds (when every run's evaluations carry
-    ``seconds``, in one unit per pair): both runs cut at the seconds the faster of the two trained (each at
-    its last evaluation within them), ``<prefix>_at_seconds_diff`` and its stats, the budget per seed
-    (``<prefix>_at_seconds_budget``) and ``<prefix>_seconds_ratio`` (the arm's seconds ÷ the control's).
+    By trained samples (every arm trains the same samples per step): ``<prefix>_diff``, the final F1 minus
+    the control's of the same seed at the arm's final step (:func:`f1_at_step`), and its
+    :func:`paired_stats`. By seconds (when every run's evaluations carry ``seconds``, in one unit per pair):
+    both runs cut at the seconds the faster of the two trained (each at its last evaluation within them),
+    ``<prefix>_at_seconds_diff`` and its stats, the budget per seed (``<prefix>_at_seconds_budget``) and
+    ``<prefix>_seconds_ratio`` (the arm's seconds ÷ the control's).
     """
     seeds = sorted(s for a, s in curves if a == arm and (control, s) in curves)
     if arm == control or not seeds:
         return {}
     out: dict[str, Any] = {f"{prefix}_seeds": seeds}
-    diffs = [curves[(arm, s)][-1]["f1"] - curves[(control, s)][-1]["f1"] for s in seeds]
+    finals = {s: curves[(arm, s)][-1] for s in seeds}
+    diffs = [
+        finals[s]["f1"] - f1_at_step(curves[(control, s)], finals[s].get("step", math.inf)) for s in seeds
+    ]
     out[f"{prefix}_diff"] = diffs
     out |= {f"{prefix}_{k}": v for k, v in paired_stats(diffs).items()}
     units = units or {}

@@ -253,3 +253,24 @@ def test_a_cpu_host_holds_no_gpu(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run_folder.run_gpus(colocate=False, own_server=True) == 2
     assert run_folder.run_gpus(colocate=True, own_server=False) == 1
+
+
+def test_a_control_trained_longer_is_read_at_the_arms_step_by_samples_and_at_its_seconds() -> None:
+    """`--canonical-steps`: the control trains 4 evaluations' worth where the arm trains 2, in the arm's
+    seconds: by samples it is read at the arm's last step, by seconds at the arm's seconds."""
+    curves = {
+        (CANONICAL, 0): _curve([0.5, 0.55, 0.58, 0.62, 0.66], [0.0, 25.0, 50.0, 75.0, 100.0]),
+        ("rm-drop", 0): _curve([0.5, 0.60, 0.70], [0.0, 50.0, 100.0]),
+    }
+    units = {(CANONICAL, 0): "cpu", ("rm-drop", 0): "cpu"}
+    line = _lines(curves, units=units)["rm-drop"]
+    assert line["canonical_paired_diff"] == pytest.approx([0.70 - 0.58])  # the control at step 20
+    assert line["canonical_paired_at_seconds_budget"] == [100.0]
+    assert line["canonical_paired_at_seconds_diff"] == pytest.approx([0.70 - 0.66])  # at 100 s
+
+
+def test_canonical_steps_must_be_read_at_an_evaluation(capsys) -> None:
+    argv = ["--out", "/nonexistent/ab", "--arms", "sft,sft-canonical", "--canonical-steps", "30"]
+    with pytest.raises(SystemExit):
+        ab_learning.main(argv)
+    assert "multiples of --eval-every 25" in capsys.readouterr().err
