@@ -1,4 +1,5 @@
 """Per-sample stage-2 pipeline: rollout result → parse → GT → match → Y_train → teacher-forced segment.
+Also the stage-1 segment of a sample (`stage1_segment`: plain SFT of its whole GT answer).
 
 Pure glue over `parse`, `gt`, `match`, `targets` and `labels` (docs/ALGORITHM.md §6–§12). It never raises on
 a bad rollout or a malformed GT object (§0.3): the sample falls back or is dropped and the counters say
@@ -26,10 +27,10 @@ from learner.stage2.matching.breakdown import (
 )
 from learner.stage2.matching.match import MatchingConfig, match
 from learner.stage2.parse.parser import ParseResult, parse_rollout
-from learner.stage2.targets.labels import encode_segment
+from learner.stage2.targets.labels import build_answer_segment, encode_segment
 from learner.stage2.targets.order import reorder_ground_truth
 from learner.stage2.targets.segment import Segment
-from learner.stage2.targets.y_train import TargetsConfig, build_y_train, prune_unmatched
+from learner.stage2.targets.y_train import TargetsConfig, answer_ids, build_y_train, prune_unmatched
 from shared_schemas.images import ImageRefError
 from shared_schemas.infer import InferResult
 
@@ -41,6 +42,7 @@ __all__ = [
     "evaluate_rollout",
     "prepare_segment",
     "score_rollout",
+    "stage1_segment",
 ]
 
 logger = logging.getLogger(__name__)
@@ -221,6 +223,32 @@ def prepare_segment(
     if segment is not None:
         lengths["rollout/encoded_len"] = float(segment.encoded_len)
     return segment, SampleOutcome(segment, counters, lengths)
+
+
+def stage1_segment(sample: Mapping[str, Any], ctx: SampleContext) -> Segment:
+    """A sample's stage-1 segment: its teacher-forced prompt (`ctx.encode_prompt`), its GT answer in the
+    plain-GT token path (`answer_ids` with `ctx.targets.opening`) and the turn suffix, every answer token and
+    the end of turn supervised by CE (`build_answer_segment`).
+
+    The ids are those `prepare_segment` teacher-forces for an empty rollout (stage-1 warm-up), so a stage-1
+    checkpoint opens answers the way rollout-matching continues them; the labels are plain SFT's (there the
+    opening ``{`` is rollout prefix and coordinates are coord slots).
+
+    Raises:
+        learner.stage2.gt.MalformedGTError: a malformed GT object under `stage2.gt.malformed_policy: raise`
+            (`skip` leaves it out of the answer).
+        DataRecordError: an unreadable image.
+    """
+    sample_id = int(sample["sample_id"])
+    objects = extract_gt(sample["gt_objects"], sample_id, ctx.malformed_policy).objects  # type: ignore[arg-type]
+    return build_answer_segment(
+        ctx.encode_prompt(sample),
+        answer_ids(objects, ctx.tokenizer, ctx.coord_vocab, ctx.targets.opening),
+        ctx.eot_id,
+        ctx.newline_id,
+        sample_id=sample_id,
+        base_idx=int(sample["base_idx"]),
+    )
 
 
 @dataclass(frozen=True)

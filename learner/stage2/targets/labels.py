@@ -8,6 +8,9 @@ token), as stored in the segment meta (§14.4), so packing can rebuild labels fr
 Rules (§12.1): a coord token never gets CE; tail structure tokens get CE unless listed in
 ``tail_ignore_pos``; tail coord tokens are supervised with their own bin; prefix coord slots with the §9
 target; the end-of-turn position ``prompt_len + train_len`` gets CE; everything else is -100.
+
+Stage-1 segments (:func:`build_answer_segment`, plain SFT of the whole answer) are the one exception: every
+answer token gets CE, coordinate tokens included, and there are no coord slots.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from learner.stage2.coords import CoordVocab
 from learner.stage2.targets.segment import Segment, SegmentMeta
 
 if TYPE_CHECKING:
+    from learner.data.prompt_encoding import EncodedPrompt
     from learner.stage2.targets.y_train import YTrain
 
 __all__ = [
@@ -29,6 +33,7 @@ __all__ = [
     "Labels",
     "PromptMismatch",
     "SegmentTooLongError",
+    "build_answer_segment",
     "build_labels",
     "build_segment",
     "check_prompt_alignment",
@@ -286,6 +291,62 @@ def build_segment(
         counters=dict(y_train.counters),
     )
     return lab.segment(ids, meta, mm_inputs=dict(mm_inputs or {}), rope_positions=rope_positions)
+
+
+def build_answer_segment(
+    prompt: EncodedPrompt,
+    answer_ids: Sequence[int],
+    eot_id: int,
+    newline_id: int,
+    *,
+    sample_id: int,
+    base_idx: int,
+) -> Segment:
+    """Stage-1 segment ``prompt + answer + [eot, newline]``: plain next-token SFT of a whole answer.
+
+    Every answer token and the end of turn get CE, coordinate tokens included (a stage-1 checkpoint learns
+    them as ordinary tokens; §12.1's coord slots are a rollout-matching target), so a loss over this segment
+    is the mean token cross-entropy over ``answer + [eot]``. The newline after the end of turn is context
+    only, as in :func:`build_segment`. The meta reads as an empty rollout prefix: ``prefix_len`` 0,
+    ``train_len = len(answer_ids)``, no coord slots, ``rollout_step`` 0.
+
+    Args:
+        prompt: the encoded prompt (ids with images expanded; its vision tensors and M-RoPE positions are
+            carried untouched).
+        answer_ids: the answer's ids without the end of turn (e.g.
+            :func:`learner.stage2.targets.y_train.answer_ids`).
+        eot_id: end-of-turn id (``<|im_end|>``).
+        newline_id: id of the ``"\\n"`` the template places after it.
+        sample_id: §1.5 sample id.
+        base_idx: dataset row index.
+
+    Raises:
+        ValueError: an empty prompt or answer.
+    """
+    prompt_ids, answer = list(prompt.ids), _as_int_list(answer_ids)
+    if not prompt_ids or not answer:
+        raise ValueError(
+            f"sample {sample_id}: a stage-1 segment needs a prompt and an answer, got {len(prompt_ids)}"
+            f" prompt and {len(answer)} answer ids"
+        )
+    supervised = [*answer, int(eot_id)]
+    ids = prompt_ids + supervised + [int(newline_id)]
+    meta = SegmentMeta(
+        sample_id=int(sample_id),
+        base_idx=int(base_idx),
+        encoded_len=len(ids),
+        prompt_len=len(prompt_ids),
+        prompt_ids=tuple(prompt_ids),
+        prefix_len=0,
+        train_len=len(answer),
+        prefix_coord_pos=(),
+        prefix_coord_target_bins=(),
+        tail_ignore_pos=(),
+        prefix_ce_pos=(),
+        rollout_step=0,
+    )
+    labels = Labels([IGNORE_INDEX] * len(prompt_ids) + supervised + [IGNORE_INDEX], [], [], [])
+    return labels.segment(ids, meta, mm_inputs=dict(prompt.mm_inputs), rope_positions=prompt.rope_positions)
 
 
 def encode_segment(
