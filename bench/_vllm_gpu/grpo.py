@@ -55,10 +55,7 @@ def run(bench: Bench, backend: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "extends": str(parent),
         "rollout": {"timeout_s": 900, "infer_timeout_s": 900},
-        "server": {
-            "hf": {"batch_size": args.hf_batch},
-            "vllm": {"startup_timeout_s": args.startup_timeout_s},
-        },
+        "server": {"hf": {"batch_size": args.hf_batch}, "vllm": {}},  # GRPO allows no startup_timeout_s
     }
     if not bench.cpu:
         completions = args.grpo_prompts * args.grpo_generations
