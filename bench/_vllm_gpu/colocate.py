@@ -41,7 +41,9 @@ def _run_config(bench: Bench) -> Path:
     _, configs = write_configs(folder, free_port(), steps, [1], "server", VLM_BASE_CONFIG,
                                model, compile_blocks=not bench.cpu)  # fmt: skip
     vllm: dict[str, Any] = {"max_model_len": 2048, "gpu_memory_utilization": 0.35}
-    if not bench.cpu:
+    if bench.cpu:
+        vllm["enforce_eager"] = True  # as the colocate integration tests: no CPU compile
+    else:
         vllm["sleep_level"] = 1
     run = folder / "run.yaml"
     run.write_text(yaml.safe_dump({
