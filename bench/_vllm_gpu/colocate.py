@@ -40,7 +40,9 @@ def _run_config(bench: Bench) -> Path:
     steps = max(1, bench.args.colocate_steps)
     _, configs = write_configs(folder, free_port(), steps, [1], "server", VLM_BASE_CONFIG,
                                model, compile_blocks=not bench.cpu)  # fmt: skip
-    vllm: dict[str, Any] = {"max_model_len": 2048, "gpu_memory_utilization": 0.35}
+    # The engine in the learner's dtype: float32 weights synced into a bf16 engine differ by bf16 noise.
+    dtype = "float32" if bench.cpu else "bfloat16"
+    vllm: dict[str, Any] = {"max_model_len": 2048, "gpu_memory_utilization": 0.35, "dtype": dtype}
     if bench.cpu:
         vllm["enforce_eager"] = True  # as the colocate integration tests: no CPU compile
     else:
