@@ -74,7 +74,8 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     run_dir = out / f"{arm}-s{seed}-{steps}"
                     metrics = run_dir / "metrics.jsonl"
                     # a run from the base counts its own steps; the curve is shifted onto the others' steps
-                    own_steps = arm in GRPO_ARMS or arm == CANONICAL
+                    # (sft-canonical resumes the sft run's base checkpoint: its steps go on from the base's)
+                    own_steps = arm in GRPO_ARMS or (arm == CANONICAL and base is None)
                     total = steps if own_steps else args.base_steps + steps
                     if arm in GRPO_ARMS:
                         cfg = grpo_run_config(
@@ -91,6 +92,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     elif arm == CANONICAL:
                         canonical = {"model": base, "run_dir": run_dir, "seed": seed, "steps": steps}
                         canonical |= {"eval_every": args.eval_every, "learning_rate": args.learning_rate}
+                        canonical["base_steps"] = args.base_steps
                         ordering = canonical_ordering(read_order(run_dir), task["ordering"])
                         cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
                     else:
@@ -137,6 +139,9 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     if own_steps:
                         curve, units[(arm, seed)] = with_seconds(eval_curve(metrics), run_dir)
                         curve = [{**p, "step": p["step"] + args.base_steps} for p in curve]
+                    elif arm == CANONICAL:  # resumed: its start-of-run evaluation (the base) is logged at 0
+                        curve = [{**p, "step": max(p["step"], args.base_steps)} for p in eval_curve(metrics)]
+                        curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)
                     else:
                         curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
                         curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)

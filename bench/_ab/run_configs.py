@@ -41,12 +41,20 @@ def canonical_run_config(
     steps: int,
     eval_every: int,
     learning_rate: float | None,
+    base_steps: int = 0,
 ) -> dict[str, Any]:
     """The YAML of the ``sft-canonical`` run: plain GT for ``steps`` steps in ``ordering``, from ``model``
     (the sft run's checkpoint at the base steps; None: the task's model), evaluated first at its start (the
-    base, as the GRPO arms are); from a checkpoint with a fresh optimizer and schedule, as the GRPO arms."""
-    training: dict[str, Any] = {"max_steps": steps, "seed": seed, "eval_strategy": "steps"}
+    base). With ``base_steps`` > 0 it RESUMES that checkpoint (optimizer, schedule and data position of the
+    sft run at ``base_steps``, saved by :func:`stage2_run_config`), so it continues exactly as the ``sft`` run
+    would, only in ``ordering`` (in the task's own order and ``steps`` steps it is the ``sft`` run, step for
+    step); with ``base_steps`` 0 it starts from ``model`` with a fresh optimizer and schedule, as every arm
+    from a stage-1 does."""
+    total = base_steps + steps if model is not None else steps
+    training: dict[str, Any] = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
     training["eval_steps"] = eval_every
+    if model is not None and base_steps > 0:
+        training["resume_from_checkpoint"] = model
     if learning_rate is not None:
         training["learning_rate"] = learning_rate
     cfg = deep_merge(
@@ -56,7 +64,7 @@ def canonical_run_config(
             "data": {"object_ordering": ordering},
             "rollout": rollout,
             "training": training,
-            "stage2": {"sft_warmup_steps": steps, "eval": {"at_start": True}},
+            "stage2": {"sft_warmup_steps": total, "eval": {"at_start": True}},
             "save_final_model": False,
         },
     )
@@ -151,7 +159,7 @@ def stage2_run_config(
 ) -> dict[str, Any]:
     """The YAML of a supervised arm (``stage2`` its :data:`~_ab.tables.ARMS` override): plain GT for
     ``base_steps`` (the same run for a seed), then its recipe for ``steps``; ``sft`` stays on plain GT and,
-    with ``saves_base``, saves its weights at the base steps (the base of the GRPO and canonical arms)."""
+    with ``saves_base``, saves its checkpoint at the base steps (the base of the GRPO and canonical arms)."""
     total = base_steps + steps
     training: dict[str, Any] = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
     training["eval_steps"] = eval_every
@@ -160,9 +168,8 @@ def stage2_run_config(
     # the base's F1 once it is the stage-1 itself (no shared plain-GT phase)
     stage2 = deep_merge(stage2, {"eval": {"at_start": base_steps == 0}})
     stage2["sft_warmup_steps"] = total if sft else base_steps
-    if sft and saves_base and base_steps > 0:
+    if sft and saves_base and base_steps > 0:  # optimizer, schedule and RNG too: sft-canonical resumes it
         training |= {"save_strategy": "steps", "save_steps": base_steps}
-        training["save_only_model"] = True
     return deep_merge(
         common,
         {

@@ -162,6 +162,26 @@ def test_the_canonical_run_config_is_plain_sft_from_the_base_in_that_order(tmp_p
         eval_every=5, learning_rate=None,
     )  # fmt: skip
     assert "model" not in no_base and "learning_rate" not in no_base["training"]
+    assert "resume_from_checkpoint" not in cfg["training"]  # base_steps 0: a fresh optimizer and schedule
+
+
+def test_the_canonical_run_resumes_the_sft_runs_base_checkpoint(tmp_path: Path) -> None:
+    """After a shared plain-GT phase the control continues the sft run's optimizer and schedule (so in the
+    task's own order it IS the sft run), and the sft run saves that checkpoint whole, not only the model."""
+    common = {"extends": str(tables.REPO / tables.TASKS["text-random"]["config"]), "training": {}}
+    rollout = {"servers": [{"base_url": "http://127.0.0.1:1"}]}
+    base = str(tmp_path / "sft-s0-50" / "checkpoint-150")
+    cfg = run_configs.canonical_run_config(
+        common, rollout, model=base, ordering="sorted", run_dir=tmp_path / "c", seed=0, steps=200,
+        eval_every=25, learning_rate=None, base_steps=150,
+    )  # fmt: skip
+    assert cfg["training"]["resume_from_checkpoint"] == base and cfg["model"]["path"] == base
+    assert cfg["training"]["max_steps"] == 350 and cfg["stage2"]["sft_warmup_steps"] == 350
+    sft = run_configs.stage2_run_config(
+        common, rollout, {}, sft=True, run_dir=tmp_path / "s", seed=0, learning_rate=None, base_steps=150,
+        steps=50, eval_every=25, saves_base=True,
+    )  # fmt: skip
+    assert sft["training"]["save_steps"] == 150 and not sft["training"].get("save_only_model", False)
 
 
 def test_the_base_order_is_measured_by_the_evaluation_command(tmp_path: Path, monkeypatch) -> None:
