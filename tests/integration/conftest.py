@@ -18,89 +18,32 @@ both backends.
 
 A test that changes a shared server's weights restores the weights it found (versions only grow). A server
 is ready when `/health` answers 200 within `SERVER_DEADLINE_S`; it is stopped by its own pid (SIGTERM, then
-SIGKILL of its own process group after a grace period).
+SIGKILL of its own process group after a grace period). The process handling is `servers.py`'s, shared with
+`learner_fixtures`; this module writes the fixtures' server YAML.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-SHIM_DIR = REPO / "shared_schemas" / "vlm_shim"
-SERVER_DEADLINE_S = float(os.environ.get("ROLLMATCH_SERVER_DEADLINE_S", "300"))
-"""Seconds a server may take to become healthy (engine start is ~20 s alone, minutes on a busy machine)."""
+from tests.integration.servers import (  # noqa: F401 - re-exported: the tests import them from here
+    REPO,
+    SERVER_DEADLINE_S,
+    SHIM_DIR,
+    ServerProcess,
+    free_port,
+    server_env,
+    spawn,
+    wait_healthy,
+)
+
 MAX_MODEL_LEN = 2048
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class ServerProcess:
-    """One `python -m rollout_server` subprocess."""
-
-    name: str
-    base_url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    shm_dir: Path
-    started_s: float
-    """Seconds from spawn to healthy."""
-
-    def url(self, path: str) -> str:
-        """Absolute URL of a route."""
-        return self.base_url + path
-
-    def health(self) -> dict[str, Any]:
-        """The `/health` body."""
-        return httpx.get(self.url("/health"), timeout=10).json()
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of the server's log (for assertion messages)."""
-        return self.log.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> None:
-        """SIGTERM to the server's own pid (it closes its engines); SIGKILL of its group after 60 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the server's own session: its vLLM children only
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
-
-
-def server_env(*, vlm: bool = False) -> dict[str, str]:
-    """Environment of a server subprocess: no proxies, the repo (and the VLM shim) importable everywhere."""
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    paths = [str(REPO)] + ([str(SHIM_DIR)] if vlm else [])
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return env
 
 
 def start_server(
@@ -145,34 +88,18 @@ def start_server(
     }
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump({"server": section}))
-    log = tmp / f"{name}.log"
-    started = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_server", "--config", str(config), "--log-level", "WARNING"],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=server_env(vlm=vlm),
-            start_new_session=True,
-        )
-    server = ServerProcess(name, f"http://127.0.0.1:{port}", proc, log, shm, 0.0)
-    while True:
-        if proc.poll() is not None:
-            server.stop()
-            raise AssertionError(f"server {name} exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(server.url("/health"), timeout=2).status_code == 200:
-                server.started_s = time.monotonic() - started
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() - started > SERVER_DEADLINE_S:
-            server.stop()
-            raise AssertionError(
-                f"server {name} not healthy within {SERVER_DEADLINE_S:.0f} s:\n{server.log_tail()}"
-            )
-        time.sleep(0.5)
+    server = spawn(
+        name,
+        config,
+        tmp / f"{name}.log",
+        port=port,
+        shm_dir=shm,
+        backend=backend,
+        vlm=vlm,
+        args=("--log-level", "WARNING"),
+    )
+    wait_healthy([server])
+    return server
 
 
 @pytest.fixture(scope="session")

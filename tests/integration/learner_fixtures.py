@@ -2,27 +2,24 @@
 synthetic detection set, and run configs built in code.
 
 Servers are real `python -m rollout_server` processes (no mocks), each started on a free loopback port, ready
-when `/health` says so, and stopped by their own pid (SIGTERM, then SIGKILL of their process group). Import
-the fixture functions into a test module (`from tests.integration.learner_fixtures import demo_data_fixture`);
-they register under their `name` (`demo_data`).
+when `/health` says so, and stopped by their own pid (SIGTERM, then SIGKILL of their process group): the
+process handling is `servers.py`'s, shared with `conftest`; this module writes the learner-loop servers' YAML.
+Import the fixture functions into a test module
+(`from tests.integration.learner_fixtures import demo_data_fixture`); they register under their `name`
+(`demo_data`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from learner.config import RunConfig, deep_merge
+from tests.integration.servers import REPO, ServerProcess, free_port, spawn, wait_healthy
 
 __all__ = [
     "RolloutServer",
@@ -35,62 +32,12 @@ __all__ = [
     "wait_healthy",
 ]
 
-REPO = Path(__file__).resolve().parents[2]
+RolloutServer = ServerProcess
+"""The one server-process class of `servers.py` (`kill` as a crash, `stop`, `weight_version`, …)."""
 SERVER_MAX_MODEL_LEN = 256
 """The short test prompts (`run_config`) are at most ~90 tokens; 256 leaves room for short rollouts."""
 SYSTEM_PROMPT = "Detect every object as JSON."
 USER_PROMPT = "List every object."
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class RolloutServer:
-    """One rollout server process."""
-
-    base_url: str
-    backend: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    shm_dir: Path
-    stopped: bool = field(default=False)
-
-    def health(self) -> dict[str, Any]:
-        """The `/health` body."""
-        return httpx.get(f"{self.base_url}/health", timeout=10).json()
-
-    def weight_version(self) -> int:
-        """The served weight version (one per applied sync)."""
-        return int(self.health()["weight_version"])
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would (the tests' "server dies mid-run")."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        self.stopped = True
-
-    def stop(self) -> None:
-        """SIGTERM and wait (the engine shuts down), SIGKILL of the group after 60 s; idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        else:
-            # The server's own children (vLLM engine core) may outlive a crashed parent.
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.stopped = True
 
 
 def spawn_server(
@@ -101,7 +48,7 @@ def spawn_server(
     max_model_len: int = SERVER_MAX_MODEL_LEN,
     enable_lora: bool = False,
     sync_timeout_s: float = 600.0,
-) -> RolloutServer:
+) -> ServerProcess:
     """Spawns a rollout server (float32, seed 0, eager, 1 GiB KV cache) without waiting for it
     (`wait_healthy`)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -114,51 +61,14 @@ def spawn_server(
         f"  vllm: {{max_model_len: {max_model_len}, enforce_eager: true, enable_prefix_caching: true,"
         f" enable_lora: {str(enable_lora).lower()}, max_num_seqs: 32, kv_cache_space_gb: 1}}\n"
     )
-    log = tmp / "server.log"
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_server", "--config", str(cfg)],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    return RolloutServer(f"http://127.0.0.1:{port}", backend, proc, log, shm)
+    return spawn(f"{backend} ({tmp.name})", cfg, tmp / "server.log", port=port, shm_dir=shm, backend=backend)
 
 
-def wait_healthy(servers: list[RolloutServer], deadline_s: float = 240.0) -> None:
-    """Waits until every server's `/health` is ok (they start side by side); a failure stops them all.
-
-    Raises:
-        AssertionError: a process died or was not healthy within `deadline_s` (its log tail included).
-    """
-    deadline = time.monotonic() + deadline_s
-    waiting = list(servers)
-    while waiting:
-        server = waiting[0]
-        problem = None
-        if server.proc.poll() is not None:
-            problem = f"{server.backend} server exited with {server.proc.returncode}"
-        else:
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                    waiting.pop(0)
-                    continue
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                problem = f"{server.backend} server not healthy within {deadline_s} s"
-        if problem is not None:
-            for other in servers:
-                other.stop()
-            raise AssertionError(f"{problem}:\n{server.log.read_text()[-3000:]}")
-        time.sleep(0.25)
-
-
-def start_server(model_dir: Path, tmp: Path, *, deadline_s: float = 240.0, **options: Any) -> RolloutServer:
-    """Starts a rollout server (`spawn_server` with `options`) and waits until `/health` is ok.
+def start_server(
+    model_dir: Path, tmp: Path, *, deadline_s: float | None = None, **options: Any
+) -> ServerProcess:
+    """Starts a rollout server (`spawn_server` with `options`) and waits until `/health` is ok (within
+    `deadline_s`, default `servers.SERVER_DEADLINE_S`).
 
     Raises:
         AssertionError: the process died or was not healthy within `deadline_s` (log tail included).
@@ -169,8 +79,8 @@ def start_server(model_dir: Path, tmp: Path, *, deadline_s: float = 240.0, **opt
 
 
 def start_servers(
-    model_dir: Path, tmps: list[Path], *, deadline_s: float = 240.0, **options: Any
-) -> list[RolloutServer]:
+    model_dir: Path, tmps: list[Path], *, deadline_s: float | None = None, **options: Any
+) -> list[ServerProcess]:
     """One server per folder of `tmps`, started side by side (their start-ups overlap on the cores)."""
     servers = [spawn_server(model_dir, tmp, **options) for tmp in tmps]
     wait_healthy(servers, deadline_s)
