@@ -7,7 +7,8 @@
 #   SEEDS=0,1,2,3,4,5,6,7 ARMS=sft,rm-reorder bash bench/crowded_ab_gpu.sh
 #
 # Knobs (environment): TASK (crowded-random), SEEDS, ARMS, GRPO_SEEDS (the grpo-* arms' seeds; default SEEDS),
-# LR (the supervised arms' learning rate), GRPO_LR (the grpo-* arms' constant rate; default 1e-4),
+# LR (the supervised arms' learning rate), GRPO_LR (the grpo-* arms' constant rate; default 1e-4), CANONICAL_STEPS
+# (sft-canonical's steps: give it the on-policy arms' GPU-seconds, e.g. 2.35 x STEPS rounded to EVAL_EVERY),
 # STEPS (30), EVAL_EVERY (15), EVAL_SAMPLES (128), STAGE1_STEPS (1400), STAGE1_EVERY (200), STAGE1_EVAL_FROM (0: from
 # STAGE1_EVERY on; 800 skips the snapshots that never reach the target), PREPARE_ONLY (1: stop
 # after the base), RUN_TIMEOUT (seconds the side-by-side runs get; the summary then covers those that finished:
@@ -31,7 +32,8 @@ NGPU=$(nvidia-smi -L | wc -l)
 common=(--task "$TASK" --colocate --base-steps 0 --steps "$STEPS" --eval-every "$EVAL_EVERY"
         --eval-samples "$EVAL_SAMPLES" --stage1-steps "${STAGE1_STEPS:-1400}" --stage1-every "${STAGE1_EVERY:-200}"
         --stage1-eval-from "${STAGE1_EVAL_FROM:-0}"
-        ${LR:+--learning-rate "$LR"} ${GRPO_LR:+--grpo-learning-rate "$GRPO_LR"})
+        ${LR:+--learning-rate "$LR"} ${GRPO_LR:+--grpo-learning-rate "$GRPO_LR"}
+        ${CANONICAL_STEPS:+--canonical-steps "$CANONICAL_STEPS"})
 out=runs/ab/$TASK
 mkdir -p "$out/logs"
 t0=$(date +%s)
