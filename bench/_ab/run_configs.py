@@ -50,7 +50,7 @@ def canonical_run_config(
     would, only in ``ordering`` (in the task's own order and ``steps`` steps it is the ``sft`` run, step for
     step); with ``base_steps`` 0 it starts from ``model`` with a fresh optimizer and schedule, as every arm
     from a stage-1 does."""
-    total = base_steps + steps if model is not None else steps
+    total = base_steps + steps
     training: dict[str, Any] = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
     training["eval_steps"] = eval_every
     if model is not None and base_steps > 0:

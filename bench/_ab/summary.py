@@ -38,10 +38,9 @@ def f1_within(curve: Sequence[dict[str, float]], budget: float) -> float:
 
 
 def f1_at_step(curve: Sequence[dict[str, float]], step: float) -> float:
-    """F1 of the last evaluation at or before ``step`` (a control trained longer than the arm, e.g.
-    ``--canonical-steps``, is read where the arm stopped; its first point when none is that early)."""
-    reached = [p for p in curve if p.get("step", step) <= step]
-    return (reached or list(curve[:1]))[-1]["f1"]
+    """F1 of the last evaluation at or before ``step`` (the base's is the first): a control trained longer
+    than the arm (``--canonical-steps``) is read where the arm stopped."""
+    return [p for p in curve if p["step"] <= step][-1]["f1"]
 
 
 def pair_with(
@@ -65,9 +64,7 @@ def pair_with(
         return {}
     out: dict[str, Any] = {f"{prefix}_seeds": seeds}
     finals = {s: curves[(arm, s)][-1] for s in seeds}
-    diffs = [
-        finals[s]["f1"] - f1_at_step(curves[(control, s)], finals[s].get("step", math.inf)) for s in seeds
-    ]
+    diffs = [finals[s]["f1"] - f1_at_step(curves[(control, s)], finals[s]["step"]) for s in seeds]
     out[f"{prefix}_diff"] = diffs
     out |= {f"{prefix}_{k}": v for k, v in paired_stats(diffs).items()}
     units = units or {}
