@@ -3,10 +3,14 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-text test test-unit lint bench-vllm-gpu
+.PHONY: setup lock demo demo-text test test-unit lint bench-vllm-gpu
 
 setup:
 	./scripts/setup.sh
+
+# Re-pin requirements/cpu.lock (the exact versions setup installs) after changing pyproject.toml's dependencies.
+lock:
+	./scripts/lock.sh
 
 demo: setup
 	./scripts/demo.sh --vlm --config configs/demo_vlm_cpu.yaml

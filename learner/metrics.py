@@ -65,6 +65,7 @@ ROLLOUT_COUNTS: tuple[str, ...] = (
     "samples_with_valid_pred",
     "samples_with_match",
     "fn_start_bumped",
+    "reorder_moved",
     "prompt_mismatch_dropped",
     "oversize_dropped",
     "prefix_coord_targets_total",

@@ -10,7 +10,7 @@ why. Counter names are those of `learner.metrics.ROLLOUT_COUNTS`; length observa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,10 @@ from learner.stage2.matching.breakdown import (
     detection_counts,
     detection_rates,
 )
-from learner.stage2.matching.match import MatchingConfig, match
+from learner.stage2.matching.match import MatchingConfig, MatchResult, match
 from learner.stage2.parse.parser import ParseResult, parse_rollout
 from learner.stage2.targets.labels import build_answer_segment, encode_segment
-from learner.stage2.targets.order import reorder_ground_truth
+from learner.stage2.targets.order import measure_order, reorder_ground_truth
 from learner.stage2.targets.segment import Segment
 from learner.stage2.targets.y_train import TargetsConfig, answer_ids, build_y_train, prune_unmatched
 from shared_schemas.images import ImageRefError
@@ -39,7 +39,10 @@ __all__ = [
     "SampleContext",
     "SampleOutcome",
     "eval_metrics",
+    "MatchedRollout",
     "evaluate_rollout",
+    "followed_order",
+    "parse_and_match",
     "prepare_segment",
     "score_rollout",
     "stage1_segment",
@@ -108,9 +111,12 @@ class SampleOutcome:
     lengths: dict[str, float]
 
 
-def _parse_and_match(
-    sample: Mapping[str, Any], result: InferResult, ctx: SampleContext
-) -> tuple[ParseResult, GtExtraction, Any, dict[str, float]]:
+MatchedRollout = tuple[ParseResult, GtExtraction, MatchResult, dict[str, float]]
+"""A sample's parsed rollout, its GT, their match and the parse counters (:func:`parse_and_match`)."""
+
+
+def parse_and_match(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext) -> MatchedRollout:
+    """Parses a sample's rollout (the first choice) and matches it to the sample's GT (§6, §8)."""
     choice = result.choices[0]
     parse = parse_rollout(choice.token_ids, ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
     gts = extract_gt(sample["gt_objects"], int(sample["sample_id"]), ctx.malformed_policy)  # type: ignore[arg-type]
@@ -150,10 +156,31 @@ def rollout_counts(parse: ParseResult, result_match: Any, n_gt: int) -> dict[str
     }
 
 
+def followed_order(matched: Sequence[MatchedRollout], ctx: SampleContext) -> str | None:
+    """The candidate order (`stage2.targets.reorder_orders`) a step's rollouts follow, pooled over its
+    samples as `learner.evaluate.order` measures a model (:func:`measure_order`), or None: `reorder` off,
+    fewer than two matches in every sample, or no candidate at `REORDER_AGREEMENT`."""
+    if ctx.targets.unmatched_prefix != "reorder":
+        return None
+    emissions = [([j for _, j, _ in m.pairs], gts.objects) for _, gts, m, _ in matched]
+    return measure_order(emissions, ctx.targets.reorder_orders).follows
+
+
 def prepare_segment(
-    sample: Mapping[str, Any], result: InferResult, ctx: SampleContext, *, rollout_step: int
+    sample: Mapping[str, Any],
+    result: InferResult,
+    ctx: SampleContext,
+    *,
+    rollout_step: int,
+    matched: MatchedRollout | None = None,
+    followed: str | None = None,
 ) -> tuple[Segment | None, SampleOutcome]:
     """Builds one sample's teacher-forced segment from its rollout result.
+
+    Args:
+        matched: the sample's :func:`parse_and_match` when the caller already has it (None: made here).
+        followed: `reorder`: the order the step's rollouts follow (:func:`followed_order`); the sample is
+            then taught its GT in that order (`learner.stage2.targets.order`).
 
     Returns:
         `(segment or None, outcome)`; None when the sample was dropped (prompt mismatch, oversize with
@@ -162,7 +189,8 @@ def prepare_segment(
     Raises:
         SegmentTooLongError: oversize with `stage2.encode.oversize_policy: raise` (a configuration problem).
     """
-    parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
+    parse, gts, result_match, counters = matched or parse_and_match(sample, result, ctx)
+    counters = dict(counters)
     generated = rollout_counts(parse, result_match, len(gts.objects))
     rewritten = False
     gt_objects = gts.objects
@@ -174,7 +202,10 @@ def prepare_segment(
             rewritten = True
     elif ctx.targets.unmatched_prefix == "reorder" and result.choices[0].token_ids:
         # The ground truth in the model's order, as a plain-GT target (an empty rollout's Y_train).
-        gt_objects = reorder_ground_truth(result_match, gts.objects, ctx.targets.reorder_orders)
+        gt_objects = reorder_ground_truth(result_match, gts.objects, ctx.targets.reorder_orders, followed)
+        counters["reorder_moved"] = float(
+            any(a is not b for a, b in zip(gt_objects, gts.objects, strict=True))
+        )
         parse = parse_rollout([], ctx.tokenizer, ctx.coord_vocab, ctx.stop_markers)
         result_match = match([], [(g.geom_type, g.bins) for g in gt_objects], ctx.matching)
         rewritten = True
@@ -273,7 +304,7 @@ class RolloutEval:
 def evaluate_rollout(sample: Mapping[str, Any], result: InferResult, ctx: SampleContext) -> RolloutEval:
     """Evaluation of one sample (§18): parse + match only, raw matched pairs, no targets; plus the detection
     breakdown (TP at maskIoU 0.5 / 0.75 / 0.95, duplicates) with the same matcher."""
-    parse, gts, result_match, counters = _parse_and_match(sample, result, ctx)
+    parse, gts, result_match, counters = parse_and_match(sample, result, ctx)
     preds = [(o.geom_type, o.bins) for o in parse.valid_objects]
     detection = detection_breakdown(
         preds, [(g.geom_type, g.bins) for g in gts.objects], ctx.matching, gate=result_match

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -11,7 +12,11 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from learner.environment import environment, environment_line
+
 __all__ = ["LiveProgressCallback", "MetricsJsonlCallback", "OverlapCallback"]
+
+logger = logging.getLogger(__name__)
 
 
 class OverlapCallback(TrainerCallback):
@@ -29,13 +34,22 @@ class MetricsJsonlCallback(TrainerCallback):
     """Appends every log record (train and eval) as one JSON line to `<output_dir>/metrics.jsonl`.
 
     Each line holds `step`, `epoch`, `wall_s` (since training began) and the logged values; numbers that
-    are not finite are written as null so the file stays valid JSON.
+    are not finite are written as null so the file stays valid JSON. At the start of training (and of a
+    resumed run) one line ``{"step": ..., "environment": {...}}`` records the packages, CPU and GPUs
+    (`learner.environment`), and the same goes to the log.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._t0 = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        if not state.is_world_process_zero:
+            return
+        logger.info(environment_line())
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"step": state.global_step, "environment": environment()}) + "\n")
 
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
         if not state.is_world_process_zero or not logs:

@@ -21,7 +21,14 @@ from learner.config import DecodingConfig, Stage2Config
 from learner.metrics import StepMetrics
 from learner.rollout.base import RolloutSource
 from learner.rollout.seeds import request_seed
-from learner.stage2.pipeline import RolloutEval, SampleContext, evaluate_rollout, prepare_segment
+from learner.stage2.pipeline import (
+    RolloutEval,
+    SampleContext,
+    evaluate_rollout,
+    followed_order,
+    parse_and_match,
+    prepare_segment,
+)
 from learner.trainers.overlap import Rollouts
 from shared_schemas.infer import (
     Choice,
@@ -199,15 +206,24 @@ class StepPlanner:
         prepared: list[dict[str, Any]] = []
         n_ce = n_coord = 0
         cursor = 0
-        t_prep = 0.0
         t_pack = 0.0
+        t0 = time.perf_counter()
+        # Every sample is parsed and matched first: `reorder` teaches the order the STEP's rollouts follow.
+        matched = [parse_and_match(s, r, self.ctx) for s, r in zip(flat, results, strict=True)]
+        followed = None if warmup else followed_order(matched, self.ctx)
+        t_prep = time.perf_counter() - t0
         for raw in raws:
             t0 = time.perf_counter()
             segments = []
             for sample in raw:
                 # The generating policy's step: packing staleness (§15.4) counts from it.
                 seg, outcome = prepare_segment(
-                    sample, results[cursor], self.ctx, rollout_step=global_step - lags[cursor]
+                    sample,
+                    results[cursor],
+                    self.ctx,
+                    rollout_step=global_step - lags[cursor],
+                    matched=matched[cursor],
+                    followed=followed,
                 )
                 cursor += 1
                 if not warmup:  # an empty warm-up rollout says nothing about the policy

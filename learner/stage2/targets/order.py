@@ -1,9 +1,18 @@
-"""The order `unmatched_prefix: reorder` teacher-forces the ground truth in: the model's own for its
-matches, the misses placed by the order the matches follow (`stage2.targets.reorder_orders`)."""
+"""The order `unmatched_prefix: reorder` teacher-forces the ground truth in.
+
+Where a step's rollouts follow one of the candidate orders (`stage2.targets.reorder_orders`, pooled over the
+step's samples exactly as `learner.evaluate.order` measures a model: :func:`measure_order`), every sample of
+the step is taught that order whole: the model's habit IS that order, so a swap in one sample is an error to
+correct, not an order to keep. On annotations listed in the order the model follows, `reorder`'s targets are
+then the listed annotations, i.e. plain SFT's, whatever the rollouts' occasional swaps and misses. Where the
+rollouts follow no candidate, each sample keeps the model's own order for its matches, the misses placed by
+the order its matches agree with best (:func:`model_order`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from learner.stage2.gt import GTObject, anchor_order
 from learner.stage2.matching.match import MatchResult
@@ -11,6 +20,8 @@ from learner.stage2.matching.match import MatchResult
 __all__ = [
     "ORDER_NAMES",
     "REORDER_AGREEMENT",
+    "OrderMeasurement",
+    "measure_order",
     "candidate_order",
     "concordant_pairs",
     "model_order",
@@ -44,10 +55,23 @@ def concordant_pairs(emitted: Sequence[int], order: Sequence[int]) -> int:
 
 
 def reorder_ground_truth(
-    match: MatchResult, objects: Sequence[GTObject], order_names: Sequence[str]
+    match: MatchResult,
+    objects: Sequence[GTObject],
+    order_names: Sequence[str],
+    followed: str | None = None,
 ) -> list[GTObject]:
-    """``objects`` (the listed GT) in :func:`model_order`, the candidate orders named by ``order_names``
-    (:func:`candidate_order`)."""
+    """``objects`` (the listed GT) in the order `reorder` teacher-forces them.
+
+    Args:
+        match: the sample's rollout matched to ``objects``.
+        objects: the GT objects as listed.
+        order_names: the candidate orders (:func:`candidate_order` names, `stage2.targets.reorder_orders`).
+        followed: the candidate the step's rollouts follow (:func:`measure_order`'s ``follows``), or None:
+            given, the result is ``objects`` in that order whatever this sample's matches are; None, the
+            :func:`model_order` of the matches.
+    """
+    if followed is not None:
+        return [objects[j] for j in candidate_order(followed, objects)]
     orders = [candidate_order(name, objects) for name in order_names]
     return [objects[j] for j in model_order(match, len(objects), orders)]
 
@@ -88,3 +112,89 @@ def model_order(match: MatchResult, n_gt: int, orders: Sequence[Sequence[int]] |
             m += 1
         placed.append(j)
     return placed + misses[m:]
+
+
+@dataclass(frozen=True)
+class OrderMeasurement:
+    """How well each candidate order describes the order a model emits its objects in.
+
+    Attributes:
+        agreement: per candidate name, the fraction of scored pairs it ranks as the model emitted them (0.5 on
+            average for an order unrelated to the model's; Kendall's tau is ``2 * agreement - 1``); None
+            when no pair was scored.
+        pairs: pairs of matched predictions scored (a sample of ``m`` matches gives ``m * (m - 1) / 2``).
+        samples: samples that gave at least one pair (two matches or more).
+        best: the candidate of the highest agreement; ties go to the first in the candidates' order (as
+            `stage2.targets.reorder_orders` breaks them); None when no pair was scored.
+        tied: every candidate with the best agreement (more than one: the data cannot tell them apart, e.g.
+            ``listed`` and ``sorted`` on annotations listed in sorted order).
+        follows: ``best`` when its agreement reaches ``threshold``, else None (the model follows none).
+        threshold: the agreement ``follows`` asks for.
+    """
+
+    agreement: dict[str, float | None]
+    pairs: int
+    samples: int
+    best: str | None
+    tied: tuple[str, ...]
+    follows: str | None
+    threshold: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``object_order`` entry of `metrics.json` (and of `bench/ab_learning.py`'s `ab.jsonl`)."""
+        return {
+            "agreement": dict(self.agreement),
+            "pairs": self.pairs,
+            "samples": self.samples,
+            "best": self.best,
+            "tied": list(self.tied),
+            "follows": self.follows,
+            "threshold": self.threshold,
+        }
+
+
+def measure_order(
+    emissions: Iterable[tuple[Sequence[int], Sequence[GTObject]]],
+    names: Sequence[str] = ORDER_NAMES,
+    *,
+    threshold: float = REORDER_AGREEMENT,
+) -> OrderMeasurement:
+    """The order a model follows, from its matched predictions.
+
+    Args:
+        emissions: per sample, the GT indices its predictions matched, in the order the model emitted them
+            (:func:`emitted_order`), and the sample's GT objects as listed.
+        names: the candidate orders (:func:`learner.stage2.targets.order.candidate_order` names).
+        threshold: the agreement a candidate needs for ``follows`` (default: the one `unmatched_prefix:
+            reorder` asks of a sample's matches, :data:`~learner.stage2.targets.order.REORDER_AGREEMENT`).
+
+    Returns:
+        Every candidate's pooled agreement, the best one and whether the model follows it.
+
+    Raises:
+        ValueError: ``names`` is empty, names an order twice or names an unknown order; a sample's matched
+            indices repeat a GT object or fall outside its GT list.
+    """
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"candidate orders {list(names)} must be non-empty and distinct")
+    concordant = dict.fromkeys(names, 0)
+    pairs = samples = 0
+    for emitted, objects in emissions:
+        if len(set(emitted)) != len(emitted) or any(not 0 <= j < len(objects) for j in emitted):
+            raise ValueError(
+                f"matched GT indices {list(emitted)} must be distinct and in 0..{len(objects) - 1}"
+            )
+        n = len(emitted) * (len(emitted) - 1) // 2
+        if n == 0:
+            continue
+        pairs, samples = pairs + n, samples + 1
+        for name in names:
+            concordant[name] += concordant_pairs(emitted, candidate_order(name, objects))
+    if pairs == 0:
+        return OrderMeasurement(dict.fromkeys(names), 0, 0, None, (), None, threshold)
+    top = max(concordant.values())
+    tied = tuple(name for name in names if concordant[name] == top)
+    agreement: dict[str, float | None] = {name: concordant[name] / pairs for name in names}
+    best = tied[0]
+    follows = best if top / pairs >= threshold else None
+    return OrderMeasurement(agreement, pairs, samples, best, tied, follows, threshold)
