@@ -186,17 +186,7 @@ def evaluate_samples(
     every sample's predictions kept; returns `(eval_rollout_* metrics, predictions)`."""
     from learner.trainers.planner import StepPlanner
 
-    planner = StepPlanner(
-        source=source,
-        ctx=ctx,
-        stage2=cfg.stage2,
-        decoding=cfg.rollout.decoding,
-        seed=cfg.training_view.seed,
-        rank=0,
-        world_size=1,
-        per_device_batch_size=batch_size,
-        pad_id=0,
-    )
+    planner = StepPlanner.from_config(cfg, source, ctx, batch_size=batch_size)
     predictions: list[SamplePrediction] = []
 
     def keep(index: int, result: Any, evaluation: Any) -> None:

@@ -276,7 +276,7 @@ def build_grpo_trainer(
         num_steps=num_steps,
         seed=args.seed,
     )
-    heldout = build_heldout_eval(cfg, source, tokenizer, encoder, seed=args.seed) if evaluates else None
+    heldout = build_heldout_eval(cfg, source, tokenizer, encoder) if evaluates else None
     strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = GrpoTrainer(
         grpo=grpo,
