@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from learner.evaluate.predictions import SamplePrediction
+from learner.predictions.records import SamplePrediction
 from learner.stage2.gt import GTObject
 from learner.stage2.targets.order import ORDER_NAMES, REORDER_AGREEMENT, candidate_order, concordant_pairs
 

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from learner.config import RunConfig, load_run_config, resolve_path
-from learner.evaluate.gallery import pick_samples, write_gallery
 from learner.evaluate.metrics import per_category
 from learner.evaluate.order import prediction_order
-from learner.evaluate.predictions import SamplePrediction, sample_prediction
+from learner.predictions.gallery import pick_samples, write_gallery
+from learner.predictions.records import SamplePrediction, sample_prediction
 from learner.rollout.base import RolloutSource
 from learner.stage2.pipeline import eval_metrics
 
