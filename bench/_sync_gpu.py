@@ -381,7 +381,7 @@ def _kill_child(
 ) -> None:
     """The learner that dies mid-broadcast (see `kill_check`)."""
     from learner.rollout.server_source import ServerRolloutSource
-    from learner.weights.collective import CollectiveSender
+    from learner.weights.group_send import CollectiveSender
     from learner.weights.sync import SyncConfig, WeightSyncPolicy
 
     model = make_model(preset, device, seed=2)

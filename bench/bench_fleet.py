@@ -332,17 +332,8 @@ def step_batch(cfg: Any, model_dir: Path, rows: int, global_step: int) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = load_samples(cfg.data.train, cfg)[:rows]
-    planner = StepPlanner(
-        source=None,  # type: ignore[arg-type]  # step_batch only builds the batch; the caller sends it
-        ctx=sample_context(cfg, tokenizer),
-        stage2=cfg.stage2,
-        decoding=cfg.rollout.decoding,
-        seed=cfg.training_view.seed,
-        rank=0,
-        world_size=1,
-        per_device_batch_size=rows,
-        pad_id=int(tokenizer.pad_token_id),
-    )
+    ctx = sample_context(cfg, tokenizer)
+    planner = StepPlanner.from_config(cfg, None, ctx, batch_size=rows)  # type: ignore[arg-type]  # the caller sends
     return planner.step_batch([samples], global_step)
 
 

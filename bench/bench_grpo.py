@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launcher_utils import exit_on_signals, free_port, repo_python, stop, wait_ready  # noqa: E402
+
+from learner.report import load_metrics  # noqa: E402
 
 CONFIGS = {
     (False, 1): REPO / "configs" / "grpo_tiny_cpu.yaml",
@@ -91,8 +94,7 @@ def learns(rewards: list[float], window: int) -> dict[str, Any]:
 
 
 def step_records(metrics: Path) -> list[dict[str, Any]]:
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps = [r for r in records if "reward/first_round_total_mean" in r]
+    steps = [r for r in load_metrics(metrics) if "reward/first_round_total_mean" in r]
     if not steps:
         raise RuntimeError(f"{metrics}: no GRPO step records")
     return steps

@@ -38,9 +38,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launcher_utils import exit_on_signals, free_port, repo_python, stop, wait_ready  # noqa: E402
+
+from learner.report import load_metrics  # noqa: E402
 
 BASE_CONFIG = REPO / "configs" / "demo_tiny_cpu.yaml"
 VLM_BASE_CONFIG = REPO / "configs" / "demo_vlm_cpu.yaml"
@@ -109,8 +112,7 @@ def write_configs(
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Training step records (those with `time/forward_s`) and the final HF summary record."""
     steps, summary = [], {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in load_metrics(path):
         if "train_runtime" in record:
             summary = record
         elif record.get("time/forward_s") is not None:

@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learner.report import load_metrics  # noqa: E402
 
 DEEPSPEED = {"ddp": None, "zero2": "configs/deepspeed/zero2.json", "zero3": "configs/deepspeed/zero3.json"}
 REPORT = re.compile(
@@ -113,8 +116,7 @@ def read(out: Path, strategy: str, log: Path) -> dict[str, Any]:
          "optimizer_state_gib": float(m[5])}
         for m in REPORT.findall(text)
     ]  # fmt: skip
-    records = [json.loads(x) for x in (out / strategy / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
+    steps = [r for r in load_metrics(out / strategy / "metrics.jsonl") if "loss" in r]
     return {
         "bench": "zero",
         "strategy_asked": strategy,
@@ -168,7 +170,7 @@ def start_server(out: Path, model: Path, cuda: bool, gpu: str) -> tuple[list[str
 
 def read_syncs(run_dir: Path) -> dict[str, Any]:
     """Weight-sync figures of the run's metrics records (seconds and bytes per sync)."""
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = load_metrics(run_dir / "metrics.jsonl")
     seconds = [r["time/weight_sync_s"] for r in records if r.get("time/weight_sync_s")]
     return {"count": len(seconds), "seconds": [round(x, 4) for x in seconds],
             "keys": sorted(k for r in records for k in r if "sync" in k)[:20]}  # fmt: skip

@@ -28,12 +28,11 @@ from learner.rollout.config import (
     RolloutConfig,
     ServerEntry,
 )
-from learner.rollout.seeds import MAX_REQUESTS_PER_MICRO_STEP
 from learner.stage2.losses import CoordLossConfig, LossConfig
 from learner.stage2.matching.match import MatchingConfig
 from learner.stage2.rollout_reuse import RolloutBufferConfig
 from learner.stage2.targets.y_train import TargetsConfig
-from learner.training_config import TrainingConfig
+from learner.training_config import MAX_REQUESTS_PER_MICRO_STEP, TrainingConfig
 from learner.yaml_loader import ConfigError, deep_merge, format_validation_error, load_yaml_with_extends
 from shared_schemas.config import REPO_ROOT, ConfigSection
 
@@ -331,8 +330,8 @@ def check_runtime_guards(
     if world_size * per_device > MAX_REQUESTS_PER_MICRO_STEP:
         raise ConfigError(
             f"training.per_device_train_batch_size {per_device} × world size {world_size} >"
-            f" {MAX_REQUESTS_PER_MICRO_STEP} collides "
-            "per-request seeds (docs/ALGORITHM.md#seeds)"
+            f" {MAX_REQUESTS_PER_MICRO_STEP} collides per-request seeds (docs/ALGORITHM.md#seeds); lower"
+            " training.per_device_train_batch_size or run fewer learner processes"
         )
     tp = cfg.rollout.vllm.tensor_parallel_size
     if cfg.rollout.mode == "colocate" and world_size % tp:

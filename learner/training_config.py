@@ -7,6 +7,11 @@ allowed and passed through as written (`learner.trainers.build.training_args` gi
 view's values and those keys). Defaults are HF's unless a field says why ours differs; GRPO overrides two
 (`learner.grpo.config.validate.GRPO_TRAINING_DEFAULTS`). Imports pydantic only at import time, so GRPO's
 resolver reads the defaults without torch.
+
+The limits that keep one optimizer step's per-request rollout seeds distinct (docs/ALGORITHM.md#seeds; the
+seed rule is `learner.rollout.seeds`) are spelled here: `MAX_GAS` is checked on
+`gradient_accumulation_steps`, `MAX_REQUESTS_PER_MICRO_STEP` at start-up, once the world size is known
+(`learner.config.check_runtime_guards`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from learner.rollout.seeds import MAX_GAS
 from shared_schemas.config import rule_error
 
-__all__ = ["TRAINING_DEFAULTS", "TrainingConfig"]
+__all__ = ["MAX_GAS", "MAX_REQUESTS_PER_MICRO_STEP", "TRAINING_DEFAULTS", "TrainingConfig"]
+
+MAX_REQUESTS_PER_MICRO_STEP = 10_007
+"""Rollout requests of one micro-step over all ranks (per-device batch x world size) whose seeds stay apart:
+the seed rule's distance between two micro-steps."""
+MAX_GAS = 99
+"""Micro-steps per optimizer step whose seeds stay below the next step's (99 x 10_007 < 1_000_003, the seed
+rule's distance between two optimizer steps)."""
 
 
 @cache
@@ -75,7 +86,7 @@ class TrainingConfig(BaseModel):
         if gas > MAX_GAS:
             raise ValueError(
                 f"{gas} > {MAX_GAS} collides per-request seeds (docs/ALGORITHM.md#seeds); accumulate fewer"
-                " micro-steps or raise per_device_train_batch_size"
+                " micro-steps or raise training.per_device_train_batch_size"
             )
         return gas
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from _ab.summary import PAIRING_PREFIX, summarize
 from _ab.tables import CONTROLS
+from learner.report import load_metrics
 
 PANELS = (
     ("f1", "F1 at the matching gate"),
@@ -93,7 +93,7 @@ def plot_grpo(run_dirs: dict[tuple[str, int], Path], path: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.4))
     colours = {arm: f"C{i}" for i, arm in enumerate(sorted({arm for arm, _ in run_dirs}))}
     for (arm, seed), run_dir in sorted(run_dirs.items()):
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = load_metrics(run_dir / "metrics.jsonl")
         for ax, (key, title) in zip(axes, keys, strict=True):
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:

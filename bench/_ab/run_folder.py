@@ -9,12 +9,13 @@ from typing import Any
 
 import yaml
 
+from learner.report import load_metrics
+
 
 def eval_curve(metrics: Path) -> list[dict[str, float]]:
     """Per evaluation: the step, ``f1`` (gate F1), ``pred`` (predicted objects) and every other
     ``eval_rollout_*`` figure of the breakdown (precision, recall, F1 at maskIoU 0.5 / 0.75, duplicates,
     predicted ÷ GT, …) under its name without the prefix."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     prefix = "eval_rollout_"
     return [
         {
@@ -25,7 +26,7 @@ def eval_curve(metrics: Path) -> list[dict[str, float]]:
                 k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix) and k != f"{prefix}f1"
             },
         }
-        for r in rows
+        for r in load_metrics(metrics)
         if "eval_rollout_f1" in r
     ]
 
@@ -80,8 +81,7 @@ def step_seconds(metrics: Path, after_step: int = 0) -> dict[int, float]:
     in the shared base phase (on the CPU smoke ~0.8 s of 2 steps; small against real runs' steps)."""
     out: dict[int, float] = {}
     total = previous = 0.0
-    for line in metrics.read_text().splitlines():
-        row = json.loads(line)
+    for row in load_metrics(metrics):
         if row.get("wall_s") is None:
             continue
         if "loss" in row and int(row["step"]) > after_step:

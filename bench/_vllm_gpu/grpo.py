@@ -15,7 +15,6 @@ steps/s, and the time split per step (generation, policy forward/backward, refer
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -27,6 +26,7 @@ from bench_learner import run_learner
 from launcher_utils import free_port, repo_python
 
 from _vllm_gpu.common import REPO, Bench
+from learner.report import load_metrics
 
 MICRO_BATCH = 64
 """Completions per learner micro-batch on GPU (the step's accumulation steps follow)."""
@@ -100,8 +100,7 @@ def run(bench: Bench, backend: str) -> dict[str, Any]:
 
 def _train_runtime(metrics: Path) -> float:
     """HF's `train_runtime` of a run's `metrics.jsonl` (its last summary record)."""
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    runtimes = [r["train_runtime"] for r in records if "train_runtime" in r]
+    runtimes = [r["train_runtime"] for r in load_metrics(metrics) if "train_runtime" in r]
     if not runtimes:
         raise RuntimeError(f"{metrics}: no train_runtime record")
     return float(runtimes[-1])

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from learner.evaluate.gallery import SELECTIONS
+from learner.predictions.gallery import SELECTIONS
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ Conventions: one COCO image per sample (`id` = its index), pixel coordinates fro
 `learner.stage2.coords.bin_to_pixel` (`k / 999 * (size - 1)`); a box's segmentation is its four-corner
 polygon, a polygon's box is its axis-aligned hull; categories are the descs seen in GT or predictions (ids
 from 1 in sorted order), so a prediction with an unseen desc is a false positive rather than ignored. Each
-prediction's score is its mean token log-probability (`learner.evaluate.predictions`; not a calibrated
+prediction's score is its mean token log-probability (`learner.predictions.records`; not a calibrated
 detector score); without log-probabilities every score is 0 and AP depends on the export order. GT areas
 are polygon areas; `iscrowd` is 0.
 """
@@ -17,7 +17,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from learner.evaluate.predictions import SamplePrediction
+from learner.predictions.records import SamplePrediction
 from learner.stage2.coords import bin_to_pixel
 
 __all__ = ["COCO_KEYS", "coco_ap", "coco_datasets", "require_pycocotools"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from learner.evaluate.predictions import SamplePrediction
+from learner.predictions.records import SamplePrediction
 from learner.stage2.matching.breakdown import IOU_THRESHOLDS, prf, threshold_tag
 
 __all__ = ["PREFIX", "per_category", "summary_table"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from learner.evaluate.predictions import SamplePrediction
+from learner.predictions.records import SamplePrediction
 from learner.stage2.gt import GTObject
 from learner.stage2.targets.order import ORDER_NAMES, REORDER_AGREEMENT, OrderMeasurement, measure_order
 

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from learner.config import RunConfig, load_run_config, resolve_path
-from learner.evaluate.gallery import pick_samples, write_gallery
 from learner.evaluate.metrics import per_category
 from learner.evaluate.order import prediction_order
-from learner.evaluate.predictions import SamplePrediction, sample_prediction
+from learner.predictions.gallery import pick_samples, write_gallery
+from learner.predictions.records import SamplePrediction, sample_prediction
 from learner.rollout.base import RolloutSource
 from learner.stage2.pipeline import eval_metrics
 
@@ -186,17 +186,7 @@ def evaluate_samples(
     every sample's predictions kept; returns `(eval_rollout_* metrics, predictions)`."""
     from learner.trainers.planner import StepPlanner
 
-    planner = StepPlanner(
-        source=source,
-        ctx=ctx,
-        stage2=cfg.stage2,
-        decoding=cfg.rollout.decoding,
-        seed=cfg.training_view.seed,
-        rank=0,
-        world_size=1,
-        per_device_batch_size=batch_size,
-        pad_id=0,
-    )
+    planner = StepPlanner.from_config(cfg, source, ctx, batch_size=batch_size)
     predictions: list[SamplePrediction] = []
 
     def keep(index: int, result: Any, evaluation: Any) -> None:

@@ -66,31 +66,22 @@ class HeldOutEval:
 
 
 def build_heldout_eval(
-    cfg: RunConfig, source: RolloutSource, tokenizer: Any, encoder: Any, *, seed: int
+    cfg: RunConfig, source: RolloutSource, tokenizer: Any, encoder: Any
 ) -> HeldOutEval | None:
     """The run's held-out evaluation, or None when ``data.eval`` lists no file.
 
     Args:
-        cfg: the run's learner ``RunConfig`` (``data``, ``prompts``, ``stage2``, ``rollout.decoding``).
+        cfg: the run's learner ``RunConfig`` (``data``, ``prompts``, ``stage2``, ``rollout.decoding``,
+            ``training.seed``: the held-out requests' seeds).
         source: the rollout source the run trains with (server client or colocated engine).
         tokenizer: the policy tokenizer.
         encoder: the run's ``PromptEncoder`` (a colocated HF engine encodes the held-out images with it).
-        seed: ``training.seed`` (the held-out requests' seeds).
     """
     if not cfg.data.eval:
         return None
     samples = load_samples(cfg.data.eval, cfg)[: cfg.data.max_eval_samples]
     eval_cfg = cfg.stage2.eval
-    planner = StepPlanner(
-        source=source,
-        ctx=sample_context(cfg, tokenizer, encoder),
-        stage2=cfg.stage2,
-        decoding=cfg.rollout.decoding,
-        seed=seed,
-        rank=0,
-        world_size=1,
-        per_device_batch_size=max(len(samples), 1),
-        pad_id=int(tokenizer.pad_token_id or 0),
-    )
+    ctx = sample_context(cfg, tokenizer, encoder)
+    planner = StepPlanner.from_config(cfg, source, ctx, batch_size=max(len(samples), 1))
     temperature = eval_cfg.temperature if eval_cfg.temperature is not None else GREEDY
     return HeldOutEval(planner, samples, eval_cfg.max_new_tokens, temperature)

@@ -38,6 +38,7 @@ from learner.grpo.reference import build_reference
 from learner.grpo.rollouts import request_config
 from learner.grpo.trainer import GrpoTrainer
 from learner.policy import is_vl_checkpoint, load_policy
+from learner.report import load_metrics
 from learner.rewards.detection import DETECTION_TASK, DetectionScorer
 from learner.rewards.registry import DETECTION_REWARDS, uses_detection
 from learner.rewards.summary_schema import load_schemas
@@ -276,7 +277,7 @@ def build_grpo_trainer(
         num_steps=num_steps,
         seed=args.seed,
     )
-    heldout = build_heldout_eval(cfg, source, tokenizer, encoder, seed=args.seed) if evaluates else None
+    heldout = build_heldout_eval(cfg, source, tokenizer, encoder) if evaluates else None
     strategy = StrategyCallback()  # says which data-parallel strategy engaged (DDP, ZeRO-2/3) and its bytes
     trainer = GrpoTrainer(
         grpo=grpo,
@@ -362,12 +363,8 @@ def _identity_collator(batch: list[dict[str, int]]) -> list[dict[str, int]]:
 
 
 def _first_last(metrics_path: Path, key: str) -> tuple[float | None, float | None]:
-    values = []
-    if metrics_path.exists():
-        for line in metrics_path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get(key) is not None:
-                values.append(float(record[key]))
+    records = load_metrics(metrics_path) if metrics_path.exists() else []
+    values = [float(r[key]) for r in records if r.get(key) is not None]
     return (values[0], values[-1]) if values else (None, None)
 
 

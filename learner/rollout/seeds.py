@@ -1,37 +1,25 @@
 """Per-request rollout seeds (docs/ALGORITHM.md#seeds).
 
 ``seed = (training.seed + global_step * 1_000_003 + micro_idx * 10_007 + request_index) & 0x7FFFFFFF`` with
-``request_index = dp_rank * per_device_batch_size + i``. ``check_seed_layout`` is the config guard that keeps
-the seeds of one optimizer step collision-free: ``dp_world_size * per_device_batch_size <= 10_007`` and
-``gas <= 99``.
+``request_index = dp_rank * per_device_batch_size + i``. The config keeps the seeds of one optimizer step
+collision-free (``learner.training_config``: ``world_size * per_device_batch_size <= 10_007`` and
+``gradient_accumulation_steps <= 99``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from learner.training_config import MAX_REQUESTS_PER_MICRO_STEP
 from shared_schemas.infer import SEED_MASK
 
-__all__ = [
-    "MAX_GAS",
-    "MAX_REQUESTS_PER_MICRO_STEP",
-    "MICRO_STRIDE",
-    "SEED_MASK",
-    "STEP_STRIDE",
-    "check_seed_layout",
-    "request_index",
-    "request_seed",
-    "stage2_seed_plan",
-]
+__all__ = ["MICRO_STRIDE", "SEED_MASK", "STEP_STRIDE", "request_index", "request_seed", "stage2_seed_plan"]
 
 STEP_STRIDE = 1_000_003
-"""Seed distance between two optimizer steps (stage-2 and GRPO alike)."""
-MICRO_STRIDE = 10_007
-"""Seed distance between two micro-steps of one accumulation window."""
-MAX_REQUESTS_PER_MICRO_STEP = MICRO_STRIDE
-"""Requests of one micro-step over all ranks before their seeds run into the next micro-step's."""
-MAX_GAS = 99
-"""Micro-steps per optimizer step before their seeds run into the next step's (99 × 10_007 < 1_000_003)."""
+"""Seed distance between two optimizer steps (stage-2 and GRPO alike): room for
+`learner.training_config.MAX_GAS` micro-steps."""
+MICRO_STRIDE = MAX_REQUESTS_PER_MICRO_STEP
+"""Seed distance between two micro-steps of one accumulation window: room for every request of one."""
 
 
 def request_index(dp_rank: int, per_device_batch_size: int, i: int) -> int:
@@ -51,30 +39,6 @@ def request_seed(base_seed: int, global_step: int, micro_idx: int, request_index
         request_index: global request index (``request_index(...)``; the sample's index in evaluation).
     """
     return (base_seed + global_step * STEP_STRIDE + micro_idx * MICRO_STRIDE + request_index) & SEED_MASK
-
-
-def check_seed_layout(dp_world_size: int, per_device_batch_size: int, gas: int) -> None:
-    """Reject layouts whose seeds could collide within one optimizer step.
-
-    Raises:
-        ValueError: naming the offending values and the limit.
-    """
-    if dp_world_size < 1 or per_device_batch_size < 1 or gas < 1:
-        raise ValueError(
-            f"dp_world_size {dp_world_size}, per_device_batch_size {per_device_batch_size} and gas {gas} "
-            "must all be >= 1"
-        )
-    if dp_world_size * per_device_batch_size > MAX_REQUESTS_PER_MICRO_STEP:
-        raise ValueError(
-            f"dp_world_size {dp_world_size} * per_device_batch_size {per_device_batch_size} = "
-            f"{dp_world_size * per_device_batch_size} > {MAX_REQUESTS_PER_MICRO_STEP}: per-request rollout "
-            "seeds would collide; lower the per-device batch size"
-        )
-    if gas > MAX_GAS:
-        raise ValueError(
-            f"gradient_accumulation_steps {gas} > {MAX_GAS}: per-request rollout seeds would collide across "
-            "optimizer steps; lower training.gradient_accumulation_steps"
-        )
 
 
 def stage2_seed_plan(seed: int) -> Callable[[int], str]:

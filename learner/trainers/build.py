@@ -253,16 +253,12 @@ def build_run(cfg: RunConfig, *, output_dir: str | Path | None = None) -> RunPar
     block = args.per_device_train_batch_size * gas * args.world_size
     dataset = RepeatedWindowDataset(train, block=block, m_steps=m_steps, seed=args.seed)
     sync = run_weight_sync(cfg, args, source, _engine_dtype(health), seed_plan=stage2_seed_plan(args.seed))
-    planner = StepPlanner(
-        source=source,
-        ctx=ctx,
-        stage2=cfg.stage2,
-        decoding=cfg.rollout.decoding,
-        seed=args.seed,
+    planner = StepPlanner.from_config(
+        cfg,
+        source,
+        ctx,
+        batch_size=args.per_device_train_batch_size,
         rank=args.process_index,
-        world_size=args.world_size,
-        per_device_batch_size=args.per_device_train_batch_size,
-        pad_id=int(tokenizer.pad_token_id),
         adapter_name=lambda: sync.request_adapter,
         pin_memory=args.device.type == "cuda",
     )

@@ -1,5 +1,5 @@
 """The training loop's picture of its predictions: at every evaluation, the same held-out images drawn with
-their ground truth and the model's predictions (`learner.evaluate.gallery`) into
+their ground truth and the model's predictions (`learner.predictions.gallery`) into
 `output_dir/gallery/step_XXXX.png`, and logged to TensorBoard as the image `eval/gallery` when TensorBoard is
 a report target, so a user watches the predictions improve.
 
@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from learner.evaluate.gallery import write_gallery
-from learner.evaluate.predictions import SamplePrediction, sample_prediction
+from learner.predictions.gallery import write_gallery
+from learner.predictions.records import SamplePrediction, sample_prediction
 from learner.stage2.pipeline import RolloutEval
 from shared_schemas.infer import InferResult
 

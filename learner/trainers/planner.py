@@ -17,7 +17,7 @@ from typing import Any
 
 from learner.batching.packed_batch import pack_segments, pad_segments
 from learner.batching.packing import CarryBuffer
-from learner.config import DecodingConfig, Stage2Config
+from learner.config import DecodingConfig, RunConfig, Stage2Config
 from learner.metrics import StepMetrics
 from learner.rollout.base import RolloutSource
 from learner.rollout.seeds import request_seed
@@ -87,7 +87,7 @@ class StepPlanner:
         stage2: the `stage2:` config.
         decoding: the `rollout.decoding:` config.
         seed: `training.seed`.
-        rank: this learner's DP rank; world_size: number of ranks.
+        rank: this learner's DP rank.
         per_device_batch_size: samples per micro-batch on this rank.
         pad_id: padding id for unpacked rows.
         adapter_name: callable giving the adapter name requests must reference (adapter sync), else None.
@@ -102,7 +102,6 @@ class StepPlanner:
     decoding: DecodingConfig
     seed: int
     rank: int
-    world_size: int
     per_device_batch_size: int
     pad_id: int
     adapter_name: Callable[[], str | None] = lambda: None
@@ -112,6 +111,43 @@ class StepPlanner:
     def __post_init__(self) -> None:
         if self.stage2.packing.enabled and self.carry is None:
             self.carry = CarryBuffer.from_config(self.stage2.packing, self.stage2.encode.global_max_length)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RunConfig,
+        source: RolloutSource,
+        ctx: SampleContext,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        adapter_name: Callable[[], str | None] | None = None,
+        pin_memory: bool = False,
+    ) -> StepPlanner:
+        """The planner of a run: `stage2`, `rollout.decoding` and `training.seed` from `cfg`, the padding id
+        from `ctx`'s tokenizer (0 when it has none).
+
+        Args:
+            cfg: the run's config.
+            source: where rollouts come from (None for a caller that only builds batches).
+            ctx: the run's `SampleContext`.
+            batch_size: samples per micro-batch on this rank.
+            rank: this learner's DP rank (evaluation: 0, rank 0's view).
+            adapter_name: the adapter name requests must reference (adapter sync), else None.
+            pin_memory: build micro-batches in page-locked memory (a CUDA learner).
+        """
+        return cls(
+            source=source,
+            ctx=ctx,
+            stage2=cfg.stage2,
+            decoding=cfg.rollout.decoding,
+            seed=cfg.training_view.seed,
+            rank=rank,
+            per_device_batch_size=batch_size,
+            pad_id=int(ctx.tokenizer.pad_token_id or 0),
+            adapter_name=adapter_name or (lambda: None),
+            pin_memory=pin_memory,
+        )
 
     # -- rollouts -------------------------------------------------------------------------------
     def rollout(

@@ -109,7 +109,7 @@ StagedUpdate = FullUpdate | AdapterUpdate | ReceivedUpdate
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where and how an engine's receivers join the learner's weight-sync group (`engines.collective`).
+    """Where and how an engine's receivers join the learner's weight-sync group (`weights.group_receive`).
 
     Attributes:
         backend: `gloo` or `nccl`.
@@ -119,7 +119,8 @@ class Rendezvous:
         world_size: the whole group: learner + every receiver of every server of the sync.
         timeout_s: limit of the rendezvous and of each broadcast.
         staging: where the receivers keep the received buckets until the commit (`server.sync_staging`:
-            `device`, `host`, or `auto` = device when the GPU has room; `engines.collective.resolve_staging`).
+            `device`, `host`, or `auto` = device when the GPU has room;
+            `weights.group_receive.resolve_staging`).
         first_rank: rank of this server's first receiver (the learner gives each server its block of ranks).
     """
 

@@ -50,10 +50,10 @@ from rollout_server.engines.base import (
     check_adapter_request,
     check_prompt_lengths,
 )
-from rollout_server.engines.collective import open_receiver_group, receive_buckets
 from rollout_server.engines.hf_decoder import EncodedRequest, HfDecoder
 from rollout_server.engines.vllm.inputs import load_image, resolve_prompt
 from rollout_server.errors import BadRequestError, EngineError, LoraDisabledError, SyncValidationError
+from rollout_server.weights.group_receive import open_receiver_group, receive_buckets
 from shared_schemas.buckets import dtype_code
 from shared_schemas.checkpoints import is_vl_checkpoint
 from shared_schemas.infer import InferBatch, InferRequest, InferResult
@@ -116,7 +116,7 @@ class HfEngine:
         self._version = 0
         self._closed = False
         self._group: Any = (
-            None  # collective weight-sync group (`engines.collective`), joined at a sync's begin
+            None  # collective weight-sync group (`weights.group_receive`), joined at a sync's begin
         )
         self._group_token: str | None = None
         self._received: dict[str, torch.Tensor] = {}

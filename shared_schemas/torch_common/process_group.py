@@ -1,6 +1,6 @@
 """The ONE process-group builder of the collective weight transport (`rollout.sync.transport: gloo | nccl`),
-used by both ends: the learner's sender (`learner.weights.collective`) and the server's receivers
-(`rollout_server.engines.collective.open_receiver_group`), with the bounded wait on a group's works and the
+used by both ends: the learner's sender (`learner.weights.group_send`) and the server's receivers
+(`rollout_server.weights.group_receive.open_receiver_group`), with the bounded wait on a group's works and the
 retirement of a group after a failed sync.
 
 The group is a plain `torch.distributed` backend (`ProcessGroupGloo` on CPU hosts, `ProcessGroupNCCL` on

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from learner.report import load_metrics
 from tests.integration.test_learner_loop import restores_seed0  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -55,7 +56,7 @@ def test_ab_smoke_runs_both_arms_from_one_base_and_summarizes_them(vllm_server, 
     assert (tmp_path / "ab.png").stat().st_size > 0
 
     def rolled_out(arm: str) -> float:
-        rows = [json.loads(x) for x in (tmp_path / f"{arm}-s0-2" / "metrics.jsonl").read_text().splitlines()]
+        rows = load_metrics(tmp_path / f"{arm}-s0-2" / "metrics.jsonl")
         return sum(r.get("rollout/samples", 0.0) for r in rows if "loss" in r)
 
     assert rolled_out("rm-reorder") == 8.0 and rolled_out("sft") == 0.0  # 2 rollout steps x 4 samples
@@ -72,8 +73,5 @@ def test_ab_smoke_grpo_arm_starts_from_the_sft_base_and_is_paired(tmp_path: Path
     assert summary["grpo-detection"]["paired_diff"] == [final_diff(points, "grpo-detection")]
     grpo = yaml.safe_load((tmp_path / "grpo-detection-s0-2" / "run.yaml").read_text())
     assert grpo["model"]["path"] == str(tmp_path / "sft-s0-2" / "checkpoint-2")
-    rows = [
-        json.loads(x) for x in (tmp_path / "grpo-detection-s0-2" / "metrics.jsonl").read_text().splitlines()
-    ]
-    steps = [r for r in rows if "loss" in r]
+    steps = [r for r in load_metrics(tmp_path / "grpo-detection-s0-2" / "metrics.jsonl") if "loss" in r]
     assert len(steps) == 2 and all("reward/detection.f1/mean" in r and "kl/mean" in r for r in steps)

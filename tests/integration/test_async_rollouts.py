@@ -27,7 +27,6 @@ servers for the two-server and kill tests.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -40,6 +39,7 @@ import yaml
 from transformers import TrainerCallback
 
 from learner.config import RunConfig
+from learner.report import load_metrics
 from tests.integration.learner_fixtures import (  # noqa: F401 - fixture
     EXIT_LOOP_RUNS,
     REPO,
@@ -289,11 +289,7 @@ def test_two_ranks_each_request_their_own_windows_and_rank0_syncs(
     result = start_learner_2rank(config, timeout=600)
     output = result.stdout + result.stderr
     assert not exit_problems(result), output[-6000:]
-    steps = [
-        json.loads(line)
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        if '"loss"' in line
-    ]
+    steps = [r for r in load_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [s["step"] for s in steps] == [1, 2, 3]
     # the engaged strategy is measured and said: DDP over 2 ranks, each rank's AdamW state (2 fp32 moments)
     assert "training strategy (measured after step 1): ddp" in output, output[-3000:]

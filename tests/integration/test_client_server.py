@@ -271,7 +271,7 @@ def killed_mid_gloo_sync(
     tiny_model_dir_seed1: Path,
     tmp_path: Path,
 ) -> None:
-    from learner.weights.collective import CollectiveSender
+    from learner.weights.group_send import CollectiveSender
 
     seed0, seed1 = load_lm(tiny_model_dir), load_lm(tiny_model_dir_seed1)
     doomed = start_server(tiny_model_dir, tmp_path / "doomed", backend="hf", max_model_len=512)

@@ -13,13 +13,13 @@ the image demo's stage-1 tiny Qwen3-VL (it detects: held-out F1 ~0.4) and synthe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from learner.report import load_metrics
 from tests.integration.conftest import REPO
 from tests.integration.test_evaluate import demo_model  # noqa: F401 - fixture: the demo's stage-1 model
 
@@ -110,7 +110,7 @@ def test_grpo_colocated_trains_and_evaluates_like_rollout_matching(
     finally:
         run.source.close()
 
-    rows = [json.loads(line) for line in (run.output_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = load_metrics(run.output_dir / "metrics.jsonl")
     evals = {r["step"]: r for r in rows if "eval_rollout_f1" in r}
     steps = [r for r in rows if "loss" in r]
     assert sorted(evals) == [0, STEPS] and len(steps) == STEPS

@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from learner.grpo.rollouts import prompt_seed, request_id
+from learner.report import load_metrics
 from learner.rewards.registry import PRESETS, total_reward
 from tests.conftest import MODEL_CACHE
 from tests.integration.conftest import ServerProcess
@@ -139,8 +140,7 @@ def write_config(
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
+    train = [r for r in load_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert len(train) == len({r["step"] for r in train}), "a step was logged twice (only rank 0 logs)"
     return {r["step"] - 1: r for r in train}  # HF logs after the step: step k+1 holds global step k
 

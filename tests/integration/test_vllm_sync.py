@@ -220,7 +220,7 @@ def test_collective_sync_whose_learner_goes_silent_changes_nothing(
     passed, naming the transport; nothing is applied; a bucket PUT on a collective sync is refused; the next
     gloo sync forms a new group and serves the new weights."""
     from learner.rollout.client import RolloutClient
-    from learner.weights.collective import CollectiveSender, flat_bucket
+    from learner.weights.group_send import CollectiveSender, flat_bucket
     from shared_schemas.sync import SyncManifest
 
     tensors = checkpoint_tensors(tiny_model_dir_seed1)

@@ -99,7 +99,7 @@ def test_learner_modules_that_used_the_server_load_none_of_it() -> None:
     modules = [
         "learner.policy",
         "learner.data.prompt_encoding",
-        "learner.weights.collective",
+        "learner.weights.group_send",
         "learner.weights.transports",
         "learner.rollout.colocate",
         "learner.kernels",

@@ -20,7 +20,7 @@ STAGING = REPO / "rollout_server" / "weights" / "staging.py"
 
 def test_every_schema_and_registry_takes_the_one_list_of_names() -> None:
     from learner.rollout.server_source import ServerRolloutSource
-    from learner.weights.collective import CollectiveSender
+    from learner.weights.group_send import CollectiveSender
     from learner.weights.sync import SyncConfig
     from learner.weights.transports import TRANSPORTS
     from learner.weights.types import SyncReport
@@ -99,7 +99,7 @@ def test_the_receiver_interface_is_five_verbs_and_imports_no_receiver() -> None:
     verbs = {name for name, obj in vars(Receiver).items() if callable(obj) and not name.startswith("_")}
     assert verbs == {"begin", "receive", "prepare", "commit", "abort"}
     base = REPO / "rollout_server" / "weights" / "receivers" / "base.py"
-    concrete = {"files", "http", "shm", "collective"}
+    concrete = {"files", "http", "shm", "gloo_nccl"}
     assert {
         m.rsplit(".", 1)[-1] for m in _imports(base) if m.startswith("rollout_server.weights.receivers")
     }.isdisjoint(concrete)

@@ -14,7 +14,7 @@ sender side: init info, then send):
 - `failed(urls)` / `close()`: forget per-server state after a failure, release everything at the end.
 
 Implementations register under their configuration name (`register`); `build_transport(name, ...)` makes one.
-`http` (`transports.http`), `shm` (`transports.shm`), `gloo` and `nccl` (`transports.collective`) are
+`http` (`transports.http`), `shm` (`transports.shm`), `gloo` and `nccl` (`transports.gloo_nccl`) are
 registered when this package is imported. The server side mirrors the names
 (`rollout_server.weights.receivers`).
 """

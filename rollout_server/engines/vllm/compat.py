@@ -81,7 +81,7 @@ def transfer_engine_base() -> type:
     """vLLM's `WeightTransferEngine` with the trainer-side hook 0.26 declares abstract (built on first use,
     so that importing this module, and `check_vllm_version`, work whatever vLLM is installed).
 
-    rollmatch's learner sends with its own sender (`learner/weights/collective.py`), never through the
+    rollmatch's learner sends with its own sender (`learner/weights/group_send.py`), never through the
     inference engine's class, so the hook only says where to look.
     """
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -90,7 +90,7 @@ def transfer_engine_base() -> type:
         @staticmethod
         def trainer_send_weights(iterator: Iterator[Any], trainer_args: Any) -> None:
             raise NotImplementedError(
-                "rollmatch's learner sends weights with learner.weights.collective.CollectiveSender; the"
+                "rollmatch's learner sends weights with learner.weights.group_send.CollectiveSender; the"
                 " server-side transfer engine only receives"
             )
 

@@ -1,4 +1,4 @@
-"""vLLM weight-transfer engine of the collective transport (`collective`): the
+"""vLLM weight-transfer engine of the collective transport (`gloo_nccl`): the
 `vllm.distributed.weight_transfer` API of vLLM 0.26–0.32 (`compat`).
 
 `CollectiveTransferEngine` is a `WeightTransferEngine` registered in `WeightTransferEngineFactory` under
@@ -10,7 +10,7 @@ received tensors are STAGED in the worker and loaded only at the sync's commit, 
 `reload_weights` as every other transport (`worker.rollmatch_stage_received` + `rollmatch_commit_weights`), so
 a learner that dies mid-broadcast leaves the served weights untouched; the cost is one model's worth of
 staging memory per worker (GPU memory with `server.sync_staging: device`, pinned host memory with `host`),
-which the file transports pay too. The receive itself is `engines.collective.receive_buckets`, the function
+which the file transports pay too. The receive itself is `weights.group_receive.receive_buckets`, the function
 the HF engine uses: broadcasts land in device buffers, no host wait inside the loop.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from rollout_server.engines.collective import ReceivedTensors, open_receiver_group, receive_buckets
 from rollout_server.engines.vllm.compat import transfer_engine_base
 from rollout_server.engines.vllm.worker import COLLECTIVE_BACKEND
+from rollout_server.weights.group_receive import ReceivedTensors, open_receiver_group, receive_buckets
 from shared_schemas.torch_common.process_group import retire_group
 
 __all__ = ["COLLECTIVE_BACKEND", "CollectiveInitInfo", "CollectiveTransferEngine", "CollectiveUpdateInfo"]
@@ -53,7 +53,7 @@ class CollectiveUpdateInfo(WeightTransferUpdateInfo):
     buckets: list[list[list[Any]]] = field(default_factory=list)
     timeout_s: float = 120.0
     staging: str = "auto"
-    """`server.sync_staging`: `device`, `host` or `auto` (`engines.collective.resolve_staging`)."""
+    """`server.sync_staging`: `device`, `host` or `auto` (`weights.group_receive.resolve_staging`)."""
 
 
 class CollectiveTransferEngine(transfer_engine_base()):  # type: ignore[misc]

@@ -2,7 +2,7 @@
 `learner.weights.transports`: one receiver per transport name behind one interface of five verbs
 (`base.Receiver`: begin, receive, prepare, commit, abort), registered in `RECEIVERS`: `http` (`http`), `shm`
 (`shm`), both staging bucket files (`files`, in the server's `file_store`), and `gloo` / `nccl`
-(`collective`). `Receivers` holds one of each for a server's `weights.staging.SyncStaging`.
+(`gloo_nccl`). `Receivers` holds one of each for a server's `weights.staging.SyncStaging`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from rollout_server.weights.receivers.base import (
     Transfer,
     register,
 )
-from rollout_server.weights.receivers.collective import CollectiveReceiver, GlooReceiver, NcclReceiver
 from rollout_server.weights.receivers.file_store import STAGED_DIR_PREFIX, StagedFiles
 from rollout_server.weights.receivers.files import FileReceiver
+from rollout_server.weights.receivers.gloo_nccl import CollectiveReceiver, GlooReceiver, NcclReceiver
 from rollout_server.weights.receivers.http import HttpReceiver
 from rollout_server.weights.receivers.shm import ShmReceiver
 from shared_schemas.sync import SyncBeginRequest

@@ -17,7 +17,7 @@ side of the shape of vLLM's `distributed/weight_transfer` engines, mirroring the
 What one sync received answers the staging's generic checks (`Transfer.missing`, `Transfer.staging_stages`).
 Implementations register under their transport name (`register`, names from `shared_schemas.sync`): `http`
 and `shm` (`receivers.http`, `receivers.shm`, both on `receivers.files`), `gloo` and `nccl`
-(`receivers.collective`).
+(`receivers.gloo_nccl`).
 """
 
 from __future__ import annotations

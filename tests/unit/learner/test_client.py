@@ -581,7 +581,7 @@ def test_collective_transport_needs_an_address_for_remote_servers(transport: str
 
 def test_flat_bucket_is_the_tensor_bytes_back_to_back() -> None:
     from learner.weights.codec import raw_tensor
-    from learner.weights.collective import flat_bucket
+    from learner.weights.group_send import flat_bucket
     from shared_schemas.buckets import bucket_parts
 
     items = {"a": torch.arange(3, dtype=torch.bfloat16), "b": torch.ones(2, 2), "c": torch.zeros(0)}

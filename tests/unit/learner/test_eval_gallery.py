@@ -26,16 +26,8 @@ def test_every_evaluation_draws_the_same_images(tmp_path, tiny_model_dir, tiny_t
         s["images"] = [str(image)]  # sample 0 is text-only: never drawn
     gallery = EvalGallery(samples, tmp_path / "run", 3, tensorboard_dir=str(tmp_path / "tb"))
     assert gallery.indices == {1, 3, 5}
-    planner = StepPlanner(
-        ScriptedSource(tiny_tokenizer),
-        sample_context(cfg, tiny_tokenizer),
-        cfg.stage2,
-        cfg.rollout.decoding,
-        42,
-        0,
-        1,
-        8,
-        0,
+    planner = StepPlanner.from_config(
+        cfg, ScriptedSource(tiny_tokenizer), sample_context(cfg, tiny_tokenizer), batch_size=8
     )
     for step in (0, 20):
         gallery.begin()

@@ -75,17 +75,7 @@ def planner_parts(tiny_model_dir, tiny_tokenizer):
             '["<|coord_10|>", "<|coord_20|>", "<|coord_300|>", "<|coord_400|>"]}}'
         )
         source = RecordingSource(tiny_tokenizer, answer)
-        planner = StepPlanner(
-            source=source,
-            ctx=sample_context(cfg, tiny_tokenizer),
-            stage2=cfg.stage2,
-            decoding=cfg.rollout.decoding,
-            seed=17,
-            rank=0,
-            world_size=1,
-            per_device_batch_size=2,
-            pad_id=int(tiny_tokenizer.pad_token_id),
-        )
+        planner = StepPlanner.from_config(cfg, source, sample_context(cfg, tiny_tokenizer), batch_size=2)
         return planner, source
 
     return make

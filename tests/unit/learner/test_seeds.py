@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from learner.rollout.seeds import check_seed_layout, request_index, request_seed
+from learner.config import RunConfig, check_runtime_guards
+from learner.rollout.seeds import MICRO_STRIDE, STEP_STRIDE, request_index, request_seed
+from learner.training_config import MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP
+from learner.yaml_loader import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -27,15 +30,22 @@ def test_request_index():
 
 
 def test_no_collision_within_an_optimizer_step_at_the_limits():
+    assert (MAX_GAS, MAX_REQUESTS_PER_MICRO_STEP) == (99, 10_007) and MAX_GAS * MICRO_STRIDE < STEP_STRIDE
     seeds = {request_seed(5, 3, m, r) for m in range(99) for r in range(0, 10_007, 7)}
     assert len(seeds) == 99 * len(range(0, 10_007, 7))
 
 
-def test_layout_guard():
-    check_seed_layout(dp_world_size=8, per_device_batch_size=16, gas=99)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps 100"):
-        check_seed_layout(dp_world_size=1, per_device_batch_size=1, gas=100)
-    with pytest.raises(ValueError, match="10008"):
-        check_seed_layout(dp_world_size=2, per_device_batch_size=5004, gas=1)
-    with pytest.raises(ValueError):
-        check_seed_layout(dp_world_size=0, per_device_batch_size=1, gas=1)
+def test_layout_guard_names_the_key_and_the_fix():
+    """The requests of one micro-step over every rank must fit the micro-step stride (the start-up guard;
+    the accumulation limit is `training.gradient_accumulation_steps`' own check, test_training_config)."""
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": "m"},
+            "data": {"train": ["x.jsonl"]},
+            "rollout": {"mode": "server", "servers": [{"base_url": "http://127.0.0.1:9"}]},
+            "training": {"per_device_train_batch_size": 5004, "gradient_accumulation_steps": MAX_GAS},
+        }
+    )
+    check_runtime_guards(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"5004 × world size 2 > 10007 .*lower training.per_device_train"):
+        check_runtime_guards(cfg, world_size=2)

@@ -17,11 +17,17 @@ import httpx
 import pytest
 import torch
 
-from learner.weights.transports import TRANSPORTS, Transport, TransportOptions, build_transport, register
-from learner.weights.transports import collective as collective_transport
-from learner.weights.transports.collective import DeviceBucketPacker, NcclTransport
+from learner.weights.transports import (
+    TRANSPORTS,
+    Transport,
+    TransportOptions,
+    build_transport,
+    gloo_nccl,
+    register,
+)
+from learner.weights.transports.gloo_nccl import DeviceBucketPacker, NcclTransport
 from learner.weights.types import SyncError, WeightUpdate
-from rollout_server.engines.collective import open_receiver_group, receive_buckets
+from rollout_server.weights.group_receive import open_receiver_group, receive_buckets
 from shared_schemas.buckets import plan_buckets
 from shared_schemas.sync import CollectiveSpec, SyncBeginRequest, SyncBeginResponse, SyncManifest, TensorSpec
 from tests.unit.learner.test_client import URLS, Cluster, FakeServer, envelope, weights
@@ -121,7 +127,7 @@ class FakeSender:
 
 
 def nccl_on_cpu(monkeypatch: pytest.MonkeyPatch) -> tuple[NcclTransport, FakeSender]:
-    monkeypatch.setattr(collective_transport, "learner_device", lambda tensor: CPU)
+    monkeypatch.setattr(gloo_nccl, "learner_device", lambda tensor: CPU)
     transport = NcclTransport(options())
     sender = FakeSender()
     transport.sender = sender  # type: ignore[assignment]
@@ -290,7 +296,7 @@ def test_one_gloo_group_spans_every_server_and_each_bucket_is_one_broadcast() ->
     calls: list[int] = []
     with cluster.source(transport="gloo", bucket_mb=0.005, collective_timeout_s=20) as source:
         transport = source.weight_sync.transport
-        assert isinstance(transport, collective_transport._Collective)
+        assert isinstance(transport, gloo_nccl._Collective)
         connect = transport.sender.connect
 
         def connect_and_count(urls: Any, begins: Any) -> None:
@@ -373,7 +379,7 @@ def transport_fleet(source: Any) -> Any:
 
 
 def test_sender_plans_ranks_and_refuses_servers_out_of_step() -> None:
-    from learner.weights.collective import CollectiveSender
+    from learner.weights.group_send import CollectiveSender
 
     sender = CollectiveSender("gloo", "127.0.0.1", timeout_s=5)
     urls = URLS[:3]

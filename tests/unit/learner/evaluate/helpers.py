@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from learner.evaluate.predictions import GtObject, PredObject, SamplePrediction
+from learner.predictions.records import GtObject, PredObject, SamplePrediction
 
 
 def pred(bins, *, desc="a", score=None, gt=None, iou=0.0, duplicate=False, geom="bbox_2d") -> PredObject:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from learner.evaluate.gallery import pick_samples, write_gallery
+from learner.predictions.gallery import pick_samples, write_gallery
 from tests.unit.learner.evaluate.helpers import gt, png, pred, sample
 
 

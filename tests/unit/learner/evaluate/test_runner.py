@@ -65,9 +65,7 @@ def cfg(tiny_model_dir) -> RunConfig:
 def test_same_counts_as_the_training_evaluation_whatever_the_batch_size(cfg, tiny_tokenizer):
     samples = [_sample(i) for i in range(5)]
     ctx = sample_context(cfg, tiny_tokenizer)
-    planner = StepPlanner(
-        ScriptedSource(tiny_tokenizer), ctx, cfg.stage2, cfg.rollout.decoding, 42, 0, 1, 8, 0
-    )
+    planner = StepPlanner.from_config(cfg, ScriptedSource(tiny_tokenizer), ctx, batch_size=8)
     training_sums = planner.evaluate(samples, batch_size=len(samples))
     source = ScriptedSource(tiny_tokenizer)
     metrics, preds = evaluate_samples(cfg, source, ctx, samples, batch_size=2)

@@ -1,4 +1,4 @@
-"""The receiving side of the collective transport on CPU (`engines.collective`, `server.sync_staging`): the
+"""The receiving side of the collective transport on CPU (`weights.group_receive`, `server.sync_staging`): the
 one receive function with a fake group, where it stages, the staging knob and gauge, and the HF engine's
 commit that rebinds its parameters to the received buffers instead of copying."""
 
@@ -13,8 +13,8 @@ import torch
 from pydantic import ValidationError
 
 from rollout_server.config import ServerConfig
-from rollout_server.engines.collective import receive_buckets, resolve_staging
 from rollout_server.metrics import ServerMetrics
+from rollout_server.weights.group_receive import receive_buckets, resolve_staging
 
 LAYOUT = [
     [("a", "F32", (2, 3)), ("b", "BF16", (3,))],  # b starts at byte 24: aligned

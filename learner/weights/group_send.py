@@ -10,9 +10,9 @@ only the control (begin with the manifest and the rendezvous — store, token, w
 group, whatever the number of servers: NCCL and gloo pipeline it along their ring or tree, so the learner's
 own link carries one copy of the weights, not one per server. The group is built by
 `shared_schemas.torch_common.process_group.process_group`, the same builder the receivers use; the server side
-is `rollout_server.engines.collective` (the vLLM workers receive through vLLM's weight-transfer engine API,
+is `rollout_server.weights.group_receive` (the vLLM workers receive through vLLM's weight-transfer engine API,
 the HF engine in its process). How buckets are packed — on the host for gloo, on the GPU for NCCL — is
-`learner.weights.transports.collective`.
+`learner.weights.transports.gloo_nccl`.
 
 A group outlives one sync (the same token is sent again, and every server reuses its part of it); any failure
 — one server dead, restarted or timed out — drops the whole group, and the next sync plans and forms a new one

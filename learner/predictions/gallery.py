@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from learner.evaluate.predictions import SamplePrediction
+from learner.predictions.records import SamplePrediction
 from learner.stage2.coords import bin_to_pixel
 from shared_schemas.images import load_image
 

@@ -1,5 +1,6 @@
 """`gloo` and `nccl`: each bucket is ONE broadcast over ONE process group that spans the learner and every
-server (`learner.weights.collective.CollectiveSender`; the receivers are `rollout_server.engines.collective`).
+server (`learner.weights.group_send.CollectiveSender`; the receivers are
+`rollout_server.weights.group_receive`).
 
 The group is planned when the sender has none over these servers: each server's `/health` says how many
 receivers it brings (`collective_ranks`), and each begin carries the group's world size and the server's first
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from learner.weights.collective import CollectiveError, CollectiveSender, flat_bucket
+from learner.weights.group_send import CollectiveError, CollectiveSender, flat_bucket
 from learner.weights.sync_stream import BucketParts, is_loopback_url
 from learner.weights.transports.base import (
     PartsTransport,
