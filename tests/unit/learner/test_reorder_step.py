@@ -74,17 +74,8 @@ def _step(tiny_model_dir, tokenizer, answers: dict[int, str], *, warmup: int) ->
             "training": {"seed": 3},
         }
     )
-    planner = StepPlanner(
-        source=ScriptedPolicy(tokenizer, answers),
-        ctx=sample_context(cfg, tokenizer),
-        stage2=cfg.stage2,
-        decoding=cfg.rollout.decoding,
-        seed=3,
-        rank=0,
-        world_size=1,
-        per_device_batch_size=len(answers),
-        pad_id=int(tokenizer.pad_token_id),
-    )
+    ctx = sample_context(cfg, tokenizer)
+    planner = StepPlanner.from_config(cfg, ScriptedPolicy(tokenizer, answers), ctx, batch_size=len(answers))
     raws = [[raw_record(i, [_gt(k) for k in range(3)]) for i in sorted(answers)]]
     planner.new_window()
     batch = planner.step_batch(raws, 10)
