@@ -273,7 +273,7 @@ class WeightLoadExtension:
 
     def rollmatch_commit_path(self) -> CommitPath:
         """`commit_path` for this worker (device, LoRA, quantization)."""
-        config = self.model_runner.vllm_config
+        config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config
         return commit_path(
             self.device.type,
             lora=getattr(config, "lora_config", None) is not None,
