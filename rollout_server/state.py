@@ -15,6 +15,7 @@ from rollout_server.health_listener import HealthListener
 from rollout_server.metrics import ServerMetrics
 from rollout_server.weights.staging import SyncStaging
 from shared_schemas.health import Health
+from shared_schemas.torch_common.gpu_ids import gpu_uuids
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class ServerState:
             on_finish=self.metrics.sync_finished,
             collective_staging=cfg.sync_staging,
         )
+        self._gpu_uuids: list[str] | None = None
 
     @property
     def uptime_s(self) -> float:
@@ -80,7 +82,15 @@ class ServerState:
             uptime_s=self.uptime_s,
             detail=engine_health.detail,
             collective_ranks=_collective_ranks(self.engine),
+            gpu_uuids=self._engine_gpus(engine_health.dp * engine_health.tp),
         )
+
+    def _engine_gpus(self, count: int) -> list[str]:
+        """UUIDs of the first `count` visible CUDA devices (the engine's: dp x tp workers, one device each),
+        read once, after the engine started (its processes are spawned before this process touches CUDA)."""
+        if self._gpu_uuids is None:
+            self._gpu_uuids = gpu_uuids(range(count))
+        return self._gpu_uuids
 
     async def publish_health_forever(self, listener: HealthListener, interval_s: float = 0.2) -> None:
         """Keeps the probe listener's snapshot fresh (a failed refresh keeps the last one and logs)."""

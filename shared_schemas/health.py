@@ -40,3 +40,6 @@ class Health(BaseModel):
     """Receivers this server brings into a `gloo`/`nccl` weight-sync group (every worker of every engine); the
     learner gives each server its block of ranks from it (`CollectiveSpec.rank_offset`). None while loading,
     or when the engine cannot receive over a collective transport."""
+    gpu_uuids: list[str] = Field(default_factory=list)
+    """CUDA device UUIDs the engine computes on (empty on CPU, and while loading); the learner refuses a
+    `nccl` weight sync with a server on its own GPU (NCCL cannot put two ranks on one GPU)."""

@@ -7,7 +7,10 @@ on GPU; no sleep mode on CPU), in two parts:
   `torch.cuda.mem_get_info` deltas against the memory free before the engine was built, so this process's
   own allocations cancel out; and whether the weights are equal after the in-process sync: the largest
   log-prob gap between the learner's model (the checkpoint, perturbed) and the engine's greedy tokens on the
-  same prompts, before and after one full sync (bf16 noise after it);
+  same prompts, before and after one full sync (bf16 noise after it); then `--colocate-syncs N` more full
+  syncs, each split into its phases (`ColocateRolloutSource.last_sync_stages`: cast, handoff, commit) next to
+  the bound: a device-to-device `copy_` of the same bytes timed in this run (commit ÷ bound: how far the
+  commit is from a plain copy; `--handoff` picks `rollout.vllm.weight_handoff`);
 - `loop` (`--colocate-steps N`, 0: none): `python -m learner` on that config, N steps: steps/s, the time
   split, and each process's GPU memory (min = asleep, max = awake) from nvidia-smi per process.
 """
@@ -42,7 +45,8 @@ def _run_config(bench: Bench) -> Path:
                                model, compile_blocks=not bench.cpu)  # fmt: skip
     # The engine in the learner's dtype: float32 weights synced into a bf16 engine differ by bf16 noise.
     dtype = "float32" if bench.cpu else "bfloat16"
-    vllm: dict[str, Any] = {"max_model_len": 2048, "gpu_memory_utilization": 0.35, "dtype": dtype}
+    vllm: dict[str, Any] = {"max_model_len": 2048, "gpu_memory_utilization": 0.35, "dtype": dtype,
+                            "weight_handoff": bench.args.handoff}  # fmt: skip
     if bench.cpu:
         vllm["enforce_eager"] = True  # as the colocate integration tests: no CPU compile
     else:
@@ -79,16 +83,60 @@ def check(bench: Bench, run: Path) -> None:
             memory.mark("after_sync")  # weights awake, KV cache still asleep
             after = greedy_gap(source, model, prompts)
             memory.mark("asleep_after_generate_2")
+            syncs = [
+                _timed_sync(policy, model, source, step) for step in range(1, bench.args.colocate_syncs + 1)
+            ]
         memory.mark("engine_closed")
     bench.emit({"measure": "colocate_weights_equal", "sleep_level": cfg.rollout.vllm.sleep_level,
                 "before_sync": before, "after_sync": after, "sync_s": round(seconds, 3),
                 "sync_bytes": policy.last_report.bytes if policy.last_report else None})  # fmt: skip
+    if syncs:
+        nbytes = syncs[0]["bytes"]
+        bound = _copy_seconds(nbytes, bench.device)
+        for row in syncs:
+            row |= {
+                "bound_copy_s": round(bound, 4),
+                "commit_over_bound": round(row["commit_s"] / max(bound, 1e-9), 2),
+            }
+        bench.emit({"measure": "colocate_sync_phases", "handoff": cfg.rollout.vllm.weight_handoff,
+                    "bytes": nbytes, "bound_copy_s": round(bound, 4), "syncs": syncs})  # fmt: skip
     bench.emit({"measure": "colocate_memory", "sleep_level": cfg.rollout.vllm.sleep_level,
                 "gpu_memory_utilization": cfg.rollout.vllm.gpu_memory_utilization,
                 "engine_gib": memory.engine_gib(), "processes": processes.summary()})  # fmt: skip
     del model
     if not bench.cpu:
         torch.cuda.empty_cache()
+
+
+def _timed_sync(policy: Any, model: Any, source: Any, step: int) -> dict[str, Any]:
+    """One full sync at `step`: its phases (s) from the source, its total and its bytes."""
+    total = policy.maybe_sync(model, step, source)
+    stages = source.last_sync_stages
+    phases = ("cast_s", "handoff_s", "commit_s", "wake_s", "apply_s")
+    row = {k: round(stages.get(k, 0.0), 4) for k in phases}
+    nbytes = policy.last_report.bytes if policy.last_report else 0
+    handoff = getattr(source.backend, "handoff", None)
+    return {"step": step, "handoff": handoff, **row, "total_s": round(total, 4), "bytes": nbytes}
+
+
+def _copy_seconds(nbytes: int, device: Any, repeats: int = 5) -> float:
+    """Best of `repeats` device-to-device `copy_` of `nbytes` bytes on `device` (the commit's lower bound)."""
+    import time
+
+    import torch
+
+    src = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 class _FreeMemory:

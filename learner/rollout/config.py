@@ -86,6 +86,10 @@ class ColocateVllmConfig(ConfigSection):
     """Engine dtype."""
     kv_cache_space_gb: float | None = Field(default=None, gt=0)
     """vLLM-CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    weight_handoff: Literal["auto", "ipc", "bytes"] = "auto"
+    """How a sync reaches the engine: `ipc` casts on the GPU and shares the buffer through CUDA IPC (learner
+    and engine on one GPU, tensor_parallel_size 1); `bytes` casts on the host and sends safetensors bytes;
+    `auto` is ipc where it runs, else bytes. `ipc` where it cannot run is refused at start."""
 
 
 class AsyncRolloutConfig(ConfigSection):

@@ -39,6 +39,7 @@ from learner.rollout.errors import (
 )
 from learner.weights.server_sync import ServerSync
 from learner.weights.types import SyncError, SyncRejected, SyncReport, WeightUpdate
+from learner.yaml_loader import ConfigError
 from shared_schemas.chunking import plan_chunks
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, InferResult
@@ -62,6 +63,8 @@ __all__ = [
     "ServerUnreachable",
     "SyncError",
     "SyncRejected",
+    "learner_gpu_uuids",
+    "refuse_shared_gpu",
     "normalize_base_url",
 ]
 
@@ -237,10 +240,17 @@ class ServerRolloutSource:
     def wait_healthy(self, deadline_s: float | None = None) -> Health:
         """Waits (concurrently, one overall deadline) until every server reports `ok`.
 
+        With `transport: nccl`, also refuses a server on this learner's GPU (`refuse_shared_gpu`), so the run
+        stops at start rather than at its first sync.
+
         Raises:
             ServerUnreachable / ServerNotReady: naming the first server that did not come up.
+            ConfigError: `nccl` with a server on the learner's GPU.
         """
         list(self._pool.map(lambda c: c.wait_healthy(deadline_s), self._clients))
+        if self.transport == "nccl":
+            servers = list(self._pool.map(lambda c: (c.base_url, c.health().gpu_uuids), self._clients))
+            refuse_shared_gpu(learner_gpu_uuids(), dict(servers))
         return self.health()
 
     # -- infer -------------------------------------------------------------------------------------
@@ -355,3 +365,35 @@ class ServerRolloutSource:
             ) from exc
         self.weight_version = update.version
         return report
+
+
+def learner_gpu_uuids() -> list[str]:
+    """UUID of the GPU this learner process computes on (`[]` on CPU)."""
+    import torch
+
+    from shared_schemas.torch_common.gpu_ids import gpu_uuids
+
+    return gpu_uuids([torch.cuda.current_device()] if torch.cuda.is_available() else None)
+
+
+def refuse_shared_gpu(learner: Sequence[str], servers: dict[str, Sequence[str]]) -> None:
+    """Refuses a `nccl` weight sync whose group would put the learner and a server on one GPU.
+
+    Args:
+        learner: the learner's GPU UUIDs (`learner_gpu_uuids`).
+        servers: each server's base URL → the GPU UUIDs its `/health` reports (`Health.gpu_uuids`).
+
+    Raises:
+        ConfigError: a server computes on one of the learner's GPUs (names the server, the GPU, the reason and
+            the fixes).
+    """
+    mine = set(learner)
+    for url, gpus in servers.items():
+        shared = sorted(mine.intersection(gpus))
+        if shared:
+            raise ConfigError(
+                f"rollout.sync.transport: nccl with rollout server {url} on this learner's GPU {shared[0]}:"
+                " NCCL cannot put two ranks on one GPU (the first sync would fail with 'Duplicate GPU"
+                " detected'); set rollout.sync.transport: shm (or http) for a server on the learner's GPU, or"
+                " start the server on another GPU (its CUDA_VISIBLE_DEVICES)"
+            )

@@ -36,6 +36,7 @@ __all__ = [
     "ParamSpec",
     "ReceivedUpdate",
     "Rendezvous",
+    "SharedUpdate",
     "StagedUpdate",
     "check_adapter_request",
     "check_prompt_lengths",
@@ -103,7 +104,29 @@ class ReceivedUpdate:
     mode: Literal["full"] = field(default="full", init=False)
 
 
-StagedUpdate = FullUpdate | AdapterUpdate | ReceivedUpdate
+@dataclass(frozen=True)
+class SharedUpdate:
+    """A full sync handed over as a CUDA buffer shared with the engine's worker on the same GPU (the colocated
+    learner's `ipc` handoff, `shared_schemas.torch_common.cuda_ipc`); the workers stage views of it.
+
+    Attributes:
+        version: target weight version.
+        handoff: the `cuda_ipc.export_buffer` message (names, dtypes and shapes already checked against
+            `Engine.parameter_specs()`). The sender keeps the buffer alive and unwritten until
+            `apply_update` returns.
+    """
+
+    version: int
+    handoff: dict[str, Any]
+    mode: Literal["full"] = field(default="full", init=False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors' names."""
+        return tuple(entry[0] for entry in self.handoff["entries"])
+
+
+StagedUpdate = FullUpdate | AdapterUpdate | ReceivedUpdate | SharedUpdate
 """What `Engine.apply_update` receives at commit."""
 
 

@@ -46,6 +46,7 @@ from rollout_server.engines.base import (
     ParamSpec,
     ReceivedUpdate,
     Rendezvous,
+    SharedUpdate,
     StagedUpdate,
     check_adapter_request,
     check_prompt_lengths,
@@ -285,6 +286,11 @@ class HfEngine:
         """Loads full weights atomically on the worker thread (after any running generation)."""
         if isinstance(update, AdapterUpdate):
             raise LoraDisabledError("the hf backend serves no adapters; sync full weights")
+        if isinstance(update, SharedUpdate):
+            raise SyncValidationError(
+                "the hf engine takes no CUDA-IPC handoff (a colocated vLLM's); send safetensors buckets",
+                type="handoff_unsupported",
+            )
         await self._run(self._apply_full, update)
 
     def _staged_tensors(self, update: FullUpdate | ReceivedUpdate) -> dict[str, torch.Tensor]:

@@ -27,6 +27,9 @@ from shared_schemas.buckets import RawTensor, encode_bucket, plan_buckets
 from shared_schemas.health import Health
 from shared_schemas.infer import InferResponse
 from shared_schemas.sync import TensorSpec
+from shared_schemas.torch_common.gpu_ids import FAKE_GPU_UUIDS_ENV
+
+FAKE_SERVER_GPU = "GPU-fake-server-0"
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +62,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     log = (tmp / "server.log").open("w")
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env[FAKE_GPU_UUIDS_ENV] = FAKE_SERVER_GPU  # the server "computes on" a GPU, also on a CPU host
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_server", "--config", str(cfg)],
         cwd=REPO,
@@ -121,6 +125,24 @@ def test_health(server: tuple[str, Path], tiny_model_dir: Path) -> None:
             False,
         )
         assert health.model == str(Path(tiny_model_dir).resolve()) and health.max_model_len == 1024
+        assert health.gpu_uuids == [FAKE_SERVER_GPU]
+
+
+@pytest.mark.parametrize(("learner_gpu", "refused"), [(FAKE_SERVER_GPU, True), ("GPU-another", False)])
+def test_nccl_learner_on_the_servers_gpu_is_refused_at_start(
+    server: tuple[str, Path], monkeypatch: pytest.MonkeyPatch, learner_gpu: str, refused: bool
+) -> None:
+    from learner.rollout import server_source
+    from learner.yaml_loader import ConfigError
+
+    base, _ = server
+    monkeypatch.setattr(server_source, "learner_gpu_uuids", lambda: [learner_gpu])
+    with server_source.ServerRolloutSource([base], transport="nccl") as source:
+        if refused:
+            with pytest.raises(ConfigError, match="NCCL cannot put two ranks on one GPU"):
+                source.wait_healthy(30)
+        else:
+            assert source.wait_healthy(30).status == "ok"
 
 
 def test_schema_order_prompt_ids_and_greedy_tokens(

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from shared_schemas.health import Health
 from shared_schemas.infer import InferBatch, RepeatTerminateConfig
@@ -49,6 +50,7 @@ def test_health_reports_the_vllm_engine(vllm_server: ServerProcess, tiny_model_d
         )
         assert health.model == str(Path(tiny_model_dir).resolve())
         assert health.max_model_len == MAX_MODEL_LEN
+        assert len(health.gpu_uuids) == (1 if torch.cuda.is_available() else 0)  # dp x tp = 1 device
 
 
 def test_infer_keeps_order_and_returns_exact_template_ids(

@@ -146,6 +146,12 @@ class ColocateRolloutSource:
             endpoints=self.endpoints,
         )
 
+    @property
+    def last_sync_stages(self) -> dict[str, float]:
+        """Seconds per phase of the last sync (the vLLM backend's `cast_s`, `handoff_s`, `commit_s`, ...;
+        empty for `hf`), for profiling; the colocated `ServerRolloutSource.last_sync_stages`."""
+        return dict(getattr(self._backend, "last_stages", {}))
+
     def health(self) -> Health:
         """Status of the colocated engine in the `/health` schema (`dp` is 1: one engine per TP group)."""
         status = self._backend.status()

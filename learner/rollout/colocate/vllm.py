@@ -9,10 +9,13 @@ Threading: `AsyncLLM` binds to the event loop it first runs on, so every engine 
 long-lived loop thread (`LoopThread`), never `asyncio.run` per call. Learner threads submit coroutines and
 wait for their result.
 
-Weights: a sync hands the tensors to the engine in-process — cast to the engine's served dtype, checked
-against its parameter table, encoded as in-memory safetensors buckets (vLLM's worker processes receive
-bytes through `collective_rpc`; plain tensors would arrive as lists) and applied with the engine's
-`apply_update` (all or nothing, prefix cache reset). No HTTP, no files. An adapter sync becomes the engine's
+Weights: a sync hands the tensors to the engine in-process — checked against its parameter table, cast to
+the engine's served dtype and handed over by `rollout.vllm.weight_handoff` (resolved once at start,
+`weights.resolve_weight_handoff`): `ipc` casts on the GPU into one buffer whose CUDA IPC handle the engine's
+worker opens (`ipc`), `bytes` casts on the host into in-memory safetensors buckets (`weights`); either is
+applied with the engine's `apply_update` (stage, then commit under the gate: all or nothing, prefix cache
+reset). No HTTP, no files. `last_stages` holds each sync's `cast_s`, `handoff_s` (staging in the worker) and
+`commit_s` (the copy into the served weights). An adapter sync becomes the engine's
 `AdapterUpdate`; the colocated engine runs without LoRA, so it is refused (`SyncRejected`) and the policy's
 `fallback_to_full` takes over.
 
@@ -29,15 +32,22 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from torch import nn
 
 from learner.rollout.colocate.backend import EngineStartError, EngineStatus
+from learner.rollout.colocate.ipc import pack_full_update
 from learner.rollout.colocate.loop_thread import LoopThread
 from learner.rollout.colocate.tp import TpGroup, TpLayout, current_cuda_device, engine_device_env, tp_layout
-from learner.rollout.colocate.weights import encode_full_update, encode_tensors
+from learner.rollout.colocate.weights import (
+    Handoff,
+    encode_full_update,
+    encode_tensors,
+    resolve_weight_handoff,
+)
 from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from learner.yaml_loader import ConfigError
 from shared_schemas.infer import InferBatch, InferResult
@@ -116,6 +126,7 @@ class VllmColocateBackend:
         infer_batch_size: requests per engine call (`rollout.vllm.infer_batch_size`); None = all at once.
         model_name: what `status()` reports as the model.
         max_model_len: the engine's limit (`status()` on non-leaders).
+        handoff: how full syncs reach the engine (`weights.resolve_weight_handoff`).
     """
 
     def __init__(
@@ -131,6 +142,7 @@ class VllmColocateBackend:
         infer_batch_size: int | None = None,
         model_name: str = "",
         max_model_len: int = 0,
+        handoff: Handoff = "bytes",
     ) -> None:
         if (engine is None) == layout.is_leader:
             raise ValueError("exactly the TP-group leader holds the engine")
@@ -144,6 +156,12 @@ class VllmColocateBackend:
         self._infer_batch_size = infer_batch_size
         self._model_name = model_name
         self._max_model_len = max_model_len
+        self.handoff = handoff
+        """`ipc` or `bytes` (see the module docstring)."""
+        self.last_stages: dict[str, float] = {}
+        """Seconds per phase of the last full sync: `cast_s` (check, cast and pack or encode), `wake_s`,
+        `handoff_s` (staging in the engine's workers), `commit_s` (copy into the served weights), `apply_s`
+        (the engine's whole `apply_update`: handoff, commit, cache reset)."""
         self._version = 0
         self._asleep = False
         self._weights_awake = True
@@ -157,8 +175,8 @@ class VllmColocateBackend:
         """Builds the engine for `cfg.rollout.vllm` (the leader of each TP group builds one).
 
         Raises:
-            ConfigError: `tensor_parallel_size` does not divide the world size, or `sleep_level > 0` where
-                vLLM has no sleep mode.
+            ConfigError: `tensor_parallel_size` does not divide the world size, `sleep_level > 0` where
+                vLLM has no sleep mode, or `weight_handoff: ipc` where it cannot run.
             EngineStartError: vLLM failed to start (suggests `rollout.backend: hf`).
         """
         v = cfg.rollout.vllm
@@ -166,6 +184,9 @@ class VllmColocateBackend:
         layout = tp_layout(world_size, v.tensor_parallel_size, rank)
         if v.sleep_level > 0:
             _check_sleep_mode(v.sleep_level)
+        handoff = resolve_weight_handoff(
+            v.weight_handoff, cuda_device=current_cuda_device(), tensor_parallel_size=v.tensor_parallel_size
+        )
         group = TpGroup(layout) if layout.tp > 1 else None
         # Each engine's workers go on its group's devices (tp 1: this rank's own device).
         env = group.device_env() if group is not None else engine_device_env([current_cuda_device()])
@@ -181,6 +202,7 @@ class VllmColocateBackend:
             "infer_batch_size": v.infer_batch_size,
             "model_name": str(server_cfg.model_path),
             "max_model_len": v.max_model_len or 0,
+            "handoff": handoff,
         }
         if not layout.is_leader:
             return cls(None, None, **kwargs)
@@ -199,11 +221,13 @@ class VllmColocateBackend:
             ) from exc
         backend = cls(engine, loop, **kwargs)
         logger.info(
-            "colocated vLLM engine ready: %s (tp %d, gpu_memory_utilization %.2f, sleep_level %d)",
+            "colocated vLLM engine ready: %s (tp %d, gpu_memory_utilization %.2f, sleep_level %d, weight"
+            " handoff %s)",
             server_cfg.model_path,
             layout.tp,
             v.gpu_memory_utilization,
             v.sleep_level,
+            handoff,
         )
         if v.sleep_level > 0:
             backend._sleep()  # the first sync wakes it; nothing is generated before
@@ -262,7 +286,7 @@ class VllmColocateBackend:
 
     # -- weights --------------------------------------------------------------------------------------------
     def apply(self, update: WeightUpdate) -> int:
-        """Applies a full update (cast, checked, bucketed in memory) or an adapter update, all or nothing.
+        """Applies a full update (checked, cast, handed off: `handoff`) or an adapter update, all or nothing.
 
         Raises:
             SyncRejected: an adapter update (the colocated engine runs without LoRA).
@@ -271,9 +295,11 @@ class VllmColocateBackend:
         if not self._layout.is_leader:
             self._version = update.version
             return 0
-        from rollout_server.engines.base import AdapterUpdate, FullUpdate
+        from rollout_server.engines.base import AdapterUpdate
         from rollout_server.errors import LoraDisabledError, RolloutServerError
 
+        started = time.perf_counter()
+        packed = None  # the ipc buffer: alive until apply_update returned (the worker reads it until then)
         if update.mode == "adapter":
             state = {n: t.detach().to("cpu").contiguous() for n, t in update.iter_tensors()}
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -284,40 +310,66 @@ class VllmColocateBackend:
                 adapter_safetensors=encode_tensors(state),
             )
         else:
-            buckets, nbytes = encode_full_update(update.iter_tensors(), dict(self._engine.parameter_specs()))
-            staged = FullUpdate(version=update.version, buckets=tuple(buckets))
-        self._wake(["weights"])
+            staged, packed, nbytes = self._full_update(update.iter_tensors(), update.version)
+        cast_s = time.perf_counter() - started
         try:
-            self._call(self._engine.apply_update(staged), None, what=f"weight sync v{update.version}")
+            self._timed_apply(staged, cast_s, what=f"weight sync v{update.version}")
         except LoraDisabledError as exc:
             raise SyncRejected(
                 f"colocated vLLM engine refused adapter sync v{update.version}: {exc}"
             ) from exc
         except RolloutServerError as exc:
             raise SyncError(f"colocated vLLM engine failed weight sync v{update.version}: {exc}") from exc
+        finally:
+            del packed
         self._version = update.version
         self._synced_since_sleep = True
         return nbytes
 
+    def _full_update(self, items: Any, version: int) -> tuple[Any, Any, int]:
+        """`(staged update, buffer to keep alive or None, tensor bytes)` of a full sync, by `handoff`."""
+        import torch
+
+        from rollout_server.engines.base import FullUpdate, SharedUpdate
+
+        specs = dict(self._engine.parameter_specs())
+        if self.handoff == "ipc":
+            packed = pack_full_update(items, specs, torch.device("cuda", torch.cuda.current_device()))
+            return SharedUpdate(version=version, handoff=packed.handoff), packed, packed.nbytes
+        buckets, nbytes = encode_full_update(items, specs)
+        return FullUpdate(version=version, buckets=tuple(buckets)), None, nbytes
+
+    def _timed_apply(self, staged: Any, cast_s: float, *, what: str) -> None:
+        """Wakes the weights, applies `staged` and records `last_stages`."""
+        started = time.perf_counter()
+        self._wake(["weights"])
+        woken = time.perf_counter()
+        self._call(self._engine.apply_update(staged), None, what=what)
+        done = time.perf_counter()
+        engine = dict(getattr(self._engine, "last_update_stages", {}) or {})
+        self.last_stages = {
+            "cast_s": cast_s,
+            "wake_s": woken - started,
+            "apply_s": done - woken,
+        }
+        if staged.mode == "full":
+            self.last_stages["handoff_s"] = engine.get("workers_stage_s", 0.0)
+            self.last_stages["commit_s"] = engine.get("load_s", 0.0)
+
     def _reload_from_model(self) -> None:
         """Level-2 sleep discarded the weights and no sync came: re-send the training model's weights."""
         from learner.weights.export import full_state_items, merged_adapters
-        from rollout_server.engines.base import FullUpdate
 
         if self._model is None:
             raise SyncError(
                 "rollout.vllm.sleep_level 2 discarded the engine's weights and no sync preceded this rollout;"
                 " pass the training model to ColocateRolloutSource.from_config or use sleep_level 1"
             )
+        started = time.perf_counter()
         with merged_adapters(self._model):
-            buckets, _ = encode_full_update(
-                full_state_items(self._model), dict(self._engine.parameter_specs())
-            )
-        self._call(
-            self._engine.apply_update(FullUpdate(version=self._version, buckets=tuple(buckets))),
-            None,
-            what="weight reload after sleep",
-        )
+            staged, packed, _ = self._full_update(full_state_items(self._model), self._version)
+            self._timed_apply(staged, time.perf_counter() - started, what="weight reload after sleep")
+        del packed
         self._synced_since_sleep = True
 
     # -- sleep ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from rollout_server.engines.base import (
     ParamSpec,
     ReceivedUpdate,
     Rendezvous,
+    SharedUpdate,
     StagedUpdate,
 )
 from rollout_server.engines.gate import UpdateGate
@@ -34,6 +35,7 @@ from rollout_server.engines.vllm.worker import (
     COMMIT_METHOD,
     DISCARD_METHOD,
     STAGE_FILES_METHOD,
+    STAGE_IPC_METHOD,
     STAGE_METHOD,
     STAGE_RECEIVED_METHOD,
 )
@@ -73,7 +75,9 @@ class WeightUpdater:
         """Serializes whole updates (`apply_update`)."""
         self._pending: tuple[StagedUpdate, Any] | None = None  # staged update and its LoRARequest (adapters)
         self.last_stages: dict[str, float] = {}
-        """Seconds per phase of the last full update (`workers_stage_s`, `load_s`), for profiling."""
+        """Seconds per phase of the last full update (`workers_stage_s`: staging in the workers — decoding,
+        mapping or opening the shared buffer; `load_s`: the commit's copy into the served weights), for
+        profiling."""
         self.group: str | None = None
         """Token of the collective weight-sync group the workers are in (None: none)."""
         self._received_s = 0.0
@@ -127,7 +131,8 @@ class WeightUpdater:
     async def prepare(self, update: StagedUpdate) -> None:
         """Phase 1 of an update, while generations go on: nothing served changes.
 
-        Full: every worker decodes the buckets and keeps the tensors. Adapter: the PEFT folder is written and
+        Full: every worker decodes the buckets and keeps the tensors (a `SharedUpdate`: views of the
+        sender's CUDA buffer). Adapter: the PEFT folder is written and
         loaded into vLLM's LoRA cache (unused until commit).
 
         Raises:
@@ -153,7 +158,7 @@ class WeightUpdater:
         if isinstance(update, AdapterUpdate):
             self._pending = (update, await self._load_adapter(update))
             return
-        if isinstance(update, ReceivedUpdate):
+        if isinstance(update, ReceivedUpdate | SharedUpdate):
             self._check_whole_layers(set(update.names))
         else:
             await asyncio.to_thread(
@@ -164,6 +169,8 @@ class WeightUpdater:
             await self._llm.collective_rpc(DISCARD_METHOD)
             if isinstance(update, ReceivedUpdate):
                 await self._llm.collective_rpc(STAGE_RECEIVED_METHOD)
+            if isinstance(update, SharedUpdate):
+                await self._llm.collective_rpc(STAGE_IPC_METHOD, args=(update.handoff,))
             for bucket in getattr(update, "buckets", ()):
                 if isinstance(bucket, Path):
                     await self._llm.collective_rpc(STAGE_FILES_METHOD, args=([str(bucket)],))

@@ -7,25 +7,30 @@ bucket bytes are never pickled, queued or copied on their way into a worker; `ST
 safetensors bytes for in-memory buckets (docs/ARCHITECTURE.md#weight-sync: plain tensors would arrive as
 lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or
 nothing: staging keeps the tensors aside (the served weights are untouched, a malformed bucket changes
-nothing), `COMMIT_METHOD` loads them in place through vLLM's `reload_weights` — which maps checkpoint names
-(fused qkv / gate_up, tied heads, LoRA base layers, the vision tower) exactly as loading the checkpoint from
-disk does — and `DISCARD_METHOD` drops a staged update.
+nothing), `COMMIT_METHOD` copies them into the served parameters (`commit_path` picks how: an in-place
+`load_weights` on CUDA, vLLM's `reload_weights` where that cannot be exact) and `DISCARD_METHOD` drops a
+staged update. `STAGE_IPC_METHOD` stages views of the colocated learner's GPU memory (CUDA IPC, no copy).
 
 Keep this module light: vLLM imports it by qualified name in every worker.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 __all__ = [
     "COMMIT_METHOD",
+    "CommitPath",
     "DISCARD_METHOD",
     "STAGE_FILES_METHOD",
+    "STAGE_IPC_METHOD",
     "STAGE_METHOD",
     "STAGE_RECEIVED_METHOD",
     "WORKER_EXTENSION",
     "WeightLoadExtension",
+    "commit_path",
+    "load_in_place",
     "map_safetensors",
     "refresh_cpu_gemm",
 ]
@@ -33,6 +38,7 @@ __all__ = [
 STAGE_METHOD = "rollmatch_stage_weights"
 STAGE_RECEIVED_METHOD = "rollmatch_stage_received"
 STAGE_FILES_METHOD = "rollmatch_stage_files"
+STAGE_IPC_METHOD = "rollmatch_stage_ipc"
 COMMIT_METHOD = "rollmatch_commit_weights"
 DISCARD_METHOD = "rollmatch_discard_weights"
 WORKER_EXTENSION = f"{__name__}.WeightLoadExtension"
@@ -80,6 +86,54 @@ def refresh_cpu_gemm(model: Any) -> int:
             method.process_weights_after_loading(module)
             count += 1
     return count
+
+
+CommitPath = Literal["in_place", "reload"]
+
+
+def commit_path(device_type: str, *, lora: bool, quantized: bool) -> CommitPath:
+    """How a staged update is committed into a worker's model: the ONE place that chooses.
+
+    - `in_place` (CUDA, no LoRA, unquantized): `load_in_place` — the model's own `load_weights`, whose
+      per-parameter `weight_loader`s copy each checkpoint tensor into its (fused qkv / gate_up, sharded) slot
+      of the live parameter. No layer is rebuilt; a tied LM head shares the embedding's parameter, so
+      copying the embedding updates both; the vision tower loads through the same `load_weights`. This is
+      what TRL's `update_named_param` and verl do, and is exact because on CUDA an unquantized layer computes
+      from the very tensor it loaded.
+    - `reload` (anywhere else): vLLM's `reload_weights` (layers re-materialized, loaded, re-processed) plus
+      `refresh_cpu_gemm`. On CPU, processing REPLACES each linear layer's weight by an empty parameter and
+      keeps a packed copy (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so there is no live weight
+      to copy into (nor its `weight_loader`); a quantized layer likewise computes from a processed copy;
+      with LoRA the base weights sit under `base_layer`, a name the model's `load_weights` does not map.
+
+    Args:
+        device_type: the worker's device type (`cuda`, `cpu`, ...).
+        lora: whether the engine runs with LoRA (its layers wrapped).
+        quantized: whether the engine's model is quantized.
+    """
+    return "in_place" if device_type == "cuda" and not lora and not quantized else "reload"
+
+
+def load_in_place(model: Any, staged: Sequence[tuple[str, Any]]) -> int:
+    """Copies checkpoint-named tensors into `model`'s parameters through its own `load_weights` (each
+    parameter's `weight_loader`: fused shards, tensor-parallel slices, dtype cast), then waits for the copies.
+
+    Invariant: on return every copy has finished, so the sources (e.g. CUDA-IPC views of the learner's
+    memory) may be released or overwritten.
+
+    Returns:
+        The number of parameters the model reports loaded.
+
+    Raises:
+        KeyError / AssertionError / RuntimeError: from `load_weights`, a name or shape it does not serve.
+    """
+    import torch
+
+    with torch.no_grad():
+        loaded = model.load_weights(weights=iter(staged))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return len(loaded) if loaded is not None else len(staged)
 
 
 def map_safetensors(path: str) -> list[tuple[str, Any]]:
@@ -200,8 +254,34 @@ class WeightLoadExtension:
         self._rollmatch_staged = staged
         return len(staged)
 
+    def rollmatch_stage_ipc(self, handoff: dict[str, Any]) -> int:
+        """Stages views of the colocated learner's GPU buffer (`torch_common.cuda_ipc`; no copy).
+
+        Invariant: the views alias the learner's memory, which the learner neither frees nor writes until
+        this sync's commit (or discard) returned — it is blocked inside the sync meanwhile
+        (`learner.rollout.colocate.vllm`). The commit copies them and drops them.
+
+        Returns:
+            The number of tensors staged so far.
+        """
+        from shared_schemas.torch_common.cuda_ipc import import_buffer
+
+        staged = self._rollmatch_staged if self._rollmatch_staged is not None else []
+        staged.extend(import_buffer(handoff, self.device))
+        self._rollmatch_staged = staged
+        return len(staged)
+
+    def rollmatch_commit_path(self) -> CommitPath:
+        """`commit_path` for this worker (device, LoRA, quantization)."""
+        config = getattr(self, "vllm_config", None) or self.model_runner.vllm_config
+        return commit_path(
+            self.device.type,
+            lora=getattr(config, "lora_config", None) is not None,
+            quantized=getattr(config.model_config, "quantization", None) is not None,
+        )
+
     def rollmatch_commit_weights(self) -> int:
-        """Loads the staged tensors into the served model in place and forgets them.
+        """Loads the staged tensors into the served model (`commit_path`) and forgets them.
 
         Returns:
             The number of tensors loaded.
@@ -214,10 +294,15 @@ class WeightLoadExtension:
         staged = self._rollmatch_staged
         if staged is None:
             raise RuntimeError("no staged weights to commit; stage them first")
-        self._rollmatch_staged = None
-        with torch.no_grad():
-            self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
-            refresh_cpu_gemm(self.model_runner.get_model())
+        try:
+            if self.rollmatch_commit_path() == "in_place":
+                load_in_place(self.model_runner.get_model(), staged)
+            else:
+                with torch.no_grad():
+                    self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+                    refresh_cpu_gemm(self.model_runner.get_model())
+        finally:
+            self._rollmatch_staged = None
         return len(staged)
 
     def rollmatch_discard_weights(self) -> bool:

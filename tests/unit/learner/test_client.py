@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from learner.rollout import server_source
 from learner.rollout.server_source import (
     InferFailed,
     RolloutClient,
@@ -24,11 +25,15 @@ from learner.rollout.server_source import (
     ServerNotReady,
     ServerRolloutSource,
     ServerUnreachable,
+    learner_gpu_uuids,
+    refuse_shared_gpu,
 )
 from learner.weights.types import SyncError, SyncRejected, WeightUpdate
+from learner.yaml_loader import ConfigError
 from shared_schemas.buckets import decode_bucket, plan_buckets
 from shared_schemas.infer import Choice, InferBatch, InferRequest, InferResult
 from shared_schemas.sync import SyncBeginRequest, SyncManifest
+from shared_schemas.torch_common.gpu_ids import FAKE_GPU_UUIDS_ENV, gpu_uuids
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
 
@@ -47,6 +52,7 @@ class FakeServer:
         self.url = url
         self.weight_version = weight_version
         self.lora_enabled = lora_enabled
+        self.gpu_uuids: list[str] = []
         self.infer_calls: list[tuple[int, int]] = []  # (first_index, n)
         self.routes: list[str] = []
         self.fail: Callable[[InferBatch, httpx.Request], httpx.Response | None] = lambda batch, request: None
@@ -123,6 +129,7 @@ class FakeServer:
             "lora_enabled": self.lora_enabled,
             "max_model_len": 1024,
             "uptime_s": 1.0,
+            "gpu_uuids": self.gpu_uuids,
         }
 
     def infer(self, request: httpx.Request) -> httpx.Response:
@@ -624,3 +631,39 @@ def test_a_retry_reconnect_does_not_close_a_pool_another_thread_is_using() -> No
         assert client._send("GET", "/fast").status_code == 200 and len(pools) == 2
         client.reconnect()  # nobody on it: closed at once
         assert len(pools) == 3
+
+
+# -- a nccl server on the learner's GPU ----------------------------------------------------------------------
+def test_refuse_shared_gpu_names_the_server_the_reason_and_the_fixes():
+    refuse_shared_gpu(["GPU-a"], {URLS[0]: ["GPU-b"], URLS[1]: []})  # another GPU, a CPU server: fine
+    refuse_shared_gpu([], {URLS[0]: ["GPU-b"]})  # a CPU learner shares no GPU
+    with pytest.raises(ConfigError) as info:
+        refuse_shared_gpu(["GPU-a"], {URLS[0]: ["GPU-b"], URLS[1]: ["GPU-c", "GPU-a"]})
+    message = str(info.value)
+    assert URLS[1] in message and "GPU-a" in message
+    assert "NCCL cannot put two ranks on one GPU" in message
+    assert "rollout.sync.transport: shm (or http)" in message and "another GPU" in message
+
+
+@pytest.mark.parametrize(("transport", "refused"), [("nccl", True), ("http", False), ("gloo", False)])
+def test_wait_healthy_refuses_nccl_with_a_server_on_the_learners_gpu(monkeypatch, transport, refused):
+    monkeypatch.setattr(server_source, "learner_gpu_uuids", lambda: ["GPU-learner"])
+    cluster = Cluster(2)
+    cluster[1].gpu_uuids = ["GPU-learner"]
+    with cluster.source(transport=transport) as source:
+        if refused:
+            with pytest.raises(ConfigError, match=rf"{URLS[1]} on this learner's GPU GPU-learner"):
+                source.wait_healthy(5)
+        else:
+            assert source.wait_healthy(5).status == "ok"
+    cluster[1].gpu_uuids = ["GPU-other"]
+    with cluster.source(transport="nccl") as source:
+        assert source.wait_healthy(5).status == "ok"
+
+
+def test_learner_gpu_uuids_are_fakeable_and_empty_on_cpu(monkeypatch):
+    monkeypatch.setenv(FAKE_GPU_UUIDS_ENV, "GPU-x, GPU-y")
+    assert gpu_uuids() == ["GPU-x", "GPU-y"] and gpu_uuids([1]) == ["GPU-y"]
+    monkeypatch.delenv(FAKE_GPU_UUIDS_ENV)
+    if not torch.cuda.is_available():
+        assert learner_gpu_uuids() == [] and gpu_uuids() == []

@@ -24,6 +24,7 @@ from learner.rollout.colocate.vllm import (
     encode_full_update,
     server_config_for,
 )
+from learner.rollout.colocate.weights import resolve_weight_handoff
 from learner.weights.types import SyncError, SyncRejected, WeightUpdate
 from learner.yaml_loader import ConfigError
 from rollout_server.engines.base import AdapterUpdate, EngineHealth, FullUpdate
@@ -88,6 +89,53 @@ def test_encode_full_update_names_unknown_tensor_and_bad_shape():
         encode_full_update([("extra", torch.zeros(1))], {})
     with pytest.raises(SyncError, match=r"'w' has shape \[2\], the engine serves \[3\]"):
         encode_full_update([("w", torch.zeros(2))], {"w": ("F32", (3,))})
+
+
+# -- weight handoff ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "cuda", "tp", "handoff"),
+    [("auto", 0, 1, "ipc"), ("auto", None, 1, "bytes"), ("auto", 0, 2, "bytes"), ("bytes", 0, 1, "bytes"),
+     ("ipc", 3, 1, "ipc")],
+)  # fmt: skip
+def test_weight_handoff_auto_is_ipc_only_where_it_runs(setting, cuda, tp, handoff):
+    assert resolve_weight_handoff(setting, cuda_device=cuda, tensor_parallel_size=tp) == handoff
+
+
+@pytest.mark.parametrize(
+    ("cuda", "tp", "reason"), [(None, 1, "no CUDA device"), (0, 2, "tensor_parallel_size 2")]
+)
+def test_weight_handoff_ipc_where_it_cannot_run_names_the_key_and_the_fix(cuda, tp, reason):
+    with pytest.raises(
+        ConfigError, match=rf"rollout\.vllm\.weight_handoff: ipc cannot run: .*{reason}.*bytes"
+    ):
+        resolve_weight_handoff("ipc", cuda_device=cuda, tensor_parallel_size=tp)
+
+
+def test_weight_handoff_ipc_on_cpu_is_refused_before_any_engine_starts(monkeypatch):
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": ".cache/models/tiny-qwen2"},
+            "data": {"train": ["x.jsonl"]},
+            "rollout": {"mode": "colocate", "vllm": {"max_model_len": 64, "weight_handoff": "ipc"}},
+        }
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = []
+    monkeypatch.setattr(LoopThread, "__init__", lambda self: started.append(1))
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.weight_handoff: ipc cannot run"):
+        VllmColocateBackend.from_config(cfg)
+    assert not started
+
+
+def test_weight_handoff_rejects_unknown_values():
+    with pytest.raises(ValueError, match="weight_handoff"):
+        RunConfig.model_validate(
+            {
+                "model": {"path": "m"},
+                "data": {"train": ["x.jsonl"]},
+                "rollout": {"vllm": {"weight_handoff": "nccl"}},
+            }
+        )
 
 
 # -- engine config -------------------------------------------------------------------------------------------
