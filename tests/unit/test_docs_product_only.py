@@ -3,8 +3,8 @@ repository is developed"): README.md, every file under `docs/` and every file un
 development-environment tooling (device-call carry folders, `$OUT`, sandbox names, "device machine",
 "this 2-core machine"), no backlog numbers ("issue 48") and no commit hashes.
 
-Dated run logs, commit hashes, machine-load remarks and device-call plans belong in `bench/RESULTS.md`,
-`bench/DEVICE_NOTES.md` or `docs/EXPERIMENTS.md`'s sources under `bench/`; this test does not read `bench/`.
+Dated run logs, commit hashes and machine-load remarks belong in `bench/RESULTS.md`, device-call plans in
+`bench/DEVICE_NOTES.md`; this test does not read `bench/`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _is_hash(word: str) -> bool:
 
 
 def _sha_context(line: str, start: int) -> bool:
-    """A hex word that follows `sha256:`/`sha1:`/`sha:` or `digest` on its line is a checksum, not a commit."""
+    """A hex word after `sha256:`/`sha:`/`digest`/`checksum` on its line is a checksum, not a commit."""
     return bool(re.search(r"(sha\d*|digest|checksum)\s*[:=]?\s*['\"]?$", line[:start], re.IGNORECASE))
 
 
