@@ -27,6 +27,6 @@ test-unit: setup
 lint:
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# GPU host with vLLM 0.26-0.32 and 2 GPUs: the vLLM server on GPU 1, the learner on GPU 0 (README "vLLM on GPUs").
+# GPU host with vLLM 0.26-0.32 and 2 GPUs: the vLLM server on GPU 1, the learner on GPU 0 (bench/RESULTS.md "the vLLM backend on GPUs").
 bench-vllm-gpu:
 	python bench/bench_vllm_gpu.py --out runs/vllm_gpu.jsonl
