@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loop-batch", type=int, default=None, help="per_device_train_batch_size of the loops (recipe: 8)"
     )
     parser.add_argument("--colocate-steps", type=int, default=4, help="learner steps of colocate (0: none)")
+    parser.add_argument("--colocate-plain-steps", type=int, default=0,
+                        help="plain-SFT steps before colocate's rollout-matching ones (the same run's step"
+                             " cost ratio)")  # fmt: skip
     parser.add_argument("--colocate-syncs", type=int, default=4, help="timed full syncs of colocate/check")
     parser.add_argument(
         "--handoff", default="auto", choices=["auto", "ipc", "bytes"], help="rollout.vllm.weight_handoff"

@@ -12,7 +12,10 @@ on GPU; no sleep mode on CPU), in two parts:
   the bound: a device-to-device `copy_` of the same bytes timed in this run (commit ÷ bound: how far the
   commit is from a plain copy; `--handoff` picks `rollout.vllm.weight_handoff`);
 - `loop` (`--colocate-steps N`, 0: none): `python -m learner` on that config, N steps: steps/s, the time
-  split, and each process's GPU memory (min = asleep, max = awake) from nvidia-smi per process.
+  split, and each process's GPU memory (min = asleep, max = awake) from nvidia-smi per process. With
+  `--colocate-plain-steps P` the run first trains P plain-SFT steps (`stage2.sft_warmup_steps`), so the same
+  run prices a rollout-matching step against a plain one (`rm_over_plain`) and against its bound, the
+  step's own rollout seconds plus a plain step (`rm_over_bound`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import yaml
 from _sync_gpu import greedy_gap, perturb
-from bench_learner import VLM_BASE_CONFIG, read_metrics, run_learner, summarize, write_configs
+from bench_learner import ROLLOUT_KEYS, VLM_BASE_CONFIG, read_metrics, run_learner, summarize, write_configs
 from launcher_utils import free_port
 
 from _vllm_gpu.common import Bench, GpuSampler, ProcessMemorySampler, token_prompts
@@ -40,7 +43,7 @@ def colocate(bench: Bench) -> None:
 def _run_config(bench: Bench) -> Path:
     folder = bench.tmp / "colocate"
     model = bench.vl_model() if not bench.cpu else None
-    steps = max(1, bench.args.colocate_steps)
+    steps = max(1, bench.args.colocate_steps) + bench.args.colocate_plain_steps
     _, configs = write_configs(folder, free_port(), steps, [1], "server", VLM_BASE_CONFIG,
                                model, compile_blocks=not bench.cpu)  # fmt: skip
     # The engine in the learner's dtype: float32 weights synced into a bf16 engine differ by bf16 noise.
@@ -56,6 +59,7 @@ def _run_config(bench: Bench) -> Path:
         "extends": str(configs[1]),
         "output_dir": str(folder / "run"),
         "rollout": {"mode": "colocate", "backend": "vllm", "servers": [], "vllm": vllm},
+        "stage2": {"sft_warmup_steps": bench.args.colocate_plain_steps},
     }))  # fmt: skip
     return run
 
@@ -163,7 +167,31 @@ def loop(bench: Bench, run: Path) -> None:
     folder = run.parent
     with GpuSampler() as gpus, ProcessMemorySampler() as processes:
         paths = run_learner(run, folder / "run", env=bench.learner_env)
-    record = summarize(1, *read_metrics(paths["metrics"]), warmup_steps=2)
+    steps, summary = read_metrics(paths["metrics"])
+    record = summarize(1, steps, summary, warmup_steps=2)
     bench.keep(paths["metrics"], "colocate_metrics.jsonl")
     bench.emit({**record, "measure": "colocate", "sleep_level": 0 if bench.cpu else 1,
+                **step_costs(steps, bench.args.colocate_plain_steps),
                 "processes": processes.summary(), "gpus": gpus.summary()})  # fmt: skip
+
+
+def step_costs(steps: list[dict[str, Any]], plain_steps: int) -> dict[str, Any]:
+    """Seconds of a plain-SFT step and of a rollout-matching step of ONE run (the first `plain_steps` are
+    plain), by the wall clock between consecutive step records; each phase's first step (one-off costs:
+    kernel selection, the engine's first wake) is left out. `rm_over_bound` divides a rollout-matching step
+    by its bound: its own rollout (generation + sync) seconds plus a plain step. Empty when either phase has
+    fewer than two steps."""
+    walls = {int(r["step"]): float(r["wall_s"]) for r in steps}
+    rollout = {int(r["step"]): sum(float(r.get(k) or 0.0) for k in ROLLOUT_KEYS) for r in steps}
+    plain = [walls[s] - walls[s - 1] for s in sorted(walls) if 2 < s <= plain_steps and s - 1 in walls]
+    rm = [walls[s] - walls[s - 1] for s in sorted(walls) if s > plain_steps + 1 and s - 1 in walls]
+    if not plain or not rm:
+        return {}
+    plain_s, rm_s = sum(plain) / len(plain), sum(rm) / len(rm)
+    rm_rollout = [rollout[s] for s in sorted(walls) if s > plain_steps + 1 and s - 1 in walls]
+    bound = plain_s + sum(rm_rollout) / len(rm_rollout)
+    return {"plain_step_s": round(plain_s, 3), "rm_step_s": round(rm_s, 3),
+            "rm_rollout_s": round(sum(rm_rollout) / len(rm_rollout), 3),
+            "rm_over_plain": round(rm_s / plain_s, 2), "rm_bound_s": round(bound, 3),
+            "rm_over_bound": round(rm_s / bound, 2), "plain_steps_timed": len(plain),
+            "rm_steps_timed": len(rm)}  # fmt: skip

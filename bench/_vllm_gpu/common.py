@@ -45,6 +45,7 @@ class Server(ServerProcess):
             path.write_text(yaml.safe_dump({"server": config}))
         self.path = path
         self.port = int(config["port"]) if config is not None else _port_of(path)
+        self.shm_dir = config.get("shm_dir") if config is not None else None
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rollout_server", "--config", str(path)]
         super().__init__(cmd, folder / f"{name}.log", env)
@@ -172,6 +173,11 @@ class Bench:
         return "cpu" if self.cpu else "cuda:0"
 
     @property
+    def same_gpu(self) -> bool:
+        """Whether the server runs on the learner's GPU (0): one GPU for both."""
+        return not self.cpu and int(self.args.server_gpu) == 0
+
+    @property
     def learner_env(self) -> dict[str, str]:
         """Environment of a `python -m learner` process: GPU 0 alone."""
         return {} if self.cpu else {"CUDA_VISIBLE_DEVICES": "0"}
@@ -198,7 +204,9 @@ class Bench:
             section["vllm"].update(enforce_eager=True, kv_cache_space_gb=2, max_num_seqs=16)
         else:
             section["gpus"] = [int(self.args.server_gpu)]
-            section["vllm"].update(gpu_memory_utilization=0.7, max_num_seqs=256)
+            # Beside the learner (GPU 0) the engine leaves the learner room (the one-GPU config's split).
+            share = 0.35 if self.same_gpu else 0.7
+            section["vllm"].update(gpu_memory_utilization=share, max_num_seqs=256)
         return section
 
     def start(self, section: dict[str, Any] | None, name: str, path: Path | None = None) -> Server:

@@ -112,6 +112,8 @@ def loop(bench: Bench, server: Server, backend: str) -> None:
                     "sync": {"mode": "full", "transport": "gloo" if bench.cpu else "nccl"},
                     "async": {"enabled": True, "max_staleness": 1}},
     }  # fmt: skip
+    if bench.same_gpu:  # NCCL cannot put two ranks on one GPU: the server beside the learner syncs by shm
+        run["rollout"]["sync"] = {"mode": "full", "transport": "shm", "shm_dir": str(server.shm_dir)}
     if args.loop_batch:
         run["training"] = {"per_device_train_batch_size": args.loop_batch}
         run["stage2"] = {"packing": {"packing_length": max(4096, PACKED_TOKENS_PER_SAMPLE * args.loop_batch)}}
