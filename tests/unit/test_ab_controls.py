@@ -294,3 +294,15 @@ def test_canonical_steps_must_be_read_at_an_evaluation(capsys) -> None:
     with pytest.raises(SystemExit):
         ab_learning.main(argv)
     assert "multiples of --eval-every 25" in capsys.readouterr().err
+
+
+def test_colocated_arms_roll_out_on_the_chosen_engine() -> None:
+    """`--colocate-backend`: vLLM prices rollouts as a one-GPU user pays for them; `auto` falls back to HF
+    where CUDA or vLLM is missing (this CPU host); the server arms are unchanged."""
+    vllm = run_configs.rollout_section(colocate=True, url=None, shm_dir=None, backend="vllm")
+    assert (vllm["mode"], vllm["backend"]) == ("colocate", "vllm") and "sleep_level" not in vllm["vllm"]
+    hf = run_configs.rollout_section(colocate=True, url=None, shm_dir=None, backend="hf")
+    assert (hf["mode"], hf["backend"]) == ("colocate", "hf")
+    assert run_configs.colocate_backend("auto") == "hf" and run_configs.colocate_backend("vllm") == "vllm"
+    server = run_configs.rollout_section(colocate=False, url="http://h:1", shm_dir=None, backend="vllm")
+    assert server == {"servers": [{"base_url": "http://h:1"}], "sync": {"transport": "http"}}

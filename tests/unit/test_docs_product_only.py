@@ -23,43 +23,28 @@ TEXT_SUFFIXES = {".md", ".yaml", ".yml", ".json", ".txt", ".toml", ".cfg", ".ini
 HEX_ALLOWED: frozenset[str] = frozenset()
 """Hex-looking words that are not commit hashes (none needed today)."""
 
-RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
-    (
-        "carry folder `.vllmw`",
-        re.compile(r"\.vllmw"),
-        "describe the install a user does (pip install 'rollmatch[gpu]'); device-call folders go to "
-        "bench/DEVICE_NOTES.md",
-    ),
-    (
-        "the device tool's `carry`",
-        re.compile(r"\bcarry\s*[:=]|`carry`|\bcarry\s*\|"),
-        "a user has no carry list: say what to install or copy, or move the plan to bench/DEVICE_NOTES.md",
-    ),
-    (
-        "`$OUT`",
-        re.compile(r"\$OUT\b|\$\{OUT\}"),
-        "name the user's output folder (e.g. runs/<name>/) instead of the device tool's $OUT",
-    ),
-    (
-        "a backlog number",
-        re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE),
-        "say what the change does; backlog numbers belong in commit messages and bench/RESULTS.md",
-    ),
-    (
-        "a sandbox name",
-        re.compile(r"\bgVisor\b|\bFirecracker\b", re.IGNORECASE),
-        "a user runs on their own machine: drop the sandbox, or move the note to bench/DEVICE_NOTES.md",
-    ),
-    (
-        "the development environment's 'device machine'",
-        re.compile(r"\bdevice[- ]machines?\b", re.IGNORECASE),
-        "say 'a GPU host' (or name the GPUs); device-call notes go to bench/DEVICE_NOTES.md",
-    ),
-    (
-        "'this 2-core machine'",
-        re.compile(r"\bthis\s+2[- ]core\b", re.IGNORECASE),
-        "quote the figure with its spread and link its bench/RESULTS.md section; machine-load notes go there",
-    ),
+_RULE_TABLE = r"""
+carry folder `.vllmw` ¦ \.vllmw
+  describe the install a user does (pip install 'rollmatch[gpu]'); device-call notes: bench/DEVICE_NOTES.md
+the device tool's `carry` ¦ \bcarry\s*[:=]|`carry`|\bcarry\s*\|
+  a user has no carry list: say what to install or copy, or move the plan to bench/DEVICE_NOTES.md
+`$OUT` ¦ \$OUT\b|\$\{OUT\}
+  name the user's output folder (e.g. runs/<name>/) instead of the device tool's $OUT
+a backlog number ¦ (?i)\bissues?\s+#?\d+
+  say what the change does; backlog numbers belong in commit messages and bench/RESULTS.md
+a sandbox name ¦ (?i)\bgVisor\b|\bFirecracker\b
+  a user runs on their own machine: drop the sandbox, or move the note to bench/DEVICE_NOTES.md
+the development environment's 'device machine' ¦ (?i)\bdevice[- ]machines?\b
+  say 'a GPU host' (or name the GPUs); device-call notes go to bench/DEVICE_NOTES.md
+'this 2-core machine' ¦ (?i)\bthis\s+2[- ]core\b
+  quote the figure with its spread and link its bench/RESULTS.md section; machine-load notes go there
+"""
+"""Two lines a rule: ``what is found ¦ its pattern`` (Python `re`; `(?i)` ignores case), then the fix."""
+
+_LINES = _RULE_TABLE.strip().splitlines()
+RULES: tuple[tuple[str, re.Pattern[str], str], ...] = tuple(
+    (head.split(" ¦ ")[0], re.compile(head.split(" ¦ ")[1]), fix.strip())
+    for head, fix in zip(_LINES[0::2], _LINES[1::2], strict=True)
 )
 
 _HEX = re.compile(r"(?<![\w/#.-])([0-9a-f]{7,40})(?![\w/.-]|\.\d)")
