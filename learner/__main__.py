@@ -103,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             "report": str(report) if report else None,
             "model": str(parts.output_dir / "model") if cfg.save_final_model else None,
         }
+        moved = reorder_moved_rate(metrics_path) if cfg.stage2.targets.unmatched_prefix == "reorder" else None
+        if moved is not None:
+            summary["reorder_moved_rate"] = round(moved, 4)
+            log.info(
+                "reorder: %.1f %% of the rollout-matching samples were taught the model's own order%s",
+                100 * moved,
+                "; the rest (here: all) the listed annotations, exactly as plain SFT — on these annotations"
+                " rollout-matching costs the generation and changes nothing (README: when does training on"
+                " its own rollouts pay?)"
+                if moved == 0
+                else ", the rest the listed annotations",
+            )
         (parts.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if first and last:
             log.info(
@@ -113,6 +125,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(json.dumps(summary))
     return 0
+
+
+def reorder_moved_rate(metrics_path: Path) -> float | None:
+    """Fraction of a run's rollout-matching samples that `unmatched_prefix: reorder` taught in another order
+    than the listed annotations (`rollout/reorder_moved` over `rollout/samples`); None without such steps."""
+    from learner.report import load_metrics
+
+    if not metrics_path.exists():
+        return None
+    rows = [r for r in load_metrics(metrics_path) if r.get("rollout/reorder_moved") is not None]
+    samples = sum(float(r.get("rollout/samples") or 0.0) for r in rows)
+    return sum(float(r["rollout/reorder_moved"]) for r in rows) / samples if samples else None
 
 
 def native_threads(prefixes: tuple[str, ...] = _COLLECTIVE_THREADS) -> dict[str, int]:

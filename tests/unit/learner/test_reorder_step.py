@@ -129,3 +129,22 @@ def test_rollouts_that_follow_no_candidate_keep_each_samples_own_order(
     assert not all(
         torch.equal(a, b) for a, b in zip(_tensors(reorder), _tensors(plain), strict=True) if a is not None
     )
+
+
+def test_a_run_reports_how_often_reorder_moved_the_targets(tmp_path) -> None:
+    """`python -m learner` says whether `reorder` did anything (summary.json `reorder_moved_rate`)."""
+    import json
+
+    from learner.__main__ import reorder_moved_rate
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 0, "environment": {}},
+        {"step": 1, "loss": 1.0},  # a plain-GT step: no rollout counters
+        {"step": 2, "loss": 1.0, "rollout/samples": 16.0, "rollout/reorder_moved": 4.0},
+        {"step": 3, "loss": 1.0, "rollout/samples": 16.0, "rollout/reorder_moved": 0.0},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert reorder_moved_rate(path) == 4.0 / 32.0
+    path.write_text(json.dumps(rows[1]) + "\n")
+    assert reorder_moved_rate(path) is None
