@@ -14,10 +14,12 @@ still runs; minutes: an H200 pair, vLLM 0.26, compile caches cold → warm, mode
 | `adapter` (`adapter.py`) | LoRA syncs into a LoRA-enabled vLLM server: s / sync, served output | 3.5 → 2.5 |
 | `colocate` (`colocate.py`) | colocated vLLM on GPU 0: memory asleep / awake per process, weights | 5 → 4 |
 |  | equal after the in-process sync, `--colocate-syncs N` timed syncs (cast / handoff / commit s vs | |
-|  | a device copy of the same bytes; `--handoff`); `--colocate-steps N` (4) learner steps | |
+|  | a device copy of the same bytes; `--handoff`); `--colocate-steps N` (4) learner steps, after | |
+|  | `--colocate-plain-steps P` plain ones (the step-cost ratio and its bound in one run) | |
 | `grpo` (`grpo.py`) | GRPO on images (tiny Qwen3-VL warm start), vLLM server vs HF server | 7 → 6 |
 
-The server runs on `--server-gpu` (1), the learner on GPU 0; the VL model is a random-init Qwen3-VL-2B-shaped
+The server runs on `--server-gpu` (1; 0 puts it beside the learner: 0.35 of the memory, shm sync), the
+learner on GPU 0; the VL model is a random-init Qwen3-VL-2B-shaped
 model in bf16 (`bench/_vlm.save_vlm_2b`, built once per run). `--loop-batch N` gives the loop stages
 `per_device_train_batch_size: N` (the MFU question: does a bigger step than the recipe's 16 samples lift it?).
 
