@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         parts.source.close()
     if trainer.is_world_process_zero():
-        from learner.report import write_report
+        from learner.report import reorder_moved_rate, write_report
 
         metrics_path = parts.output_dir / "metrics.jsonl"
         report = write_report(metrics_path) if metrics_path.exists() else None
@@ -125,18 +125,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(json.dumps(summary))
     return 0
-
-
-def reorder_moved_rate(metrics_path: Path) -> float | None:
-    """Fraction of a run's rollout-matching samples that `unmatched_prefix: reorder` taught in another order
-    than the listed annotations (`rollout/reorder_moved` over `rollout/samples`); None without such steps."""
-    from learner.report import load_metrics
-
-    if not metrics_path.exists():
-        return None
-    rows = [r for r in load_metrics(metrics_path) if r.get("rollout/reorder_moved") is not None]
-    samples = sum(float(r.get("rollout/samples") or 0.0) for r in rows)
-    return sum(float(r["rollout/reorder_moved"]) for r in rows) / samples if samples else None
 
 
 def native_threads(prefixes: tuple[str, ...] = _COLLECTIVE_THREADS) -> dict[str, int]:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_metrics", "write_report"]
+__all__ = ["load_metrics", "reorder_moved_rate", "write_report"]
 
 TIME_KEYS = (
     "time/rollout_wait_s",
@@ -26,6 +26,16 @@ TIME_KEYS = (
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records of a metrics JSONL file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def reorder_moved_rate(metrics_path: str | Path) -> float | None:
+    """Fraction of a run's rollout-matching samples that `unmatched_prefix: reorder` taught in another order
+    than the listed annotations (`rollout/reorder_moved` over `rollout/samples`); None without such steps."""
+    if not Path(metrics_path).exists():
+        return None
+    rows = [r for r in load_metrics(metrics_path) if r.get("rollout/reorder_moved") is not None]
+    samples = sum(float(r.get("rollout/samples") or 0.0) for r in rows)
+    return sum(float(r["rollout/reorder_moved"]) for r in rows) / samples if samples else None
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -182,7 +182,7 @@ def test_rollouts_that_follow_no_candidate_keep_each_samples_own_order(step_part
 
 def test_a_run_reports_how_often_reorder_moved_the_targets(tmp_path) -> None:
     """`python -m learner` says whether `reorder` did anything (summary.json `reorder_moved_rate`)."""
-    from learner.__main__ import reorder_moved_rate
+    from learner.report import reorder_moved_rate
 
     path = tmp_path / "metrics.jsonl"
     rows = [
