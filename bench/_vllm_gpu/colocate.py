@@ -53,7 +53,7 @@ def _run_config(bench: Bench) -> Path:
     if bench.cpu:
         vllm["enforce_eager"] = True  # as the colocate integration tests: no CPU compile
     else:
-        vllm["sleep_level"] = 1
+        vllm["sleep_level"] = bench.args.sleep_level
     run = folder / "run.yaml"
     run.write_text(yaml.safe_dump({
         "extends": str(configs[1]),
@@ -101,6 +101,8 @@ def check(bench: Bench, run: Path) -> None:
             row |= {
                 "bound_copy_s": round(bound, 4),
                 "commit_over_bound": round(row["commit_s"] / max(bound, 1e-9), 2),
+                # the worker's copy alone (the commit less its RPC round trip)
+                "worker_copy_over_bound": round(row["worker_copy_s"] / max(bound, 1e-9), 2),
             }
         bench.emit({"measure": "colocate_sync_phases", "handoff": cfg.rollout.vllm.weight_handoff,
                     "bytes": nbytes, "bound_copy_s": round(bound, 4), "syncs": syncs})  # fmt: skip
@@ -116,7 +118,7 @@ def _timed_sync(policy: Any, model: Any, source: Any, step: int) -> dict[str, An
     """One full sync at `step`: its phases (s) from the source, its total and its bytes."""
     total = policy.maybe_sync(model, step, source)
     stages = source.last_sync_stages
-    phases = ("cast_s", "handoff_s", "commit_s", "wake_s", "apply_s")
+    phases = ("cast_s", "handoff_s", "commit_s", "worker_copy_s", "commit_planned", "wake_s", "apply_s")
     row = {k: round(stages.get(k, 0.0), 4) for k in phases}
     nbytes = policy.last_report.bytes if policy.last_report else 0
     handoff = getattr(source.backend, "handoff", None)
@@ -170,7 +172,7 @@ def loop(bench: Bench, run: Path) -> None:
     steps, summary = read_metrics(paths["metrics"])
     record = summarize(1, steps, summary, warmup_steps=2)
     bench.keep(paths["metrics"], "colocate_metrics.jsonl")
-    bench.emit({**record, "measure": "colocate", "sleep_level": 0 if bench.cpu else 1,
+    bench.emit({**record, "measure": "colocate", "sleep_level": 0 if bench.cpu else bench.args.sleep_level,
                 **step_costs(steps, bench.args.colocate_plain_steps),
                 "processes": processes.summary(), "gpus": gpus.summary()})  # fmt: skip
 

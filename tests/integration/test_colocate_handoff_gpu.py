@@ -85,10 +85,14 @@ def test_colocated_sync_serves_the_learners_weights(tiny_vlm_dir: Path, handoff:
         assert source.backend.handoff == handoff
         before, _ = _gap(source, model)
         policy = WeightSyncPolicy(SyncConfig(mode="full"), is_rank0=lambda: source.sends_weights)
-        for step in range(2):  # the second sync reuses what the first set up (handles, parameter slots)
+        for step in range(2):  # the second sync replays the first's copy plan (handles, parameter slots)
+            if step:  # new weights: the replayed commit must serve them, not step 0's
+                _perturb(model)
+                before, _ = _gap(source, model)
             policy.maybe_sync(model, step, source)
             stages = source.last_sync_stages
             assert stages["commit_s"] > 0 and stages["handoff_s"] > 0 and stages["cast_s"] > 0
+            assert stages["commit_planned"] == float(step == 1), stages  # first: load_weights, recorded
             after, agree = _gap(source, model)
             assert after < 0.02 and before > 10 * after, (before, after, stages)
             assert agree >= 0.95

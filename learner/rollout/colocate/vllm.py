@@ -355,6 +355,9 @@ class VllmColocateBackend:
         if staged.mode == "full":
             self.last_stages["handoff_s"] = engine.get("workers_stage_s", 0.0)
             self.last_stages["commit_s"] = engine.get("load_s", 0.0)
+            for key in ("worker_copy_s", "commit_planned"):  # the worker's copy alone; 1.0: via its copy plan
+                if key in engine:
+                    self.last_stages[key] = engine[key]
 
     def _reload_from_model(self) -> None:
         """Level-2 sleep discarded the weights and no sync came: re-send the training model's weights."""

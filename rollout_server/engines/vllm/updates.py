@@ -241,8 +241,12 @@ class WeightUpdater:
     async def _commit_full(self, version: int) -> None:
         started = time.perf_counter()
         try:
-            counts = await self._llm.collective_rpc(COMMIT_METHOD)
+            commits = await self._llm.collective_rpc(COMMIT_METHOD)
             self.last_stages["load_s"] = time.perf_counter() - started
+            # the workers' own copy time: load_s less the RPC; commit_planned 1.0 when every worker replayed
+            # its copy plan (rollout_server.engines.vllm.copy_plan), 0.0 when one went through load_weights
+            self.last_stages["worker_copy_s"] = max(c["copy_s"] for c in commits)
+            self.last_stages["commit_planned"] = float(all(c["via"] == "plan" for c in commits))
         except Exception as exc:
             self.failure = (
                 f"weight version {version} failed to load ({type(exc).__name__}); restart the server"
@@ -251,7 +255,12 @@ class WeightUpdater:
                 f"loading weight version {version} into the vLLM workers failed ({type(exc).__name__}: {exc})"
             ) from exc
         self.adapters.clear_default()
-        logger.info("vLLM weights version %d applied (%s tensors per worker)", version, counts)
+        logger.info(
+            "vLLM weights version %d applied (%s tensors per worker, via %s)",
+            version,
+            commits[0]["tensors"],
+            ", ".join(sorted({c["via"] for c in commits})),
+        )
 
     async def _discard_worker_stage(self) -> None:
         try:

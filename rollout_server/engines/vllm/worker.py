@@ -7,8 +7,9 @@ bucket bytes are never pickled, queued or copied on their way into a worker; `ST
 safetensors bytes for in-memory buckets (docs/ARCHITECTURE.md#weight-sync: plain tensors would arrive as
 lists, and pickle is never used). An update is two-phase so that a data-parallel group can apply it all or
 nothing: staging keeps the tensors aside (the served weights are untouched, a malformed bucket changes
-nothing), `COMMIT_METHOD` copies them into the served parameters (`commit_path` picks how: an in-place
-`load_weights` on CUDA, vLLM's `reload_weights` where that cannot be exact) and `DISCARD_METHOD` drops a
+nothing), `COMMIT_METHOD` copies them into the served parameters (`commit_path` picks how: in place on
+CUDA — the first commit through the model's `load_weights`, later ones through the copy plan it recorded
+(`copy_plan`) — and vLLM's `reload_weights` where that cannot be exact) and `DISCARD_METHOD` drops a
 staged update. `STAGE_IPC_METHOD` stages views of the colocated learner's GPU memory (CUDA IPC, no copy).
 
 Keep this module light: vLLM imports it by qualified name in every worker.
@@ -16,6 +17,7 @@ Keep this module light: vLLM imports it by qualified name in every worker.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -34,6 +36,8 @@ __all__ = [
     "map_safetensors",
     "refresh_cpu_gemm",
 ]
+
+logger = logging.getLogger(__name__)
 
 STAGE_METHOD = "rollmatch_stage_weights"
 STAGE_RECEIVED_METHOD = "rollmatch_stage_received"
@@ -99,7 +103,8 @@ def commit_path(device_type: str, *, lora: bool, quantized: bool) -> CommitPath:
       of the live parameter. No layer is rebuilt; a tied LM head shares the embedding's parameter, so
       copying the embedding updates both; the vision tower loads through the same `load_weights`. This is
       what TRL's `update_named_param` and verl do, and is exact because on CUDA an unquantized layer computes
-      from the very tensor it loaded.
+      from the very tensor it loaded. The first commit records where each tensor landed (`copy_plan`); later
+      ones copy straight into those slots.
     - `reload` (anywhere else): vLLM's `reload_weights` (layers re-materialized, loaded, re-processed) plus
       `refresh_cpu_gemm`. On CPU, processing REPLACES each linear layer's weight by an empty parameter and
       keeps a packed copy (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so there is no live weight
@@ -114,26 +119,39 @@ def commit_path(device_type: str, *, lora: bool, quantized: bool) -> CommitPath:
     return "in_place" if device_type == "cuda" and not lora and not quantized else "reload"
 
 
-def load_in_place(model: Any, staged: Sequence[tuple[str, Any]]) -> int:
-    """Copies checkpoint-named tensors into `model`'s parameters through its own `load_weights` (each
-    parameter's `weight_loader`: fused shards, tensor-parallel slices, dtype cast), then waits for the copies.
+def load_in_place(model: Any, staged: Sequence[tuple[str, Any]], plan: Any = None) -> tuple[Any, str]:
+    """Copies checkpoint-named tensors into `model`'s parameters (fused shards, tensor-parallel slices, dtype
+    cast), then waits for the copies.
+
+    With a `copy_plan.CopyPlan` whose recorded update has `staged`'s names, shapes and dtypes, the copies are
+    the plan's (one fused `foreach` copy); otherwise the model's own `load_weights` runs (each parameter's
+    `weight_loader`) and its writes are recorded into a new plan.
 
     Invariant: on return every copy has finished, so the sources (e.g. CUDA-IPC views of the learner's
     memory) may be released or overwritten.
 
     Returns:
-        The number of parameters the model reports loaded.
+        `(plan, via)`: the plan to pass next time (None where the load was not replayable) and how this
+        commit copied, `"plan"` or `"load_weights"`.
 
     Raises:
         KeyError / AssertionError / RuntimeError: from `load_weights`, a name or shape it does not serve.
     """
     import torch
 
-    with torch.no_grad():
-        loaded = model.load_weights(weights=iter(staged))
+    from rollout_server.engines.vllm.copy_plan import CopyPlan
+
+    if plan is not None and plan.matches(staged):
+        plan.apply(staged)
+        via = "plan"
+    else:
+        plan, reason = CopyPlan.record(model, staged)
+        if reason:
+            logger.warning("in-place commit keeps going through load_weights: %s", reason)
+        via = "load_weights"
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return len(loaded) if loaded is not None else len(staged)
+    return plan, via
 
 
 def map_safetensors(path: str) -> list[tuple[str, Any]]:
@@ -197,6 +215,7 @@ class WeightLoadExtension:
 
     model_runner: Any
     _rollmatch_staged: list[tuple[str, Any]] | None = None
+    _rollmatch_copy_plan: Any = None  # copy_plan.CopyPlan of the in-place commit, built at the first one
 
     def rollmatch_stage_weights(self, buckets: list[bytes]) -> int:
         """Decodes safetensors buckets and adds their tensors to the staged update (one call per bucket keeps
@@ -280,30 +299,37 @@ class WeightLoadExtension:
             quantized=getattr(config.model_config, "quantization", None) is not None,
         )
 
-    def rollmatch_commit_weights(self) -> int:
+    def rollmatch_commit_weights(self) -> dict[str, Any]:
         """Loads the staged tensors into the served model (`commit_path`) and forgets them.
 
         Returns:
-            The number of tensors loaded.
+            `{"tensors": count, "via": "plan" | "load_weights" | "reload", "copy_s": seconds in this worker}`.
 
         Raises:
             RuntimeError: nothing is staged.
         """
+        import time
+
         import torch
 
         staged = self._rollmatch_staged
         if staged is None:
             raise RuntimeError("no staged weights to commit; stage them first")
+        started = time.perf_counter()
         try:
             if self.rollmatch_commit_path() == "in_place":
-                load_in_place(self.model_runner.get_model(), staged)
+                self._rollmatch_copy_plan, via = load_in_place(
+                    self.model_runner.get_model(), staged, self._rollmatch_copy_plan
+                )
             else:
+                self._rollmatch_copy_plan = None  # reload re-creates the parameters a plan points into
+                via = "reload"
                 with torch.no_grad():
                     self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
                     refresh_cpu_gemm(self.model_runner.get_model())
         finally:
             self._rollmatch_staged = None
-        return len(staged)
+        return {"tensors": len(staged), "via": via, "copy_s": time.perf_counter() - started}
 
     def rollmatch_discard_weights(self) -> bool:
         """Drops staged tensors; returns whether any were staged."""

@@ -30,10 +30,12 @@ class RecordingLlm:
         self.calls: list[tuple[str, Any]] = []
         self.fail = fail
 
-    async def collective_rpc(self, method: str, args: tuple = ()) -> list[int]:
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         self.calls.append((method, len(args[0]) if args else None))
         if method == self.fail:
             raise RuntimeError(f"{method} failed")
+        if method == COMMIT_METHOD:  # the worker's report (`WeightLoadExtension.rollmatch_commit_weights`)
+            return [{"tensors": 1, "via": "plan", "copy_s": 0.001}]
         return [1]
 
     async def add_lora(self, lora: Any) -> bool:
@@ -83,6 +85,7 @@ def test_full_update_stages_per_bucket_then_commits_and_resets_caches() -> None:
         await updater.commit()
 
     asyncio.run(run())
+    assert updater.last_stages["commit_planned"] == 1.0 and updater.last_stages["worker_copy_s"] == 0.001
     assert [c[0] for c in llm.calls] == [
         DISCARD_METHOD,
         STAGE_METHOD,

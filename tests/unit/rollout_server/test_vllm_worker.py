@@ -107,10 +107,14 @@ def test_in_place_commit_fills_fused_slots_and_the_tied_head_keeping_the_paramet
     qkv_before, embed_before = model.qkv, model.embed
     staged = [(n, torch.full((2, 2), float(i + 1), dtype=torch.bfloat16)) for i, n in enumerate("qkv")]
     staged.append(("embed.weight", torch.arange(8, dtype=torch.float32).reshape(4, 2)))
-    assert load_in_place(model, staged) == 2
+    plan, via = load_in_place(model, staged)
+    assert via == "load_weights" and plan is not None  # the first commit records where each tensor landed
     assert model.qkv is qkv_before and model.embed is embed_before  # copied into, never replaced
     assert model.qkv[:, 0].tolist() == [1, 1, 2, 2, 3, 3]  # cast from bf16 into the fp32 parameter
     assert torch.equal(model.lm_head, torch.arange(8, dtype=torch.float32).reshape(4, 2))
+    again = [(n, t + 10) for n, t in staged]
+    assert load_in_place(model, again, plan)[1] == "plan"  # the next one replays it
+    assert model.qkv[:, 0].tolist() == [11, 11, 12, 12, 13, 13] and model.lm_head[0, 0] == 10
 
 
 def _worker(device: str, model: torch.nn.Module, reloads: list[Any]) -> WeightLoadExtension:
@@ -131,7 +135,8 @@ def test_commit_takes_the_chosen_path_and_forgets_the_stage(tmp_path: Path, devi
     model, reloads = _FusedModel(), []
     worker = _worker(device, model, reloads)
     worker.rollmatch_stage_files([str(path)])
-    assert worker.rollmatch_commit_weights() == 1
+    report = worker.rollmatch_commit_weights()
+    assert report["tensors"] == 1 and report["via"] == ("reload" if reloaded else "load_weights")
     assert bool(reloads) == reloaded and bool(model.embed.sum()) != reloaded
     assert worker.rollmatch_discard_weights() is False  # nothing left staged
     with pytest.raises(RuntimeError, match="stage them first"):
