@@ -28,7 +28,7 @@ from _sync_gpu import greedy_gap, perturb
 from bench_learner import ROLLOUT_KEYS, VLM_BASE_CONFIG, read_metrics, run_learner, summarize, write_configs
 from launcher_utils import free_port
 
-from _vllm_gpu.common import Bench, GpuSampler, ProcessMemorySampler, token_prompts
+from _vllm_gpu.common import Bench, GpuSampler, ProcessMemorySampler, loop_batch_override, token_prompts
 
 GIB = float(1 << 30)
 
@@ -54,12 +54,14 @@ def _run_config(bench: Bench) -> Path:
         vllm["enforce_eager"] = True  # as the colocate integration tests: no CPU compile
     else:
         vllm["sleep_level"] = bench.args.sleep_level
+    overrides = loop_batch_override(bench.args.loop_batch)
     run = folder / "run.yaml"
     run.write_text(yaml.safe_dump({
+        **overrides,
         "extends": str(configs[1]),
         "output_dir": str(folder / "run"),
         "rollout": {"mode": "colocate", "backend": "vllm", "servers": [], "vllm": vllm},
-        "stage2": {"sft_warmup_steps": bench.args.colocate_plain_steps},
+        "stage2": {**overrides.get("stage2", {}), "sft_warmup_steps": bench.args.colocate_plain_steps},
     }))  # fmt: skip
     return run
 
@@ -173,6 +175,7 @@ def loop(bench: Bench, run: Path) -> None:
     record = summarize(1, steps, summary, warmup_steps=2)
     bench.keep(paths["metrics"], "colocate_metrics.jsonl")
     bench.emit({**record, "measure": "colocate", "sleep_level": 0 if bench.cpu else bench.args.sleep_level,
+                "per_device_train_batch_size": bench.args.loop_batch or "recipe",
                 **step_costs(steps, bench.args.colocate_plain_steps),
                 "processes": processes.summary(), "gpus": gpus.summary()})  # fmt: skip
 

@@ -280,6 +280,21 @@ class Bench:
             shutil.copy(path, self.args.out.parent / name)
 
 
+PACKED_TOKENS_PER_SAMPLE = 512
+"""Packed-row room per sample of a `--loop-batch` micro-batch (prompt ~101 + up to 200 + own prefix)."""
+
+
+def loop_batch_override(loop_batch: int | None) -> dict[str, Any]:
+    """The run-config sections `--loop-batch N` sets on a loop's learner (server or colocated): `N` samples a
+    micro-batch, packed rows long enough to hold them; `{}` for the recipe's own batch."""
+    if not loop_batch:
+        return {}
+    return {
+        "training": {"per_device_train_batch_size": loop_batch},
+        "stage2": {"packing": {"packing_length": max(4096, PACKED_TOKENS_PER_SAMPLE * loop_batch)}},
+    }
+
+
 def via(log: str) -> list[str]:
     """NCCL's channel lines (`... via P2P/CUMEM`, `via SHM/direct/direct`, ...) of a log."""
     return [line for line in log.splitlines() if " via " in line and "NCCL INFO" in line]

@@ -26,6 +26,7 @@ from _vllm_gpu.common import (
     GpuSampler,
     Server,
     images,
+    loop_batch_override,
     messages,
     post_infer,
     short,
@@ -33,9 +34,6 @@ from _vllm_gpu.common import (
     token_prompts,
     via,
 )
-
-PACKED_TOKENS_PER_SAMPLE = 512
-"""Packed-row room per sample of a `--loop-batch` micro-batch (prompt ~101 + up to 200 + own prefix)."""
 
 
 def serving(bench: Bench, backend: str) -> None:
@@ -114,9 +112,7 @@ def loop(bench: Bench, server: Server, backend: str) -> None:
     }  # fmt: skip
     if bench.same_gpu:  # NCCL cannot put two ranks on one GPU: the server beside the learner syncs by shm
         run["rollout"]["sync"] = {"mode": "full", "transport": "shm", "shm_dir": str(server.shm_dir)}
-    if args.loop_batch:
-        run["training"] = {"per_device_train_batch_size": args.loop_batch}
-        run["stage2"] = {"packing": {"packing_length": max(4096, PACKED_TOKENS_PER_SAMPLE * args.loop_batch)}}
+    run |= loop_batch_override(args.loop_batch)
     (folder / "run.yaml").write_text(yaml.safe_dump(run))
     with GpuSampler() as gpus:
         started = time.perf_counter()
