@@ -1,4 +1,4 @@
-"""A/B of learning recipes: K seeds x arms, equal steps and samples, held-out F1 over seeds.
+"""A/B of learning recipes: K seeds x arms, at equal samples and equal training seconds, held-out F1.
 
     python bench/ab_learning.py --task text-random --arms sft,rm-keep,rm-drop,rm-reorder --seeds 0,1,2
     python bench/ab_learning.py --task image-random --colocate  # a GPU machine without vLLM
@@ -8,10 +8,10 @@
 A task is a demo config plus its object order (``TASKS``: text or image demo, ``sorted`` or ``random``). Every
 run of a seed starts with the same ``--base-steps`` of plain-GT training (the demo's own stage 1: runs are
 deterministic, so this phase is one checkpoint shared by the seed's arms, optimizer state included), then
-trains ``--steps`` more with its arm's recipe (``ARMS``: a ``stage2`` override, exactly what a user writes
-in YAML). ``sft`` is the weak control: plain GT for the same steps and samples, in the task's order. The
-strong control is ``sft-canonical`` (``CANONICAL``): plain GT from the same base for the same steps, listed
-in the order the base itself follows, measured before it trains on the base's greedy rollouts of
+trains ``--steps`` more with its arm's recipe (``ARMS``: a ``stage2`` override, exactly what a user writes in
+YAML). ``sft`` is the weak control: plain GT for the same steps and samples, in the task's order. The strong
+control is ``sft-canonical`` (``CANONICAL``): plain GT from the same base for the on-policy arms' seconds,
+listed in the order the base itself follows, measured before it trains on the base's greedy rollouts of
 ``--order-samples`` training rows (``python -m learner.evaluate``'s ``object_order``,
 `learner.evaluate.order`: the share of pairs of matched predictions each known order ranks as the model
 emitted them), so an on-policy arm has to beat more than the fix of the order. The held-out F1 is evaluated
@@ -24,25 +24,52 @@ detection``) start from the same base: the sft run of the seed saves its weights
 GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF engine in-process; constant
 ``--grpo-learning-rate``, a fresh optimizer), evaluated by the rollout-matching evaluator on the same held-out
 rows with the same greedy decoding (``learner.grpo.evaluation``); its steps are shifted by the base steps in
-``ab.jsonl``. ``sft-canonical`` resumes that checkpoint instead (optimizer, schedule and data position of the
-sft run: in the task's own order it is the sft run; its annotation order is not the shared phase's; with
-``--base-steps 0`` it starts from the task's model with a fresh optimizer); ``--canonical-steps`` lets it
-train longer than ``--steps`` (an on-policy arm's step costs more: the control then gets the arm's seconds,
-and by samples it is read at the arm's last step). Trained samples: a plain-GT or
-rollout-matching step trains ``per_device_train_batch_size x gradient_accumulation_steps`` samples; a GRPO
-step trains ``prompts x num_generations`` completions, and the arm uses ``(that batch) / GRPO_GENERATIONS``
-prompts per step, so every arm trains the same number of samples per step (``trained_samples`` in the
-summary counts the steps after the base). Training seconds: each evaluation carries ``seconds``, the wall
-seconds the run spent in its steps after the base (evaluations excluded; ``step_seconds``), times the GPUs
-the run held on a GPU host (GPU-seconds: the learner's, plus the rollout server's when the harness started
-it) — ``train_seconds`` and ``seconds_unit`` per run in the summary (``gpu``, or ``cpu`` wall seconds).
+``ab.jsonl``. ``sft-canonical`` resumes that checkpoint instead (optimizer and data position of the sft run:
+in the task's own order and ``--steps`` steps it is the sft run; its annotation order is not the shared
+phase's; with ``--base-steps 0`` it starts from the task's model with a fresh optimizer). Its length is a
+seconds budget: it runs after the seed's other arms and trains ``ceil(arm seconds / sft seconds per step)``
+steps, the arm seconds being the largest ``train_seconds`` of the seed's on-policy arms (every arm but the two
+controls) and the seconds per step the seed's ``sft`` run's (the same plain-GT step; the sft run is added when
+it is not asked for). Its run is configured for those steps, so its learning-rate schedule ends at its own
+last step; the choice and its reason are stamped in its folder (``canonical_budget.json``) and in the summary
+(``canonical_budget``). ``--canonical-steps N`` fixes the length instead; with no on-policy arm it trains
+``--steps``. Trained samples: a plain-GT or rollout-matching step trains ``per_device_train_batch_size x
+gradient_accumulation_steps`` samples; a GRPO step trains ``prompts x num_generations`` completions, and the
+arm uses ``(that batch) / GRPO_GENERATIONS`` prompts per step, so every arm trains the same number of samples
+per step (``trained_samples`` in the summary counts the steps after the base). Training seconds: each
+evaluation carries ``seconds``, the wall seconds the run spent in its steps after the base (evaluations
+excluded; ``step_seconds``; the base's evaluation is at 0 s, so ``--base-steps`` is a multiple of
+``--eval-every``), times the GPUs the run held on a GPU host (GPU-seconds: the learner's GPU and the rollout
+server's when the harness started it, each GPU once: a server on the learner's GPU adds none; ``_ab.gpus``) —
+``train_seconds`` and ``seconds_unit`` per run in the summary (``gpu``, or ``cpu`` wall seconds).
 
-Writes ``runs/ab/<task>/ab.jsonl`` (one line per evaluation; then per arm: the final F1 per seed, mean, sd and
-the PAIRED difference to each control of the same seed — ``paired_*`` to ``sft``, ``canonical_paired_*`` to
-``sft-canonical`` — at equal trained samples and, ``*_at_seconds_*``, at equal training seconds; the
-``sft-canonical`` line holds the base order measured per seed), ``ab.png`` (F1, precision, recall, F1 at
-maskIoU 0.5, duplicates and predicted ÷ GT by step, and F1 by training seconds: mean line and min-max band per
-arm, the controls dashed, each arm's paired mean against both controls in the legend) and, with a GRPO
+Writes ``runs/ab/<task>/ab.jsonl``: one line per evaluation, then a summary line per arm (the final F1 per
+seed, mean, sd) with its pairing to each control of the same seed, ``paired_*`` to ``sft`` and
+``canonical_paired_*`` to ``sft-canonical`` (``<P>`` below):
+
+- by trained samples, where both runs end at the same step (one schedule length): ``<P>_diff`` (final F1
+  minus the control's), ``<P>_mean``, ``_sd``, ``_min``, ``_max``, ``_ci95``; ``<P>_samples_unpaired``: the
+  seeds whose control has another length (read mid-way through its schedule it would not be the control);
+- at equal training seconds, on one seconds grid: each run's figures linearly interpolated between its
+  evaluations' ``seconds`` (never past its last evaluation). ``<P>_at_seconds``: the arm's final seconds per
+  seed, the headline grid point; ``<P>_at_seconds_seeds`` the seeds paired there and
+  ``<P>_at_seconds_missing`` those whose control never reached the arm's seconds (a missing pair, never
+  read at an earlier evaluation); ``<P>_at_seconds_<figure>`` for ``f1``, ``precision``, ``recall``,
+  ``duplicates`` and ``pred_gt_ratio``: ``diff`` (arm minus control per paired seed), ``mean``, ``sd``,
+  ``min``, ``max``, ``ci95`` (Student's t 95 % interval of the mean, two seeds or more), ``arm`` and
+  ``control`` (the values); ``<P>_at_fractions_f1``: the same F1 pairing at 0.25, 0.5, 0.75 and 1 of the
+  arm's final seconds (keys ``"0.25"`` … ``"1"``); ``<P>_seconds_ratio``: the arm's final seconds ÷ the
+  control's.
+
+The ``sft-canonical`` line also holds the base order measured per seed (``base_order``), how its steps were
+chosen (``canonical_budget``: ``steps``, ``reason``, ``arm``, ``arm_seconds``, ``sft_step_seconds``,
+``unit``) and, where it still trained fewer seconds than the slowest on-policy arm (its first step's warm-up
+made the estimate low), ``canonical_seconds_short`` (seed, arm, both seconds; that arm's headline pair is
+then missing). Also ``ab.png`` (F1, precision, recall, F1 at maskIoU 0.5, duplicates and predicted ÷ GT by
+step, mean line and min-max band per arm, the controls dashed; and F1 by training seconds with every arm on
+one seconds axis: each run interpolated on a common grid, the mean and min-max band over seeds drawn where
+every seed reached those seconds, the evaluations as dots; each arm's paired means against both controls in
+the legend, ``@s`` at equal seconds) and, with a GRPO
 arm, ``grpo.png`` (reward, KL, completion length per step). One rollout server (the task config's
 ``server:`` section) serves every run unless ``--server-url`` names one or ``--colocate`` rolls out
 in-process; a run's first rollout step syncs its weights, so runs can share a server. Finished runs are reused
@@ -61,7 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ab.from_runs import summarize_copied_runs  # noqa: E402
 from _ab.harness import run_ab  # noqa: E402
-from _ab.tables import ARMS, CANONICAL, GRPO_ARMS, REPO, TASKS  # noqa: E402
+from _ab.tables import ARMS, CANONICAL, CONTROLS, GRPO_ARMS, REPO, TASKS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "--canonical-steps",
         type=int,
         default=None,
-        help=f"{CANONICAL}: steps it trains (default --steps; more gives it the on-policy arms' seconds)",
+        help=f"{CANONICAL}: a fixed step count (default: sized per seed to the on-policy arms' seconds)",
     )
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-samples", type=int, default=256)
@@ -139,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.arms.split(",")) - set(ARMS) - set(GRPO_ARMS) - {CANONICAL})
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; known: {sorted([*ARMS, *GRPO_ARMS, CANONICAL])}")
-    args.canonical_steps = args.canonical_steps or args.steps
-    if args.canonical_steps % args.eval_every or args.steps % args.eval_every:
+    if args.base_steps % args.eval_every or args.steps % args.eval_every:
         parser.error(
-            f"--steps {args.steps} and --canonical-steps {args.canonical_steps} must be multiples of"
-            f" --eval-every {args.eval_every} (the controls are read at the arms' last step)"
+            f"--base-steps {args.base_steps} and --steps {args.steps} must be multiples of --eval-every"
+            f" {args.eval_every} (the shared base is every run's evaluation at 0 s; the arms end on one)"
         )
+    if args.canonical_steps is not None and args.canonical_steps < 1:
+        parser.error(f"--canonical-steps {args.canonical_steps} must be >= 1")
     if args.order_samples < 1:
         parser.error(f"--order-samples {args.order_samples} must be >= 1")
     arms = args.arms.split(",")
@@ -154,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{grpo_arms} run with --colocate only (GRPO rolls out with its own HF engine in-process)"
         )
     from_base = [a for a in arms if a in GRPO_ARMS or a == CANONICAL]  # start from the seed's base checkpoint
-    if from_base and args.base_steps > 0:  # the sft run is their base checkpoint: it runs first
+    on_policy = [a for a in arms if a not in CONTROLS]
+    # sized by seconds, the control needs the sft run's seconds per step and the on-policy arms' seconds
+    sized = CANONICAL in arms and args.canonical_steps is None and bool(on_policy)
+    if (from_base and args.base_steps > 0) or sized:  # the sft run is their base checkpoint: it runs first
         arms = ["sft", *[a for a in arms if a != "sft"]]
+    if CANONICAL in arms:  # last: after the arms whose seconds it is given
+        arms = [*[a for a in arms if a != CANONICAL], CANONICAL]
     return run_ab(args, arms, saves_base=bool(from_base))
 
 

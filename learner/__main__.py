@@ -77,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         with logging_redirect_tqdm():
             first = trainer.evaluate() if cfg.stage2.eval.at_start and trainer.eval_samples else {}
             trainer.train(resume_from_checkpoint=cfg.training_view.resume_from_checkpoint)
-            evaluated_last = (
-                trainer.args.eval_strategy == "steps"
-                and trainer.state.global_step % max(int(trainer.args.eval_steps or 1), 1) == 0
+            # HF evaluates a step-strategy run at its last step even off the eval period: look, don't recount
+            evaluated_last = any(
+                "eval_rollout_f1" in r and r.get("step") == trainer.state.global_step
+                for r in trainer.state.log_history
             )
             last = (
                 _last_eval(trainer)

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from _ab.canonical_budget import read_budget
 from _ab.order import read_order
 from _ab.plots import plot, plot_grpo
 from _ab.run_folder import eval_curve, with_seconds
@@ -33,15 +34,15 @@ def summarize_copied_runs(
     must start from one base (the same first held-out F1 in every arm), else the pairing would compare
     different bases: that is an error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` /
     ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation. The
-    ``sft-canonical`` runs are the folders of ``canonical_steps`` (default ``steps``).
+    ``sft-canonical`` runs are :func:`canonical_folders`'s.
     """
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
     units: dict[tuple[str, int], str] = {}
     orders: dict[tuple[str, int], dict[str, Any]] = {}
     grpo_runs: dict[tuple[str, int], Path] = {}
-    canonical_steps = canonical_steps or steps
+    budgets: dict[int, dict[str, Any]] = {}
     folders = [(d, steps) for d in sorted(out.glob(f"*-s*-{steps}")) if not d.name.startswith(CANONICAL)]
-    folders += [(d, canonical_steps) for d in sorted(out.glob(f"{CANONICAL}-s*-{canonical_steps}"))]
+    folders += canonical_folders(out, canonical_steps)
     for run_dir, run_steps in folders:
         arm, _, seed = run_dir.name.removesuffix(f"-{run_steps}").rpartition("-s")
         metrics = run_dir / "metrics.jsonl"
@@ -61,6 +62,8 @@ def summarize_copied_runs(
             orders[(arm, int(seed))] = {**read_order(run_dir), "ordering": ordering}  # type: ignore[dict-item]
         if arm in GRPO_ARMS:
             grpo_runs[(arm, int(seed))] = run_dir
+        if arm == CANONICAL and read_budget(run_dir) is not None:
+            budgets[int(seed)] = read_budget(run_dir)  # type: ignore[assignment]
     if not curves:
         raise SystemExit(f"no run folders *-s<seed>-{steps} with evaluations in {out}")
     for seed in sorted({s for _, s in curves}):
@@ -75,11 +78,32 @@ def summarize_copied_runs(
         for (arm, seed), curve in sorted(curves.items()):
             for point in curve:
                 fh.write(json.dumps({"task": task, "arm": arm, "seed": seed, **point}) + "\n")
-        for line in summarize(task, curves, units=units, orders=orders):
+        for line in summarize(task, curves, units=units, orders=orders, budgets=budgets):
             fh.write(json.dumps({"summary": True, **line}) + "\n")
             print(json.dumps(line), flush=True)
-    plot(task, curves, out / f"ab{suffix}.png")
+    plot(task, curves, out / f"ab{suffix}.png", units)
     if grpo_runs:
         plot_grpo(grpo_runs, out / "grpo.png")
     print(f"[ab] {out / f'ab{suffix}.jsonl'} and {out / f'ab{suffix}.png'}", flush=True)
     return 0
+
+
+def canonical_folders(out: Path, canonical_steps: int | None) -> list[tuple[Path, int]]:
+    """The ``sft-canonical`` run folders in ``out`` with their steps: those of ``canonical_steps`` when given,
+    else one per seed whatever its steps (sized by seconds, they differ by seed); of several for a seed, the
+    one stamped with its budget (`_ab.canonical_budget`), else it is an error naming them."""
+    if canonical_steps is not None:
+        return [(d, canonical_steps) for d in sorted(out.glob(f"{CANONICAL}-s*-{canonical_steps}"))]
+    by_seed: dict[str, list[tuple[Path, int]]] = {}
+    for run_dir in sorted(out.glob(f"{CANONICAL}-s*-*")):
+        seed, _, run_steps = run_dir.name.removeprefix(f"{CANONICAL}-s").partition("-")
+        if seed.isdigit() and run_steps.isdigit():
+            by_seed.setdefault(seed, []).append((run_dir, int(run_steps)))
+    chosen = []
+    for seed, found in sorted(by_seed.items()):
+        stamped = [f for f in found if read_budget(f[0]) is not None]
+        if len(found) > 1 and len(stamped) != 1:
+            names = [d.name for d, _ in found]
+            raise SystemExit(f"seed {seed}: several {CANONICAL} runs {names}; pass --canonical-steps")
+        chosen.append(stamped[0] if len(found) > 1 else found[0])
+    return chosen

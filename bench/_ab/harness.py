@@ -11,6 +11,8 @@ from typing import Any
 
 from launcher_utils import exit_on_signals
 
+from _ab.canonical_budget import budget_for_seed, write_budget
+from _ab.gpus import held_gpus, server_gpus, visible_gpus
 from _ab.order import canonical_ordering, measure_base_order, read_order
 from _ab.plots import plot, plot_grpo
 from _ab.prepare import base_fingerprint, build_data, build_model
@@ -25,7 +27,7 @@ from _ab.run_configs import (
     samples_per_step,
     stage2_run_config,
 )
-from _ab.run_folder import BASE_STAMP, DEVICE_STAMP, eval_curve, finished, run_gpus, with_seconds
+from _ab.run_folder import BASE_STAMP, DEVICE_STAMP, eval_curve, finished, with_seconds
 from _ab.summary import summarize
 from _ab.tables import ARMS, CANONICAL, GRPO_ARMS, REPO, TASKS, grpo_override
 
@@ -37,7 +39,8 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
     """Runs ``arms`` (in order) for every seed of ``args`` (the command line's), then summarizes and plots.
 
     ``saves_base``: a GRPO or ``sft-canonical`` arm starts from the seed's base, the ``sft`` run's weights at
-    the base steps (it runs first and saves them)."""
+    the base steps (it runs first and saves them). ``sft-canonical`` runs after the seed's other arms: without
+    ``--canonical-steps`` its steps are sized from their seconds (`_ab.canonical_budget`)."""
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +70,9 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
     units: dict[Key, str] = {}
     samples: dict[Key, int] = {}
     orders: dict[Key, dict[str, Any]] = {}
-    gpus = run_gpus(colocate=args.colocate, own_server=server is not None)
+    budgets: dict[int, dict[str, Any]] = {}
+    visible = visible_gpus()
+    gpus = held_gpus(visible, server_gpus(out / "server.yaml", visible) if server is not None else None)
     results = out / "ab.jsonl"
     try:
         with results.open("a") as fh:
@@ -76,7 +81,14 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                 base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
                 base = str(base_dir) if args.base_steps > 0 else None
                 for arm in arms:
-                    steps = args.canonical_steps if arm == CANONICAL else args.steps
+                    steps = args.steps
+                    if arm == CANONICAL:  # the seed's on-policy arms have run: their seconds size it
+                        budgets[seed] = budget_for_seed(curves, units, seed, args.steps, args.canonical_steps)
+                        steps = budgets[seed]["steps"]
+                        print(
+                            f"[ab] {args.task} seed {seed}: {CANONICAL} {json.dumps(budgets[seed])}",
+                            flush=True,
+                        )
                     run_dir = out / f"{arm}-s{seed}-{steps}"
                     metrics = run_dir / "metrics.jsonl"
                     # a run from the base counts its own steps; the curve is shifted onto the others' steps
@@ -138,6 +150,8 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                             )
                             ordering = canonical_ordering(order, task["ordering"])
                             cfg = canonical_run_config(common, rollout, ordering=ordering, **canonical)
+                        if arm == CANONICAL:
+                            write_budget(run_dir, budgets[seed])
                         run_learner(cfg, run_dir / "run.yaml", run_dir / "learner.log")
                         (run_dir / BASE_STAMP).write_text(base_sha + "\n")
                         (run_dir / DEVICE_STAMP).write_text(json.dumps({"gpus": gpus}) + "\n")
@@ -161,14 +175,14 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     for point in curve:
                         fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
                         fh.flush()
-            summary = summarize(args.task, curves, samples, units, orders)
+            summary = summarize(args.task, curves, samples, units, orders, budgets)
             for line in summary:
                 fh.write(json.dumps({"summary": True, **line}) + "\n")
                 print(json.dumps(line), flush=True)
     finally:
         if server is not None:
             server.stop()
-    plot(args.task, curves, out / "ab.png")
+    plot(args.task, curves, out / "ab.png", units)
     grpo_runs = {(arm, seed): out / f"{arm}-s{seed}-{args.steps}" for arm, seed in curves if arm in GRPO_ARMS}
     if grpo_runs:
         plot_grpo(grpo_runs, out / "grpo.png")

@@ -60,17 +60,8 @@ def finished(run_dir: Path, cfg: dict[str, Any], total: int, base: str = "") -> 
 
 
 DEVICE_STAMP = "device.json"
-"""File in a run folder: ``{"gpus": N}``, the GPUs the run held (0 on a CPU host), written once it trained."""
-
-
-def run_gpus(*, colocate: bool, own_server: bool) -> int:
-    """GPUs one run holds on this host: 0 without CUDA; else the learner's one, plus the rollout server's when
-    this harness started it (``--server-url``'s server is another host's, not counted)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    return 1 if colocate or not own_server else 2
+"""File in a run folder: ``{"gpus": N}``, the GPUs the run held (0 on a CPU host; `_ab.gpus.held_gpus`),
+written once it trained."""
 
 
 def step_seconds(metrics: Path, after_step: int = 0) -> dict[int, float]:

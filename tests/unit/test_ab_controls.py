@@ -14,8 +14,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import ab_learning  # noqa: E402
+from _ab import gpus, plots, run_configs, run_folder, summary, tables  # noqa: E402
 from _ab import order as base_order  # noqa: E402
-from _ab import plots, run_configs, run_folder, summary, tables  # noqa: E402
 
 CANONICAL = tables.CANONICAL
 
@@ -53,8 +53,9 @@ def test_without_a_canonical_run_only_the_weak_control_is_paired() -> None:
     assert not any(k.startswith("canonical_paired") for k in line)
 
 
-def test_equal_seconds_cut_both_runs_at_the_faster_runs_seconds() -> None:
-    """The arm takes 100 s for what the control trains in 40 s: at 40 s the arm has only its base F1."""
+def test_equal_seconds_interpolate_the_control_at_the_arms_final_seconds() -> None:
+    """The arm takes 100 s for what the control trains in 40 s: the control never reached 100 s, so the
+    headline pair is missing (counted), never the control's last evaluation; at 25 s both are interpolated."""
     curves = {
         (CANONICAL, 0): _curve([0.5, 0.55, 0.58], [0.0, 20.0, 40.0]),
         ("rm-drop", 0): _curve([0.5, 0.60, 0.70], [0.0, 50.0, 100.0]),
@@ -62,14 +63,22 @@ def test_equal_seconds_cut_both_runs_at_the_faster_runs_seconds() -> None:
     units = {(CANONICAL, 0): "gpu", ("rm-drop", 0): "gpu"}
     line = _lines(curves, units=units)["rm-drop"]
     assert line["canonical_paired_diff"] == pytest.approx([0.12])  # equal samples: the arm is ahead
-    assert line["canonical_paired_at_seconds_budget"] == [40.0]
-    assert line["canonical_paired_at_seconds_diff"] == pytest.approx([0.5 - 0.58])  # equal seconds: behind
+    assert line["canonical_paired_at_seconds"] == [100.0]
+    assert (
+        line["canonical_paired_at_seconds_missing"] == [0] and line["canonical_paired_at_seconds_seeds"] == []
+    )
+    assert "canonical_paired_at_seconds_f1" not in line
+    quarter = line["canonical_paired_at_fractions_f1"]["0.25"]  # 25 s: arm 0.55, control 0.5575
+    assert quarter["seeds"] == [0] and quarter["mean"] == pytest.approx(0.55 - 0.5575)
     assert line["canonical_paired_seconds_ratio"] == pytest.approx([2.5])
     assert line["train_seconds"] == [100.0] and line["seconds_unit"] == ["gpu"]
-    # a faster arm is compared at its own seconds: the control at its last evaluation within them
+    short = _lines(curves, units=units)[CANONICAL]["canonical_seconds_short"]
+    assert short == [{"seed": 0, "arm": "rm-drop", "arm_seconds": 100.0, "canonical_seconds": 40.0}]
+    # a faster arm: the control interpolated at the arm's 30 s (0.55 + 0.5 x 0.03)
     curves[("rm-drop", 0)] = _curve([0.5, 0.60, 0.70], [0.0, 10.0, 30.0])
     line = _lines(curves, units=units)["rm-drop"]
-    assert line["canonical_paired_at_seconds_diff"] == pytest.approx([0.70 - 0.55])
+    assert line["canonical_paired_at_seconds_f1"]["diff"] == pytest.approx([0.70 - 0.565])
+    assert "canonical_seconds_short" not in _lines(curves, units=units)[CANONICAL]
 
 
 def test_seconds_of_different_units_are_not_paired() -> None:
@@ -78,7 +87,7 @@ def test_seconds_of_different_units_are_not_paired() -> None:
         ("rm-drop", 0): _curve([0.5, 0.70], [0.0, 100.0]),
     }
     line = _lines(curves, units={(CANONICAL, 0): "gpu", ("rm-drop", 0): "cpu"})["rm-drop"]
-    assert "canonical_paired_diff" in line and "canonical_paired_at_seconds_diff" not in line
+    assert "canonical_paired_diff" in line and "canonical_paired_at_seconds" not in line
 
 
 def _metrics(run: Path, rows: list[dict]) -> None:
@@ -246,7 +255,7 @@ def test_copied_runs_report_both_controls_the_base_order_and_seconds(tmp_path: P
         [-0.01]
     )
     assert arm["train_seconds"] == [4.0] and arm["seconds_unit"] == ["gpu"]
-    assert arm["canonical_paired_at_seconds_diff"] == pytest.approx([-0.01])
+    assert arm["canonical_paired_at_seconds_f1"]["diff"] == pytest.approx([-0.01])
     assert summary[CANONICAL]["base_order"] == [{**order, "ordering": "sorted"}]
     assert all("seconds" in x for x in lines if not x.get("summary"))
     assert (tmp_path / "ab.png").stat().st_size > 0
@@ -265,35 +274,59 @@ def test_bad_flags_are_refused_before_anything_is_built(argv, message, capsys) -
     assert message in capsys.readouterr().err
 
 
-def test_a_cpu_host_holds_no_gpu(monkeypatch) -> None:
-    import torch
+def test_gpu_seconds_count_each_gpu_once(tmp_path: Path) -> None:
+    """A run holds the learner's GPU and the harness's server's: a server on the learner's GPU (one GPU, or
+    `server.gpus: [0]` with the learner on GPU 0) adds none; on another GPU it adds one; no server (in-process
+    rollouts, or another host's) adds none; a CPU host holds none."""
+    assert gpus.held_gpus([], ["0"]) == 0
+    assert gpus.held_gpus(["0"], None) == 1
+    assert gpus.held_gpus(["0"], ["0"]) == 1 and gpus.held_gpus(["0", "1"], ["1"]) == 2
+    assert gpus.held_gpus(["0", "1", "2"], ["1", "2"]) == 3
+    server = tmp_path / "server.yaml"
+    server.write_text(yaml.safe_dump({"server": {"model": "m"}}))
+    assert gpus.server_gpus(server, ["0", "1"]) == ["0"]  # it inherits the harness's GPUs: the learner's one
+    assert gpus.held_gpus(["0", "1"], gpus.server_gpus(server, ["0", "1"])) == 1
+    server.write_text(yaml.safe_dump({"server": {"model": "m", "gpus": [0]}}))
+    assert gpus.held_gpus(["0"], gpus.server_gpus(server, ["0"])) == 1
+    server.write_text(yaml.safe_dump({"server": {"model": "m", "gpus": [1]}}))
+    assert gpus.held_gpus(["0", "1"], gpus.server_gpus(server, ["0", "1"])) == 2
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert run_folder.run_gpus(colocate=True, own_server=False) == 0
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert run_folder.run_gpus(colocate=False, own_server=True) == 2
-    assert run_folder.run_gpus(colocate=True, own_server=False) == 1
 
-
-def test_a_control_trained_longer_is_read_at_the_arms_step_by_samples_and_at_its_seconds() -> None:
-    """`--canonical-steps`: the control trains 4 evaluations' worth where the arm trains 2, in the arm's
-    seconds: by samples it is read at the arm's last step, by seconds at the arm's seconds."""
+def test_a_control_trained_longer_is_paired_by_seconds_not_mid_way_by_samples() -> None:
+    """The control sized to the arm's seconds trains 4 evaluations' worth where the arm trains 2: by samples
+    it would be read mid-way through a longer schedule, so that pair is left out (and said); by seconds the
+    control is interpolated at the arm's 100 s, for every paired figure."""
     curves = {
-        (CANONICAL, 0): _curve([0.5, 0.55, 0.58, 0.62, 0.66], [0.0, 25.0, 50.0, 75.0, 100.0]),
+        (CANONICAL, 0): _curve([0.5, 0.55, 0.58, 0.62, 0.66], [0.0, 26.0, 52.0, 78.0, 104.0]),
         ("rm-drop", 0): _curve([0.5, 0.60, 0.70], [0.0, 50.0, 100.0]),
     }
+    for curve, precision in ((curves[(CANONICAL, 0)], 0.8), (curves[("rm-drop", 0)], 0.9)):
+        for p in curve:
+            p |= {"precision": precision, "recall": 0.5, "duplicates": 1.0, "pred_gt_ratio": 1.1}
     units = {(CANONICAL, 0): "cpu", ("rm-drop", 0): "cpu"}
     line = _lines(curves, units=units)["rm-drop"]
-    assert line["canonical_paired_diff"] == pytest.approx([0.70 - 0.58])  # the control at step 20
-    assert line["canonical_paired_at_seconds_budget"] == [100.0]
-    assert line["canonical_paired_at_seconds_diff"] == pytest.approx([0.70 - 0.66])  # at 100 s
+    assert "canonical_paired_diff" not in line and line["canonical_paired_samples_unpaired"] == [0]
+    f1 = line["canonical_paired_at_seconds_f1"]
+    assert f1["control"] == pytest.approx([0.62 + 0.04 * 22 / 26]) and f1["arm"] == [0.70]
+    assert line["canonical_paired_at_seconds_precision"]["diff"] == pytest.approx([0.1])
+    assert line["canonical_paired_at_seconds_duplicates"]["diff"] == pytest.approx([0.0])
+    assert set(line) >= {f"canonical_paired_at_seconds_{k}" for k in ("recall", "pred_gt_ratio")}
 
 
-def test_canonical_steps_must_be_read_at_an_evaluation(capsys) -> None:
-    argv = ["--out", "/nonexistent/ab", "--arms", "sft,sft-canonical", "--canonical-steps", "30"]
+def test_the_base_steps_must_be_an_evaluation(capsys) -> None:
+    argv = [
+        "--out",
+        "/nonexistent/ab",
+        "--arms",
+        "sft,sft-canonical",
+        "--base-steps",
+        "20",
+        "--eval-every",
+        "3",
+    ]
     with pytest.raises(SystemExit):
-        ab_learning.main(argv)
-    assert "multiples of --eval-every 25" in capsys.readouterr().err
+        ab_learning.main([*argv, "--steps", "6"])
+    assert "must be multiples of --eval-every 3" in capsys.readouterr().err
 
 
 def test_colocated_arms_roll_out_on_the_chosen_engine() -> None:
