@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +63,9 @@ class Batch:
     coord_is_prefix: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    fp_batch_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    fp_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    fp_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def model_inputs(self, *, flash_varlen_kwargs: bool = False) -> dict[str, torch.Tensor | bool | int]:
         out: dict[str, torch.Tensor | bool | int] = {

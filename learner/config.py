@@ -232,6 +232,18 @@ class Stage2Config(ConfigSection):
     start — stage-1 SFT for a model that has never seen the output format. 0 (default) = rollouts from step 0,
     the spec's behaviour for a stage-1 SFT checkpoint."""
 
+    @model_validator(mode="after")
+    def _check_fp_unlikelihood(self) -> Stage2Config:
+        weight, prefix = self.loss.fp_unlikelihood_weight, self.targets.unmatched_prefix
+        if weight > 0 and prefix != "keep":
+            # drop and reorder rewrite the teacher-forced answer without the false positives
+            raise ValueError(
+                f"stage2.loss.fp_unlikelihood_weight {weight} needs stage2.targets.unmatched_prefix: keep"
+                f" (got {prefix!r}: its answer holds no false positive to penalize); set"
+                " unmatched_prefix: keep, or fp_unlikelihood_weight: 0"
+            )
+        return self
+
 
 class RunConfig(ConfigSection):
     """A whole learner run."""

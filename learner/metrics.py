@@ -104,6 +104,9 @@ _LOSS_SUMS = (
     "sum_coord_w1",
     "sum_coord_gate",
     "coord_nonfinite",
+    "sum_fp_unlikelihood",
+    "sum_fp_unlikelihood_weighted",
+    "count_fp_unlikelihood",
 )
 """Loss sums and counts (as produced by ``LossSums.metric_sums``), under ``loss/``."""
 
@@ -303,6 +306,8 @@ class StepMetrics:
         out["train/micro_steps"] = s["train/micro_steps"]
         out["train/supervised_ce_tokens"] = s["loss/count_ce"]
         out["train/supervised_coord_slots"] = s["loss/count_coord"]
+        if s["loss/count_fp_unlikelihood"] > 0:
+            out["train/fp_tokens_penalized"] = s["loss/count_fp_unlikelihood"]
         if s["perf/tokens"] > 0:
             out.update({f"perf/{k}": s[f"perf/{k}"] for k in _PERF_SUMS})
         for key in self._extra_keys:
@@ -324,10 +329,12 @@ class StepMetrics:
 
     @staticmethod
     def _loss(s: Mapping[str, float]) -> dict[str, float]:
-        n_ce, n_coord = s["loss/count_ce"], s["loss/count_coord"]
+        n_ce, n_coord, n_fp = s["loss/count_ce"], s["loss/count_coord"], s["loss/count_fp_unlikelihood"]
         ce, coord = _ratio(s["loss/sum_ce"], n_ce), _ratio(s["loss/sum_coord"], n_coord)
-        return {
-            "loss/total": ce + coord,
+        # The false-positive unlikelihood (§13.5) is reported only on steps that penalized a token.
+        fp = {"loss/fp_unlikelihood": _ratio(s["loss/sum_fp_unlikelihood"], n_fp)} if n_fp > 0 else {}
+        return fp | {
+            "loss/total": ce + coord + _ratio(s["loss/sum_fp_unlikelihood_weighted"], n_fp),
             "loss/ce": ce,
             "loss/ce_eos": _ratio(s["loss/sum_ce_eos"], s["loss/count_ce_eos"]),
             "loss/coord": coord,

@@ -16,6 +16,8 @@ PY = sys.executable
 ARMS: dict[str, dict[str, Any]] = {
     "sft": {},
     "rm-keep": {"targets": {"unmatched_prefix": "keep"}},
+    # keep, plus a loss on what plain SFT never sees: the false positives (duplicates included) of the rollout
+    "rm-keep-ul": {"targets": {"unmatched_prefix": "keep"}, "loss": {"fp_unlikelihood_weight": 1.0}},
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]}},
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists

@@ -2,8 +2,9 @@
 §14.4–14.6).
 
 Both layouts give :func:`learner.stage2.losses.step_loss_sums` the same thing: ``labels [B, T]`` and
-coord slots as ``(batch index, absolute position, bin, is_prefix)``; a slot at ``p`` reads the logits
-at ``p - 1``, which §14.6 keeps inside the slot's own segment.
+coord slots as ``(batch index, absolute position, bin, is_prefix)`` and the false-positive tokens penalized by
+unlikelihood as ``(batch index, absolute position, emitted id)``; a slot or FP token at ``p`` reads the logits
+at ``p - 1``, which §14.6 keeps inside its own segment.
 
 Packed rows carry ``position_ids`` restarting at 0 in every segment plus ``cu_seqlens`` / ``max_seqlen``
 (int32, flash-attention varlen convention) and NO attention mask: transformers then isolates the
@@ -52,6 +53,9 @@ class PackedBatch:
         meta: segment metas as dicts (packed: concatenation order; padded: one per row).
         mm_inputs: multimodal tensors concatenated along dim 0 in segment order.
         packed: True for the single padding-free row.
+        fp_batch_idx: ``[F]`` row of each false-positive token penalized by unlikelihood (§12.5).
+        fp_pos: ``[F]`` its absolute position in its row.
+        fp_ids: ``[F]`` the id the model emitted there (``input_ids[row, pos]``).
     """
 
     input_ids: torch.Tensor
@@ -67,6 +71,9 @@ class PackedBatch:
     meta: list[dict[str, Any]]
     mm_inputs: dict[str, Any] = field(default_factory=dict)
     packed: bool = False
+    fp_batch_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    fp_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    fp_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @property
     def n_ce(self) -> int:
@@ -77,6 +84,11 @@ class PackedBatch:
     def n_coord(self) -> int:
         """Supervised coord slots."""
         return int(self.coord_pos.numel())
+
+    @property
+    def n_fp(self) -> int:
+        """False-positive tokens penalized by unlikelihood."""
+        return int(self.fp_pos.numel())
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +153,9 @@ class PackedBatch:
             meta=self.meta,
             mm_inputs={k: mv(v) for k, v in self.mm_inputs.items()},
             packed=self.packed,
+            fp_batch_idx=mv(self.fp_batch_idx),
+            fp_pos=mv(self.fp_pos),
+            fp_ids=mv(self.fp_ids),
         )
 
 
@@ -171,6 +186,11 @@ def _check_segment(seg: Segment, index: int) -> None:
         )
     if seg.coord_pos and max(seg.coord_pos) >= length:
         raise ValueError(f"segment {index} (sample_id={m.sample_id}): coord position beyond the segment")
+    if seg.fp_pos and not (max(m.prompt_len, 1) <= min(seg.fp_pos) and max(seg.fp_pos) < length):
+        raise ValueError(
+            f"segment {index} (sample_id={m.sample_id}): a false-positive position lies outside the segment's"
+            f" answer [{m.prompt_len}, {length}); its logit would come from another segment"
+        )
 
 
 def segment_rope_positions(prompt_positions: Sequence[Sequence[int]], length: int) -> list[list[int]]:
@@ -218,13 +238,16 @@ def _concat_mm(segments: Sequence[Segment], pin_memory: bool = False) -> dict[st
 def _assemble(
     segments: Sequence[Segment],
     coords: tuple[list[int], list[int], list[int], list[bool]],
+    fps: tuple[list[int], list[int], list[int]],
     *,
     pin_memory: bool,
     **layout: Any,
 ) -> PackedBatch:
     """The batch of `segments` in a layout (`pack_segments`, `pad_segments`): the coords `(batch row,
-    position, bin, is_prefix)` as tensors, the segments' meta and multimodal inputs, pinned if asked."""
+    position, bin, is_prefix)` and the false-positive tokens `(batch row, position, emitted id)` as tensors,
+    the segments' meta and multimodal inputs, pinned if asked."""
     rows, pos, bins, is_prefix = coords
+    fp_rows, fp_pos, fp_ids = fps
     batch = PackedBatch(
         **layout,
         coord_batch_idx=torch.tensor(rows, dtype=torch.long),
@@ -233,6 +256,9 @@ def _assemble(
         coord_is_prefix=torch.tensor(is_prefix, dtype=torch.bool),
         meta=[seg.meta.as_dict() for seg in segments],
         mm_inputs=_concat_mm(segments, pin_memory),
+        fp_batch_idx=torch.tensor(fp_rows, dtype=torch.long),
+        fp_pos=torch.tensor(fp_pos, dtype=torch.long),
+        fp_ids=torch.tensor(fp_ids, dtype=torch.long),
     )
     return batch.pin_memory() if pin_memory else batch
 
@@ -241,7 +267,8 @@ def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> P
     """Concatenate segments (insertion order) into one padding-free row ``[1, ΣL]`` (§14.4–14.6).
 
     Packed labels are the concatenation of the per-segment labels; coord positions are shifted by the
-    lengths of the preceding segments; bins and ``is_prefix`` are preserved; batch index 0.
+    lengths of the preceding segments, and so are false-positive positions; bins and ``is_prefix`` are
+    preserved; batch index 0.
     ``pin_memory`` (CUDA hosts): the batch in page-locked memory (`PackedBatch.pin_memory`).
 
     Raises:
@@ -257,6 +284,8 @@ def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> P
     c_pos: list[int] = []
     c_bins: list[int] = []
     c_pref: list[bool] = []
+    f_pos: list[int] = []
+    f_ids: list[int] = []
     for index, seg in enumerate(segments):
         _check_segment(seg, index)
         offset = bounds[-1]
@@ -267,6 +296,8 @@ def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> P
         c_pos += [offset + p for p in seg.coord_pos]
         c_bins += seg.coord_bins
         c_pref += seg.coord_is_prefix
+        f_pos += [offset + p for p in seg.fp_pos]
+        f_ids += [seg.input_ids[p] for p in seg.fp_pos]
         bounds.append(offset + length)
     if bounds[-1] != len(ids):
         raise AssertionError(f"packed offsets end at {bounds[-1]} != row length {len(ids)}")
@@ -277,6 +308,7 @@ def pack_segments(segments: Sequence[Segment], *, pin_memory: bool = False) -> P
     return _assemble(
         segments,
         ([0] * len(c_pos), c_pos, c_bins, c_pref),
+        ([0] * len(f_pos), f_pos, f_ids),
         pin_memory=pin_memory,
         input_ids=torch.tensor([ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
@@ -308,6 +340,9 @@ def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool =
     c_pos: list[int] = []
     c_bins: list[int] = []
     c_pref: list[bool] = []
+    f_rows: list[int] = []
+    f_pos: list[int] = []
+    f_ids: list[int] = []
     for r, seg in enumerate(segments):
         _check_segment(seg, r)
         length = len(seg.input_ids)
@@ -318,6 +353,9 @@ def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool =
         c_pos += seg.coord_pos
         c_bins += seg.coord_bins
         c_pref += seg.coord_is_prefix
+        f_rows += [r] * len(seg.fp_pos)
+        f_pos += seg.fp_pos
+        f_ids += [seg.input_ids[p] for p in seg.fp_pos]
     position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(batch, width).contiguous()
     if any(seg.rope_positions is not None for seg in segments):
         # Padding keeps position 0 on every row (never attended, never read by a loss).
@@ -328,6 +366,7 @@ def pad_segments(segments: Sequence[Segment], pad_id: int, *, pin_memory: bool =
     return _assemble(
         segments,
         (rows, c_pos, c_bins, c_pref),
+        (f_rows, f_pos, f_ids),
         pin_memory=pin_memory,
         input_ids=input_ids,
         labels=labels,

@@ -5,11 +5,13 @@ returns SUMS with their COUNTS, so the trainer can normalize over the whole opti
 ranks (§13.3, token-weighted). No ``torch.distributed`` here: reduced counts come in as arguments.
 
 Conventions: a label / coord slot at position ``p`` is predicted by the logits at ``p - 1`` (causal
-shift, §13.1); coordinate bins are 0..999 and ``coord_ids[k]`` is the vocabulary id of bin ``k``.
+shift, §13.1); coordinate bins are 0..999 and ``coord_ids[k]`` is the vocabulary id of bin ``k``. Losses are
+in nats.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from learner.stage2.targets.false_positives import FpTokens
 from shared_schemas.config import ConfigSection
 
 __all__ = [
@@ -26,8 +29,10 @@ __all__ = [
     "LossConfig",
     "LossInputs",
     "LossSums",
+    "StepCounts",
     "ce_sum",
     "coord_loss_terms",
+    "fp_unlikelihood_terms",
     "gaussian_targets",
     "micro_loss",
     "read_columns",
@@ -38,6 +43,8 @@ __all__ = [
 
 IGNORE_INDEX = -100
 LOGIT_BOUND = 1e4  # §13.2 sanitize: +inf -> 1e4, -inf -> -1e4, then clamp to [-1e4, 1e4]
+FP_UNLIKELIHOOD_EPS = 1e-6
+"""§13.5: ``1 - p`` is clamped at this, so one FP token costs at most ``-ln 1e-6`` ≈ 13.8 nats."""
 
 
 class CoordLossConfig(ConfigSection):
@@ -58,7 +65,7 @@ class CoordLossConfig(ConfigSection):
 
 
 class LossConfig(ConfigSection):
-    """Loss switches, YAML section ``stage2.loss`` (§12.3, §13.3)."""
+    """Loss switches, YAML section ``stage2.loss`` (§12.3, §13.3, §13.5)."""
 
     normalization: Literal["token_weighted", "micro_mean"] = "token_weighted"
     """token_weighted: each supervised token of a step weighs the same; micro_mean: per-micro mean / gas."""
@@ -77,6 +84,15 @@ class LossConfig(ConfigSection):
     ``model.varlen_kernel``; language model and vision tower), else one causal SDPA call per segment.
     Attention costs Σ Lᵢ² instead of T² per packed row and no T×T mask is built. Same outputs as transformers'
     ``sdpa`` with its block-diagonal mask; false uses the latter."""
+    fp_unlikelihood_weight: float = Field(default=0.0, ge=0.0)
+    """Weight of the unlikelihood loss on false positives (§13.5): the step objective gains
+    ``w · S_fp / N_fp``, ``S_fp = Σ -log(1 - p(emitted token))`` over the penalized tokens of the unmatched
+    predictions in the kept prefix. 0 (default): off, nothing recorded, behaviour unchanged. Needs
+    ``stage2.targets.unmatched_prefix: keep`` (the FP tokens must be in the teacher-forced answer)."""
+    fp_unlikelihood_tokens: FpTokens = "coords"
+    """Which tokens of a false-positive object are penalized: ``coords`` every coordinate token,
+    ``first_coord`` only its first (where the model commits to the object's place; the later ones follow
+    from it)."""
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -185,20 +201,26 @@ class CeSums(NamedTuple):
     eos_count: int
 
 
-def read_columns(labels: torch.Tensor, coord_pos: torch.Tensor) -> torch.Tensor:
-    """Positions whose logits the losses read: ``t - 1`` for every labelled ``t`` in any row, and ``p - 1``
-    for every coord slot at ``p``.
+def read_columns(
+    labels: torch.Tensor, coord_pos: torch.Tensor, fp_pos: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Positions whose logits the losses read: ``t - 1`` for every labelled ``t`` in any row, ``p - 1``
+    for every coord slot at ``p`` and for every penalized false-positive token at ``p``.
 
     Args:
         labels: ``[B, T]``, -100 where unsupervised.
         coord_pos: ``[K]`` absolute slot positions (all ≥ 1).
+        fp_pos: ``[F]`` absolute positions of penalized false-positive tokens (all ≥ 1), or None.
 
     Returns:
         ``[K']`` int64, sorted and unique, on ``labels``' device: the ``logits_to_keep`` index of a compact
         forward (one set for all rows of a padded batch).
     """
     labelled = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
-    return torch.unique(torch.cat([labelled, coord_pos.to(labels.device, torch.long) - 1]))
+    read = [labelled, coord_pos.to(labels.device, torch.long) - 1]
+    if fp_pos is not None:
+        read.append(fp_pos.to(labels.device, torch.long) - 1)
+    return torch.unique(torch.cat(read))
 
 
 def _predicted_labels(labels: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, slice]:
@@ -237,6 +259,36 @@ def ce_sum(
     return CeSums(total, int(targets.numel()), per_token.detach()[eos_mask].sum(), int(eos_mask.sum()))
 
 
+def fp_unlikelihood_terms(logits_rows: torch.Tensor, emitted_ids: torch.Tensor) -> torch.Tensor:
+    """Unlikelihood of the tokens a model emitted where it should not have (§13.5), one per position.
+
+    ``ul = -log(1 - p)`` with ``p`` the full-vocabulary softmax probability of the emitted token, computed in
+    float32 from the log-probability as ``-log1p(-exp(log p))``, with ``log p`` clamped at
+    ``log(1 - FP_UNLIKELIHOOD_EPS)`` so that ``1 - p ≥ 1e-6`` (no infinity, no NaN gradient; a token already
+    that certain gets no gradient). Its gradient on the emitted token's logit is ``p > 0``: descent lowers p.
+
+    Args:
+        logits_rows: ``[F, V]`` logits that PREDICT the penalized tokens (read at ``p - 1``), any float dtype;
+            sanitized as §13.2.
+        emitted_ids: ``[F]`` vocabulary ids the model emitted at those positions.
+
+    Returns:
+        float32 ``[F]``, every entry in ``[0, -ln 1e-6]``.
+    """
+    log_p = torch.log_softmax(sanitize_logits(logits_rows), dim=-1)
+    emitted = log_p.gather(-1, emitted_ids.to(log_p.device, torch.long).unsqueeze(-1)).squeeze(-1)
+    return -torch.log1p(-torch.exp(emitted.clamp(max=math.log1p(-FP_UNLIKELIHOOD_EPS))))
+
+
+class StepCounts(NamedTuple):
+    """Supervision counts of a whole optimizer step, summed over its micro-steps and every DP rank (§13.3):
+    CE tokens, coordinate slots and penalized false-positive tokens."""
+
+    n_ce: int
+    n_coord: int
+    n_fp: int = 0
+
+
 class LossInputs(Protocol):
     """What :func:`step_loss_sums` reads from a prepared micro-batch (packed or padded)."""
 
@@ -245,13 +297,18 @@ class LossInputs(Protocol):
     coord_pos: torch.Tensor  # [K], positions of the slots (logits read at pos - 1)
     coord_bins: torch.Tensor  # [K]
     coord_is_prefix: torch.Tensor  # [K] bool
+    fp_batch_idx: torch.Tensor  # [F]
+    fp_pos: torch.Tensor  # [F], positions of penalized false-positive tokens (logits read at pos - 1)
+    fp_ids: torch.Tensor  # [F], the ids emitted there
 
 
 @dataclass
 class LossSums:
     """Sum-form losses of one micro-step with their counts (§13.1–13.3).
 
-    ``s_ce`` and ``s_coord`` carry the autograd graph; every other tensor is detached (logging only).
+    ``s_ce``, ``s_coord`` and ``s_fp`` carry the autograd graph; every other tensor is detached (logging
+    only).
+    ``s_fp`` / ``n_fp``: the false-positive unlikelihood (§13.5), unweighted.
     """
 
     s_ce: torch.Tensor
@@ -268,9 +325,13 @@ class LossSums:
     s_coord_w1: torch.Tensor
     s_coord_gate: torch.Tensor
     coord_nonfinite: int
+    s_fp: torch.Tensor
+    n_fp: int
 
-    def metric_sums(self) -> dict[str, float]:
-        """Detached sums and counts under the names :mod:`learner.metrics` aggregates."""
+    def metric_sums(self, fp_weight: float = 0.0) -> dict[str, float]:
+        """Detached sums and counts under the names :mod:`learner.metrics` aggregates; ``fp_weight``
+        (``stage2.loss.fp_unlikelihood_weight``) weighs the unlikelihood's share of ``loss/total``."""
+        s_fp = float(self.s_fp.detach())
         return {
             "loss/sum_ce": float(self.s_ce.detach()),
             "loss/count_ce": float(self.n_ce),
@@ -286,6 +347,9 @@ class LossSums:
             "loss/sum_coord_w1": float(self.s_coord_w1),
             "loss/sum_coord_gate": float(self.s_coord_gate),
             "loss/coord_nonfinite": float(self.coord_nonfinite),
+            "loss/sum_fp_unlikelihood": s_fp,
+            "loss/sum_fp_unlikelihood_weighted": fp_weight * s_fp,
+            "loss/count_fp_unlikelihood": float(self.n_fp),
         }
 
 
@@ -298,10 +362,11 @@ def step_loss_sums(
     eos_id: int | None,
     columns: torch.Tensor | None = None,
 ) -> LossSums:
-    """CE and coordinate-loss sums of one micro-batch (§13.1, §13.2).
+    """CE, coordinate-loss and false-positive unlikelihood sums of one micro-batch (§13.1, §13.2, §13.5).
 
     Works identically on a packed row (``B == 1``) and on right-padded rows: all positions are
     absolute in the ``[B, T]`` layout, and §14.6 guarantees ``p - 1`` lies in the slot's segment.
+    A batch without false-positive tokens (the loss off, or none in its rollouts) gives ``s_fp = 0``.
     A compact forward (logits at ``columns`` only) gives the same sums as a full one.
 
     Args:
@@ -337,6 +402,14 @@ def step_loss_sums(
         n_prefix = 0
         s_prefix = s_tail = softce = w1 = gate = s_coord.detach()
         nonfinite = 0
+    fp_pos = batch.fp_pos.to(device)
+    n_fp = int(fp_pos.numel())
+    if n_fp:
+        read_at = fp_pos - 1 if columns is None else torch.searchsorted(columns, fp_pos - 1)
+        rows = logits[batch.fp_batch_idx.to(device), read_at]
+        s_fp = fp_unlikelihood_terms(rows, batch.fp_ids.to(device)).sum()
+    else:
+        s_fp = s_coord.detach() * 0.0
     return LossSums(
         s_ce=ce.total,
         n_ce=ce.count,
@@ -352,6 +425,8 @@ def step_loss_sums(
         s_coord_w1=w1,
         s_coord_gate=gate,
         coord_nonfinite=nonfinite,
+        s_fp=s_fp,
+        n_fp=n_fp,
     )
 
 
@@ -362,8 +437,11 @@ def micro_loss(
     world_size: int,
     normalization: Literal["token_weighted", "micro_mean"],
     gas: int,
+    *,
+    n_fp_total: int = 0,
+    fp_weight: float = 0.0,
 ) -> torch.Tensor:
-    """The loss to call ``backward`` on for one micro-step (§13.3).
+    """The loss to call ``backward`` on for one micro-step (§13.3, §13.5).
 
     token_weighted: ``world_size · (S_ce_m / max(N_ce, 1) + S_coord_m / max(N_coord, 1))`` where
     ``N_*`` are summed over all micro-steps of the optimizer step AND all DP ranks; the factor cancels
@@ -374,6 +452,10 @@ def micro_loss(
     micro_mean: ``(S_ce_m / max(n_ce_m, 1) + S_coord_m / max(n_coord_m, 1)) / gas`` (the step totals are
     ignored).
 
+    With ``fp_weight`` > 0 both add the false-positive unlikelihood the same way: ``w · S_fp_m / N_fp``
+    (token_weighted, inside the world-size factor) or ``w · S_fp_m / n_fp_m / gas`` (micro_mean); a step or
+    micro-step without false-positive tokens adds nothing (never a division by zero).
+
     Args:
         sums: this micro-step's sums.
         n_ce_total: step-global N_ce (all micro-steps, all ranks).
@@ -381,6 +463,8 @@ def micro_loss(
         world_size: number of DP ranks averaging gradients.
         normalization: ``stage2.loss.normalization``.
         gas: gradient-accumulation steps of the optimizer step (micro_mean only).
+        n_fp_total: step-global N_fp (token_weighted).
+        fp_weight: ``stage2.loss.fp_unlikelihood_weight``.
 
     Raises:
         ValueError: unknown normalization, or a non-positive world_size / gas.
@@ -388,9 +472,15 @@ def micro_loss(
     if world_size < 1 or gas < 1:
         raise ValueError(f"micro_loss needs world_size >= 1 and gas >= 1, got {world_size} and {gas}")
     if normalization == "token_weighted":
-        return world_size * (sums.s_ce / max(n_ce_total, 1) + sums.s_coord / max(n_coord_total, 1))
+        loss = sums.s_ce / max(n_ce_total, 1) + sums.s_coord / max(n_coord_total, 1)
+        if fp_weight > 0 and n_fp_total > 0:
+            loss = loss + fp_weight * sums.s_fp / n_fp_total
+        return world_size * loss
     if normalization == "micro_mean":
-        return (sums.s_ce / max(sums.n_ce, 1) + sums.s_coord / max(sums.n_coord, 1)) / gas
+        loss = sums.s_ce / max(sums.n_ce, 1) + sums.s_coord / max(sums.n_coord, 1)
+        if fp_weight > 0 and sums.n_fp > 0:
+            loss = loss + fp_weight * sums.s_fp / sums.n_fp
+        return loss / gas
     raise ValueError(
         f"stage2.loss.normalization={normalization!r} is not supported; use token_weighted or micro_mean"
     )

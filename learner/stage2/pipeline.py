@@ -78,6 +78,9 @@ class SampleContext:
     oversize_policy: str
     eot_id: int
     newline_id: int
+    fp_unlikelihood_tokens: str | None = None
+    """Which tokens of false positives the unlikelihood loss penalizes (`stage2.loss.fp_unlikelihood_tokens`),
+    None when it is off (`fp_unlikelihood_weight` 0): nothing is recorded then."""
 
     def rollout_messages(self, sample: Mapping[str, Any]) -> list[dict[str, Any]]:
         """A sample's §3.3 rollout messages (what the backend receives and teacher forcing re-encodes)."""
@@ -218,6 +221,7 @@ def prepare_segment(
         ctx.targets,
         fn_desc_ce=ctx.fn_desc_ce,
         prefix_structure_ce=ctx.prefix_structure_ce,
+        fp_unlikelihood_tokens=ctx.fp_unlikelihood_tokens,  # type: ignore[arg-type]
     )
     lengths = {
         "rollout/prompt_len": float(len(result.prompt_token_ids)),

@@ -180,6 +180,7 @@ class PreparedStep:
     n_coord: int
     decision: StepDecision
     window_step0: int
+    n_fp: int = 0
 
     def metrics(self) -> dict[str, float]:
         """``rollout/buffer_*`` of §19 for this step."""
@@ -198,6 +199,7 @@ class _CachedWindow:
     n_ce: int
     n_coord: int
     step0: int
+    n_fp: int = 0
 
 
 def _untag(raws: Sequence[Any]) -> tuple[list[Any], int | None, int | None]:
@@ -287,8 +289,10 @@ class RolloutBuffer:
         n_coord: int,
         *,
         global_step: int,
+        n_fp: int = 0,
     ) -> None:
-        """Cache an E-step's prepared micro-batches (no-op unless ``decision.cache``).
+        """Cache an E-step's prepared micro-batches (no-op unless ``decision.cache``), with the step-global
+        counts (``n_fp``: penalized false-positive tokens, §13.5).
 
         The cache keeps its own copy of the containers, so the caller may consume ``prepared``.
         """
@@ -307,6 +311,7 @@ class RolloutBuffer:
             n_ce=int(n_ce),
             n_coord=int(n_coord),
             step0=global_step,
+            n_fp=int(n_fp),
         )
 
     def reuse(self, decision: StepDecision, raws: Sequence[Any]) -> PreparedStep:
@@ -339,6 +344,7 @@ class RolloutBuffer:
             n_coord=cache.n_coord,
             decision=decision,
             window_step0=cache.step0,
+            n_fp=cache.n_fp,
         )
         if decision.repetition >= self.m_steps - 1:
             self._cache = None

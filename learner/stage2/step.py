@@ -19,6 +19,7 @@ from learner.stage2.losses import (
     CoordLossConfig,
     LossConfig,
     LossSums,
+    StepCounts,
     micro_loss,
     read_columns,
     step_loss_sums,
@@ -57,7 +58,7 @@ def forward_for_loss(
     Returns:
         `(model outputs, columns or None)`.
     """
-    columns = read_columns(batch.labels, batch.coord_pos) if compact else None
+    columns = read_columns(batch.labels, batch.coord_pos, batch.fp_pos) if compact else None
     keep = {} if columns is None else {"logits_to_keep": columns}
     with packed_attention(model, enabled=segment_attention):
         return model(**batch.model_inputs(flash_varlen_kwargs=segment_attention), **keep), columns
@@ -71,7 +72,7 @@ def micro_step_loss(
     eos_id: int | None,
     loss_cfg: LossConfig | None = None,
     coord_cfg: CoordLossConfig | None = None,
-    totals: tuple[int, int] | None = None,
+    totals: StepCounts | tuple[int, ...] | None = None,
     world_size: int = 1,
     gas: int = 1,
     after_forward: Callable[[], None] | None = None,
@@ -85,8 +86,8 @@ def micro_step_loss(
         eos_id: end-of-turn id for the `loss/ce_eos` split (None: no split).
         loss_cfg: `stage2.loss` (compact logits, segment attention, normalization); None = its defaults.
         coord_cfg: `stage2.coord_loss`; None = its defaults.
-        totals: `(N_ce, N_coord)` of the whole optimizer step, all micro-steps and ranks (token-weighted
-            normalization); None = this micro-batch's own counts (a step of one micro-batch).
+        totals: `StepCounts` `(N_ce, N_coord[, N_fp])` of the whole optimizer step, all micro-steps and ranks
+            (token-weighted normalization); None = this micro-batch's own counts (a step of one micro-batch).
         world_size: DP ranks averaging gradients.
         gas: gradient-accumulation steps of the optimizer step (`micro_mean` normalization).
         after_forward: called once the forward returned, before the losses (a bench's phase mark).
@@ -108,6 +109,15 @@ def micro_step_loss(
         eos_id=eos_id,
         columns=columns,
     )
-    n_ce, n_coord = totals if totals is not None else (sums.n_ce, sums.n_coord)
-    loss = micro_loss(sums, n_ce, n_coord, world_size, loss_cfg.normalization, gas)
+    counts = StepCounts(*totals) if totals is not None else StepCounts(sums.n_ce, sums.n_coord, sums.n_fp)
+    loss = micro_loss(
+        sums,
+        counts.n_ce,
+        counts.n_coord,
+        world_size,
+        loss_cfg.normalization,
+        gas,
+        n_fp_total=counts.n_fp,
+        fp_weight=loss_cfg.fp_unlikelihood_weight,
+    )
     return MicroStep(loss=loss, sums=sums, outputs=outputs, columns=columns)

@@ -215,6 +215,7 @@ def sample_context(cfg: RunConfig, tokenizer: Any, encoder: PromptEncoder | None
         oversize_policy=s2.encode.oversize_policy,
         eot_id=int(eot_id),
         newline_id=int(newline[0]),
+        fp_unlikelihood_tokens=s2.loss.fp_unlikelihood_tokens if s2.loss.fp_unlikelihood_weight > 0 else None,
     )
 
 

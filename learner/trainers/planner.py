@@ -75,6 +75,7 @@ class PlannedStep:
     prepared: list[dict[str, Any]]
     n_ce: int
     n_coord: int
+    n_fp: int = 0
 
 
 @dataclass
@@ -240,7 +241,7 @@ class StepPlanner:
         )
 
         prepared: list[dict[str, Any]] = []
-        n_ce = n_coord = 0
+        n_ce = n_coord = n_fp = 0
         cursor = 0
         t_pack = 0.0
         t0 = time.perf_counter()
@@ -274,10 +275,11 @@ class StepPlanner:
             t_prep += t1 - t0
             n_ce += int(batch["n_ce"])
             n_coord += int(batch["n_coord"])
+            n_fp += int(batch["n_fp"])
             prepared.append(batch)
         metrics.add_time("time/rollout_parse_match_s", t_prep)
         metrics.add_time("time/post_rollout_pack_s", t_pack)
-        return PlannedStep(prepared, n_ce, n_coord)
+        return PlannedStep(prepared, n_ce, n_coord, n_fp)
 
     def _empty_result(self, sample: dict[str, Any], index: int) -> InferResult:
         """What an engine would return for a rollout of zero tokens (warm-up steps)."""
@@ -300,12 +302,13 @@ class StepPlanner:
         else:
             packed = pad_segments(segments, self.pad_id, pin_memory=self.pin_memory) if segments else None
         if packed is None:
-            return {"empty": True, "n_ce": 0, "n_coord": 0, "samples": 0}
+            return {"empty": True, "n_ce": 0, "n_coord": 0, "n_fp": 0, "samples": 0}
         return {
             "empty": False,
             "batch": packed,
             "n_ce": packed.n_ce,
             "n_coord": packed.n_coord,
+            "n_fp": packed.n_fp,
             "samples": len(segments),
         }
 

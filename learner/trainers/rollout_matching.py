@@ -30,7 +30,7 @@ from learner.flops import FlopModel, peak_tflops, utilization
 from learner.kernels import packed_attention
 from learner.metrics import StepMetrics
 from learner.rollout.colocate.offload import offload_context
-from learner.stage2.losses import zero_loss
+from learner.stage2.losses import StepCounts, zero_loss
 from learner.stage2.over_prediction import OverPredictionAlarm
 from learner.stage2.pipeline import eval_metrics
 from learner.stage2.rollout_reuse import RolloutBuffer, TaggedBatch
@@ -121,18 +121,20 @@ class RolloutMatchingTrainer(Trainer):
                 self.overlap.launch(batch, target)
         if decision.reuse:
             cached = self.rollout_buffer.reuse(decision, tagged)
-            prepared, n_ce, n_coord = cached.prepared, cached.n_ce, cached.n_coord
+            prepared, counts = cached.prepared, StepCounts(cached.n_ce, cached.n_coord, cached.n_fp)
             self.step_metrics.add(cached.metrics())
         else:
             planned = self.planner.build(
                 [t.batch for t in tagged], rollouts, global_step=step, metrics=self.step_metrics
             )
             prepared = planned.prepared
-            n_ce, n_coord = self._all_reduce_counts(planned.n_ce, planned.n_coord)
-            self.rollout_buffer.store(decision, tagged, prepared, n_ce, n_coord, global_step=step)
+            counts = self._all_reduce_counts(StepCounts(planned.n_ce, planned.n_coord, planned.n_fp))
+            self.rollout_buffer.store(
+                decision, tagged, prepared, counts.n_ce, counts.n_coord, global_step=step, n_fp=counts.n_fp
+            )
             self.step_metrics.add({"rollout/buffer_reuse": 0.0})
         for batch in prepared:
-            batch["n_ce_total"], batch["n_coord_total"] = n_ce, n_coord
+            batch["step_counts"] = counts
         self.step_metrics.add({"train/micro_steps": float(len(prepared))})
         return prepared, None
 
@@ -206,12 +208,12 @@ class RolloutMatchingTrainer(Trainer):
         torch.distributed.all_reduce(tensor, op=reduce_op)
         return tensor.tolist()
 
-    def _all_reduce_counts(self, n_ce: int, n_coord: int) -> tuple[int, int]:
+    def _all_reduce_counts(self, counts: StepCounts) -> StepCounts:
         if self.args.world_size <= 1:
-            return n_ce, n_coord
-        counts = torch.tensor([n_ce, n_coord], dtype=torch.long, device=self.args.device)
-        torch.distributed.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
+            return counts
+        summed = torch.tensor(list(counts), dtype=torch.long, device=self.args.device)
+        torch.distributed.all_reduce(summed)
+        return StepCounts(*(int(n) for n in summed.tolist()))
 
     # -- loss ---------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -250,11 +252,11 @@ class RolloutMatchingTrainer(Trainer):
             eos_id=self.planner.ctx.eot_id,
             loss_cfg=loss_cfg,
             coord_cfg=self.run_cfg.stage2.coord_loss,
-            totals=(inputs["n_ce_total"], inputs["n_coord_total"]),
+            totals=inputs["step_counts"],
             world_size=self.args.world_size,
             gas=gas,
         )
-        self.step_metrics.add(step.sums.metric_sums())
+        self.step_metrics.add(step.sums.metric_sums(loss_cfg.fp_unlikelihood_weight))
         self.step_metrics.add(self._step_flops(model, inputs["batch"], step.columns))
         self._last_forward_s = time.perf_counter() - t0
         self.step_metrics.add_time("time/forward_s", self._last_forward_s)

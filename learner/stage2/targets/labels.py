@@ -7,7 +7,9 @@ token), as stored in the segment meta (§14.4), so packing can rebuild labels fr
 
 Rules (§12.1): a coord token never gets CE; tail structure tokens get CE unless listed in
 ``tail_ignore_pos``; tail coord tokens are supervised with their own bin; prefix coord slots with the §9
-target; the end-of-turn position ``prompt_len + train_len`` gets CE; everything else is -100.
+target; the end-of-turn position ``prompt_len + train_len`` gets CE; everything else is -100. False-positive
+tokens penalized by unlikelihood (§12.5, ``prefix_fp_pos``, assistant-local; :func:`fp_positions`) are prefix
+coord tokens that are neither labelled nor coord slots.
 
 Stage-1 segments (:func:`build_answer_segment`, plain SFT of the whole answer) are the one exception: every
 answer token gets CE, coordinate tokens included, and there are no coord slots.
@@ -39,6 +41,7 @@ __all__ = [
     "check_prompt_alignment",
     "check_segment_length",
     "encode_segment",
+    "fp_positions",
     "segment_too_long_message",
 ]
 
@@ -107,6 +110,8 @@ class Labels(NamedTuple):
         coord_pos: absolute coord-supervised positions, prefix slots first (slot order), then tail.
         coord_bins: target bin per ``coord_pos`` entry.
         coord_is_prefix: True for prefix slots.
+
+    The false-positive tokens of §12.5 are no label: :func:`fp_positions` places them.
     """
 
     labels: list[int]
@@ -115,8 +120,8 @@ class Labels(NamedTuple):
     coord_is_prefix: list[bool]
 
     def segment(self, ids: Sequence[int], meta: SegmentMeta, **carried: Any) -> Segment:
-        """The `Segment` of `ids` with these labels and `meta`; `carried`: its `mm_inputs` and
-        `rope_positions`, if any."""
+        """The `Segment` of `ids` with these labels and `meta`; `carried`: its `mm_inputs`,
+        `rope_positions` and `fp_pos`, if any."""
         return Segment(
             input_ids=tuple(ids),
             labels=tuple(self.labels),
@@ -218,6 +223,47 @@ def build_labels(
     return Labels(labels, coord_pos, coord_bins, [True] * n_prefix + [False] * (len(coord_pos) - n_prefix))
 
 
+def fp_positions(
+    input_ids: Sequence[int],
+    prompt_len: int,
+    prefix_len: int,
+    prefix_fp_pos: Sequence[int],
+    labels: Labels,
+    coord_vocab: CoordVocab,
+) -> tuple[int, ...]:
+    """Absolute positions of one segment's false-positive tokens penalized by unlikelihood (§12.5).
+
+    Like ``prefix_coord_pos``, ``prefix_fp_pos`` is assistant-local in the segment meta, so a packed row
+    places them again at the segment's offset (§14.6).
+
+    Args:
+        input_ids: the segment's ids.
+        prompt_len: prompt tokens.
+        prefix_len: rollout-prefix tokens of Y_train.
+        prefix_fp_pos: assistant-local positions (``YTrain.prefix_fp_pos``).
+        labels: the segment's :func:`build_labels` (no FP token may be labelled or a coord slot).
+        coord_vocab: coord-token lookup.
+
+    Raises:
+        ValueError: a position outside the prefix, not on a coord token, or supervised already.
+    """
+    ids = _as_int_list(input_ids)
+    slots = set(labels.coord_pos)
+    out = tuple(prompt_len + p for p in prefix_fp_pos)
+    for p, q in zip(prefix_fp_pos, out, strict=True):
+        if (
+            not (0 <= p < prefix_len)
+            or not coord_vocab.is_coord(ids[q])
+            or q in slots
+            or labels.labels[q] != IGNORE_INDEX
+        ):
+            raise ValueError(
+                f"false-positive position {p} (absolute {q}) is outside the prefix [0, {prefix_len}), not a"
+                " coord token, or supervised already; the FP tokens and the Y_train ids disagree"
+            )
+    return out
+
+
 def _check_spans(lab: Labels, prompt_len: int, train_len: int) -> None:
     """§11.6: every supervised position lies in ``[prompt_len, prompt_len + train_len]``."""
     sup = [p for p, v in enumerate(lab.labels) if v != IGNORE_INDEX] + lab.coord_pos
@@ -275,6 +321,7 @@ def build_segment(
         coord_vocab,
     )
     _check_spans(lab, prompt_len, train_len)
+    fp_pos = fp_positions(ids, prompt_len, y_train.prefix_len, y_train.prefix_fp_pos, lab, coord_vocab)
     meta = SegmentMeta(
         sample_id=int(sample_id),
         base_idx=int(base_idx),
@@ -288,9 +335,12 @@ def build_segment(
         tail_ignore_pos=tuple(y_train.tail_ignore_pos),
         prefix_ce_pos=tuple(y_train.prefix_ce_pos),
         rollout_step=int(rollout_step),
+        prefix_fp_pos=tuple(y_train.prefix_fp_pos),
         counters=dict(y_train.counters),
     )
-    return lab.segment(ids, meta, mm_inputs=dict(mm_inputs or {}), rope_positions=rope_positions)
+    return lab.segment(
+        ids, meta, mm_inputs=dict(mm_inputs or {}), rope_positions=rope_positions, fp_pos=fp_pos
+    )
 
 
 def build_answer_segment(

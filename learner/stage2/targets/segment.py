@@ -36,6 +36,8 @@ class SegmentMeta:
         tail_ignore_pos: tail-relative indices (0 = first appended token) masked from CE (desc values).
         prefix_ce_pos: assistant-local indices of prefix tokens that get CE (``prefix_structure_ce``).
         rollout_step: global step of the policy that produced the rollout.
+        prefix_fp_pos: assistant-local indices of the false-positive tokens penalized by unlikelihood
+            (§12.5; empty when the loss is off).
         counters: per-sample counters (names without the ``rollout/`` prefix), summed by metrics.
     """
 
@@ -51,6 +53,7 @@ class SegmentMeta:
     tail_ignore_pos: tuple[int, ...]
     prefix_ce_pos: tuple[int, ...]
     rollout_step: int
+    prefix_fp_pos: tuple[int, ...] = ()
     counters: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self, *, with_token_ids: bool = True) -> dict[str, Any]:
@@ -81,6 +84,8 @@ class Segment:
             here; empty for text prompts.
         rope_positions: ``[3][prompt_len]`` M-RoPE positions (rows t, h, w) of the PROMPT for models with
             multi-axis rotary positions (Qwen-VL), else None; packing extends them over the answer.
+        fp_pos: absolute positions of false-positive tokens penalized by unlikelihood (§12.5): the loss reads
+            the logits at ``p - 1`` and lowers the probability of ``input_ids[p]``.
     """
 
     input_ids: tuple[int, ...]
@@ -91,6 +96,7 @@ class Segment:
     meta: SegmentMeta
     mm_inputs: dict[str, Any] = field(default_factory=dict)
     rope_positions: tuple[tuple[int, ...], ...] | None = None
+    fp_pos: tuple[int, ...] = ()
 
     @property
     def encoded_len(self) -> int:

@@ -9,6 +9,8 @@
   with ``prefix_coord_target_bins``;
 - ``tail_ignore_pos`` (tail-relative indices of tokens overlapping a desc value, §12.2);
 - ``prefix_ce_pos`` (assistant-local indices, only with ``prefix_structure_ce``, §12.3);
+- ``prefix_fp_pos`` (assistant-local indices of FP tokens penalized by unlikelihood, only with
+  ``fp_unlikelihood_weight`` > 0, §12.5);
 - per-sample counters named like the ``rollout/`` metrics of §19 (without the prefix).
 """
 
@@ -27,6 +29,7 @@ from learner.stage2.gt import GTObject
 from learner.stage2.matching.match import Geom, MatchResult
 from learner.stage2.parse.detok import token_pieces
 from learner.stage2.parse.encode_cache import encode_segmented
+from learner.stage2.targets.false_positives import FpTokens, fp_penalized_positions
 from learner.stage2.targets.ot import barycentric_padded
 from learner.stage2.targets.spans import desc_overlapping_tokens, find_desc_value_spans, prefix_ce_positions
 from shared_schemas.config import ConfigSection
@@ -266,6 +269,8 @@ class YTrain:
         fp: prediction indices without supervision (unmatched or excluded), ascending.
         fn: GT indices appended, in GT order.
         counters: per-sample counts named like the §19 ``rollout/`` metrics (no prefix).
+        prefix_fp_pos: assistant-local indices of the FP tokens penalized by unlikelihood (§12.5), ascending;
+            empty unless asked for.
     """
 
     ids: tuple[int, ...]
@@ -281,6 +286,7 @@ class YTrain:
     fp: tuple[int, ...]
     fn: tuple[int, ...]
     counters: dict[str, float] = field(default_factory=dict)
+    prefix_fp_pos: tuple[int, ...] = ()
 
     @property
     def train_len(self) -> int:
@@ -298,6 +304,7 @@ def build_y_train(
     *,
     fn_desc_ce: bool = False,
     prefix_structure_ce: bool = False,
+    fp_unlikelihood_tokens: FpTokens | None = None,
 ) -> YTrain:
     """Build Y_train and its masks for one sample (§8.3, §9, §10, §12.2, §12.3).
 
@@ -310,6 +317,8 @@ def build_y_train(
         cfg: §9 OT knobs.
         fn_desc_ce: ``stage2.loss.fn_desc_ce`` (tail desc values get CE).
         prefix_structure_ce: ``stage2.loss.prefix_structure_ce``.
+        fp_unlikelihood_tokens: which tokens of the unmatched predictions to record for the unlikelihood
+            loss (``stage2.loss.fp_unlikelihood_tokens``); None records none (the loss is off).
 
     Raises:
         ValueError: the appended coord ids disagree with the serialized coordinates (tokenizer
@@ -340,6 +349,11 @@ def build_y_train(
     tp_preds = [i for i, _, _ in tp]
     prefix_ce = prefix_ce_positions(parse, tp_preds, coord_vocab) if prefix_structure_ce else []
     prefix_ce = [p for p in prefix_ce if p < seam]  # the seam's tokens are tail now (supervised there)
+    fp_pos = (
+        fp_penalized_positions(parse, match.fp, fp_unlikelihood_tokens, seam)
+        if fp_unlikelihood_tokens is not None
+        else []
+    )
     max_valid = max((o.index for o in preds), default=0)
     counters = {
         "gt_objects": float(len(gts)),
@@ -377,6 +391,7 @@ def build_y_train(
         fp=tuple(sorted(set(range(len(preds))) - set(tp_preds))),
         fn=tuple(fn),
         counters=counters,
+        prefix_fp_pos=tuple(fp_pos),
     )
 
 

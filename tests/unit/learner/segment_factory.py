@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from learner.stage2.coords import CoordVocab
-from learner.stage2.targets.labels import build_labels
+from learner.stage2.targets.labels import build_labels, fp_positions
 from learner.stage2.targets.segment import Segment, SegmentMeta
 
 COORD_BASE = 100
@@ -38,6 +38,7 @@ def make_segment(
     prefix_targets: dict[int, int] | None = None,
     tail_ignore: Sequence[int] = (),
     prefix_ce: Sequence[int] = (),
+    prefix_fp: Sequence[int] = (),
     sample_id: int = 0,
     rollout_step: int = 0,
     meta_prompt_ids: Sequence[int] | None = None,
@@ -51,6 +52,7 @@ def make_segment(
         prefix_targets: assistant-local prefix coord slot -> target bin.
         tail_ignore: tail-relative positions masked from CE.
         prefix_ce: assistant-local prefix positions with CE.
+        prefix_fp: assistant-local prefix positions of false-positive tokens penalized by unlikelihood.
         sample_id: sample id (base_idx is the same).
         rollout_step: global step of the generating policy.
         meta_prompt_ids: override ``meta.prompt_ids`` (to build an inconsistent segment).
@@ -82,8 +84,9 @@ def make_segment(
         tail_ignore_pos=tuple(tail_ignore),
         prefix_ce_pos=tuple(prefix_ce),
         rollout_step=rollout_step,
+        prefix_fp_pos=tuple(prefix_fp),
     )
-    return lab.segment(ids, meta)
+    return lab.segment(ids, meta, fp_pos=fp_positions(ids, prompt_len, prefix_len, prefix_fp, lab, VOCAB))
 
 
 def random_segment(

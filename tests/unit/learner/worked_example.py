@@ -108,6 +108,7 @@ def run_pipeline(
     prefix_structure_ce: bool = False,
     matching: MatchingConfig | None = None,
     targets: TargetsConfig | None = None,
+    fp_unlikelihood_tokens: str | None = None,
 ) -> Pipeline:
     """Run parse, match, build_y_train and build_segment on the toy tokenizer with the 300-token prompt."""
     coords = _coords(tokenizer)
@@ -127,6 +128,7 @@ def run_pipeline(
         targets or TargetsConfig(canonical_seam=False),  # the spec's §10 seam, as §21 works it out
         fn_desc_ce=fn_desc_ce,
         prefix_structure_ce=prefix_structure_ce,
+        fp_unlikelihood_tokens=fp_unlikelihood_tokens,  # type: ignore[arg-type]
     )
     seg = build_segment(
         PROMPT_IDS, y, tokenizer.id_of("<|im_end|>"), tokenizer.id_of("\n"), coords,
