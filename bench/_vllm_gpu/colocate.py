@@ -89,12 +89,17 @@ def check(bench: Bench, run: Path) -> None:
             memory.mark("after_sync")  # weights awake, KV cache still asleep
             after = greedy_gap(source, model, prompts)
             memory.mark("asleep_after_generate_2")
+            perturb(model)  # new weights again: the timed syncs (copy plan) must serve these, not sync 0's
+            stale = greedy_gap(source, model, prompts)
             syncs = [
                 _timed_sync(policy, model, source, step) for step in range(1, bench.args.colocate_syncs + 1)
             ]
+            replayed = greedy_gap(source, model, prompts) if syncs else None
+            rpc = _rpc_round_trip_seconds(source)
         memory.mark("engine_closed")
     bench.emit({"measure": "colocate_weights_equal", "sleep_level": cfg.rollout.vllm.sleep_level,
                 "before_sync": before, "after_sync": after, "sync_s": round(seconds, 3),
+                "before_timed_syncs": stale, "after_timed_syncs": replayed,
                 "sync_bytes": policy.last_report.bytes if policy.last_report else None})  # fmt: skip
     if syncs:
         nbytes = syncs[0]["bytes"]
@@ -106,8 +111,13 @@ def check(bench: Bench, run: Path) -> None:
                 # the worker's copy alone (the commit less its RPC round trip)
                 "worker_copy_over_bound": round(row["worker_copy_s"] / max(bound, 1e-9), 2),
             }
+        # A sync is two engine RPCs (stage, commit) around the copy: no protocol of this shape beats that.
+        floor = 2 * rpc + bound
         bench.emit({"measure": "colocate_sync_phases", "handoff": cfg.rollout.vllm.weight_handoff,
-                    "bytes": nbytes, "bound_copy_s": round(bound, 4), "syncs": syncs})  # fmt: skip
+                    "bytes": nbytes, "bound_copy_s": round(bound, 4), "rpc_round_trip_s": round(rpc, 4),
+                    "sync_floor_s": round(floor, 4),
+                    "sync_floor_over_copy": round(floor / max(bound, 1e-9), 2),
+                    "syncs": syncs})  # fmt: skip
     bench.emit({"measure": "colocate_memory", "sleep_level": cfg.rollout.vllm.sleep_level,
                 "gpu_memory_utilization": cfg.rollout.vllm.gpu_memory_utilization,
                 "engine_gib": memory.engine_gib(), "processes": processes.summary()})  # fmt: skip
@@ -125,6 +135,22 @@ def _timed_sync(policy: Any, model: Any, source: Any, step: int) -> dict[str, An
     nbytes = policy.last_report.bytes if policy.last_report else 0
     handoff = getattr(source.backend, "handoff", None)
     return {"step": step, "handoff": handoff, **row, "total_s": round(total, 4), "bytes": nbytes}
+
+
+def _rpc_round_trip_seconds(source: Any, repeats: int = 20) -> float:
+    """Best of `repeats` no-op `collective_rpc` round trips to the colocated engine's workers (the discard of
+    an empty stage): the latency floor of each of a sync's two engine calls."""
+    import time
+
+    from rollout_server.engines.vllm.worker import DISCARD_METHOD
+
+    backend = source.backend  # reaches into the backend's engine: a measurement, not an API
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        backend._call(backend._engine._llm.collective_rpc(DISCARD_METHOD), 30.0, what="no-op rpc")
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def _copy_seconds(nbytes: int, device: Any, repeats: int = 5) -> float:

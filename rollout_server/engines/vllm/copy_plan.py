@@ -22,7 +22,7 @@ the plan (`WeightLoadExtension` does).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ class _Copy:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     destination: Any  # a view of a parameter (or buffer) storage
+    index: int = -1  # the staged tensor's position in the update (names are unique: one position)
+    whole: bool = False  # the view is the whole staged tensor: replayed without building a view
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,17 @@ class CopyPlan:
             model.load_weights(weights=iter(staged))
         if recorder.rejected:
             return None, recorder.rejected
-        return cls(_signature(staged), recorder.copies, recorder.constants), ""
+        position = {name: i for i, (name, _) in enumerate(staged)}
+        if len(position) != len(staged):
+            return None, "the update names a tensor twice"
+        copies = []
+        for copy in recorder.copies:
+            base = staged[position[copy.name]][1]
+            whole = (
+                copy.offset == 0 and copy.shape == tuple(base.shape) and copy.stride == tuple(base.stride())
+            )
+            copies.append(replace(copy, index=position[copy.name], whole=whole))
+        return cls(_signature(staged), copies, recorder.constants), ""
 
     def matches(self, staged: Sequence[tuple[str, Any]]) -> bool:
         """Whether `staged` has the recorded names, shapes, dtypes and devices, in order, all contiguous."""
@@ -96,11 +108,13 @@ class CopyPlan:
         """
         if not self.matches(staged):
             raise CopyPlanRejected("the staged update does not have the recorded names, shapes and dtypes")
-        tensors = dict(staged)
-        sources = []
-        for copy in self.copies:
-            base = tensors[copy.name]
-            sources.append(base.as_strided(copy.shape, copy.stride, base.storage_offset() + copy.offset))
+        tensors = [t for _, t in staged]  # in the recorded order (`matches`)
+        sources = [
+            tensors[c.index]
+            if c.whole
+            else tensors[c.index].as_strided(c.shape, c.stride, tensors[c.index].storage_offset() + c.offset)
+            for c in self.copies
+        ]
         with torch.no_grad():
             torch._foreach_copy_([c.destination for c in self.copies], sources)
             for constant in self.constants:

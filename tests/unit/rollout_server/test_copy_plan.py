@@ -69,6 +69,7 @@ def test_a_replay_writes_what_load_weights_writes(layout: str) -> None:
     plan, reason = CopyPlan.record(model, pack(_update(1.0)))
     assert plan is not None and reason == ""
     assert {c.name for c in plan.copies} == {"q", "k", "v", "shard.weight", "embed.weight"}  # lm_head skipped
+    assert {c.name for c in plan.copies if not c.whole} == {"shard.weight"}  # the one sliced source
     params_before = [p.data_ptr() for p in model.parameters()]
     model.embed.data.fill_(7.0)  # garbage where the padding was (a level-2 sleep discards the weights)
     second = pack(_update(2.0))
