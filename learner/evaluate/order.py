@@ -13,7 +13,13 @@ from collections.abc import Iterable, Sequence
 
 from learner.predictions.records import SamplePrediction
 from learner.stage2.gt import GTObject
-from learner.stage2.targets.order import ORDER_NAMES, REORDER_AGREEMENT, OrderMeasurement, measure_order
+from learner.stage2.targets.order import (
+    MIN_ORDER_PAIRS,
+    ORDER_NAMES,
+    REORDER_AGREEMENT,
+    OrderMeasurement,
+    measure_order,
+)
 
 __all__ = ["OrderMeasurement", "emitted_order", "measure_order", "prediction_order"]
 
@@ -29,9 +35,11 @@ def prediction_order(
     *,
     threshold: float = REORDER_AGREEMENT,
 ) -> OrderMeasurement:
-    """:func:`measure_order` of evaluated samples (the predictions of `learner.evaluate.runner`)."""
+    """:func:`measure_order` of evaluated samples (the predictions of `learner.evaluate.runner`); an order is
+    only called followed over :data:`MIN_ORDER_PAIRS` pairs or more."""
 
     def gt_objects(p: SamplePrediction) -> list[GTObject]:
         return [GTObject(j + 1, g.desc, g.geom_type, g.bins) for j, g in enumerate(p.gts)]  # type: ignore[arg-type]
 
-    return measure_order(((emitted_order(p), gt_objects(p)) for p in predictions), names, threshold=threshold)
+    emissions = ((emitted_order(p), gt_objects(p)) for p in predictions)
+    return measure_order(emissions, names, threshold=threshold, min_pairs=MIN_ORDER_PAIRS)

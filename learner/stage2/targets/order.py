@@ -83,6 +83,13 @@ swaps two neighbours of a crowded row) agrees 0.9-1.0 with its order; matches in
 candidate agree 0.5 on average, and their misses go after them as before."""
 
 
+MIN_ORDER_PAIRS = 30
+"""Pairs of matched predictions a MODEL's order measurement (`learner.evaluate`) needs before it names an
+order the model follows. Fewer are too few to tell a habit from luck: 2 pairs agree with any order by chance
+one time in four, 30 pairs at 0.75 one time in ~400 (pairs as independent coin flips). The step-wise
+measurement of `reorder` asks for no minimum: a wrong call there moves only the samples it measured."""
+
+
 def model_order(match: MatchResult, n_gt: int, orders: Sequence[Sequence[int]] | None = None) -> list[int]:
     """GT indices in the order `unmatched_prefix: reorder` teacher-forces them.
 
@@ -128,8 +135,10 @@ class OrderMeasurement:
             `stage2.targets.reorder_orders` breaks them); None when no pair was scored.
         tied: every candidate with the best agreement (more than one: the data cannot tell them apart, e.g.
             ``listed`` and ``sorted`` on annotations listed in sorted order).
-        follows: ``best`` when its agreement reaches ``threshold``, else None (the model follows none).
+        follows: ``best`` when its agreement reaches ``threshold`` over ``min_pairs`` pairs or more, else
+            None (the model follows none, or too few pairs were scored to say).
         threshold: the agreement ``follows`` asks for.
+        min_pairs: the pairs ``follows`` asks for.
     """
 
     agreement: dict[str, float | None]
@@ -139,6 +148,7 @@ class OrderMeasurement:
     tied: tuple[str, ...]
     follows: str | None
     threshold: float
+    min_pairs: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The ``object_order`` entry of `metrics.json` (and of `bench/ab_learning.py`'s `ab.jsonl`)."""
@@ -150,6 +160,7 @@ class OrderMeasurement:
             "tied": list(self.tied),
             "follows": self.follows,
             "threshold": self.threshold,
+            "min_pairs": self.min_pairs,
         }
 
 
@@ -158,6 +169,7 @@ def measure_order(
     names: Sequence[str] = ORDER_NAMES,
     *,
     threshold: float = REORDER_AGREEMENT,
+    min_pairs: int = 0,
 ) -> OrderMeasurement:
     """The order a model follows, from its matched predictions.
 
@@ -167,6 +179,7 @@ def measure_order(
         names: the candidate orders (:func:`learner.stage2.targets.order.candidate_order` names).
         threshold: the agreement a candidate needs for ``follows`` (default: the one `unmatched_prefix:
             reorder` asks of a sample's matches, :data:`~learner.stage2.targets.order.REORDER_AGREEMENT`).
+        min_pairs: the scored pairs ``follows`` needs (a model's measurement: :data:`MIN_ORDER_PAIRS`).
 
     Returns:
         Every candidate's pooled agreement, the best one and whether the model follows it.
@@ -191,10 +204,10 @@ def measure_order(
         for name in names:
             concordant[name] += concordant_pairs(emitted, candidate_order(name, objects))
     if pairs == 0:
-        return OrderMeasurement(dict.fromkeys(names), 0, 0, None, (), None, threshold)
+        return OrderMeasurement(dict.fromkeys(names), 0, 0, None, (), None, threshold, min_pairs)
     top = max(concordant.values())
     tied = tuple(name for name in names if concordant[name] == top)
     agreement: dict[str, float | None] = {name: concordant[name] / pairs for name in names}
     best = tied[0]
-    follows = best if top / pairs >= threshold else None
-    return OrderMeasurement(agreement, pairs, samples, best, tied, follows, threshold)
+    follows = best if top / pairs >= threshold and pairs >= min_pairs else None
+    return OrderMeasurement(agreement, pairs, samples, best, tied, follows, threshold, min_pairs)

@@ -10,6 +10,7 @@ import pytest
 from learner.evaluate.order import emitted_order, measure_order, prediction_order
 from learner.stage2.gt import GTObject, anchor_order
 from learner.stage2.targets.order import (
+    MIN_ORDER_PAIRS,
     ORDER_NAMES,
     REORDER_AGREEMENT,
     candidate_order,
@@ -88,6 +89,18 @@ def test_no_pair_of_matches_measures_nothing() -> None:
     assert got.to_json()["agreement"] == {"listed": None, "sorted": None}
 
 
+def test_a_model_measurement_names_no_order_from_too_few_pairs() -> None:
+    """2 pairs in sorted order (what one seed's weak base gave the A/B harness): agreement 1.0, no verdict."""
+    objects = [GTObject(k + 1, "a", "bbox_2d", (0, y, 5, y + 5)) for k, y in enumerate((30, 10, 20))]
+    few = [([1, 2], objects), ([2, 0], objects)]
+    assert measure_order(few, ("sorted",)).follows == "sorted"  # the step-wise use asks for no minimum
+    got = measure_order(few, ("sorted",), min_pairs=MIN_ORDER_PAIRS)
+    assert got.agreement == {"sorted": 1.0} and got.follows is None
+    assert got.to_json()["min_pairs"] == MIN_ORDER_PAIRS
+    enough = few * (MIN_ORDER_PAIRS // 2)
+    assert measure_order(enough, ("sorted",), min_pairs=MIN_ORDER_PAIRS).follows == "sorted"
+
+
 def test_pairs_are_pooled_over_samples() -> None:
     """3 pairs all concordant with sorted, then 1 discordant pair: 3 of 4."""
     objects = [GTObject(k + 1, "a", "bbox_2d", (0, y, 5, y + 5)) for k, y in enumerate((30, 10, 20))]
@@ -126,4 +139,6 @@ def test_evaluated_samples_give_the_order_of_their_matched_predictions() -> None
     s = sample(0, preds, gts)
     assert emitted_order(s) == [2, 1, 0]
     got = prediction_order([s, sample(1, [], [])])
-    assert got.agreement == {"listed": 0.0, "sorted": 1.0} and got.follows == "sorted"
+    assert got.agreement == {"listed": 0.0, "sorted": 1.0} and got.pairs == 3
+    assert got.follows is None  # 3 pairs: too few to call a model's habit (MIN_ORDER_PAIRS)
+    assert prediction_order([s] * (MIN_ORDER_PAIRS // 3)).follows == "sorted"
