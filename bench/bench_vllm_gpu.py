@@ -94,8 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--handoff", default="auto", choices=["auto", "ipc", "bytes"], help="rollout.vllm.weight_handoff"
     )
-    parser.add_argument("--sleep-level", type=int, default=1, choices=[1, 2],
-                        help="GPU: rollout.vllm.sleep_level of colocate (2 also frees the weights asleep)")
+    parser.add_argument(
+        "--sleep-level",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="GPU: rollout.vllm.sleep_level of colocate (2 also frees the weights asleep)",
+    )
     parser.add_argument("--hf-batch", type=int, default=64, help="server.hf.batch_size of the HF servers")
     parser.add_argument(
         "--openai-prompts", type=int, default=256, help="token-id prompts of the openai stage"
