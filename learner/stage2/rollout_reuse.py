@@ -44,8 +44,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BuildFn = Callable[[list[Any]], tuple[Sequence[Any], int, int]]
-"""Fresh-step planner: raw micro-batches -> (prepared micro-batches, N_ce, N_coord)."""
+BuildFn = Callable[[list[Any]], tuple[Any, ...]]
+"""Fresh-step planner: raw micro-batches -> (prepared micro-batches, N_ce, N_coord[, N_fp]); N_fp (penalized
+false-positive tokens, §13.5) is 0 when not returned."""
 
 
 class RolloutBufferConfig(ConfigSection):
@@ -363,7 +364,7 @@ class RolloutBuffer:
         Args:
             raws: the step's raw micro-batches (tagged).
             build: fresh-step planner called with the untagged raw batches on E-steps only; returns
-                ``(prepared, N_ce, N_coord)`` with ``N_*`` already all-reduced over ranks.
+                ``(prepared, N_ce, N_coord[, N_fp])`` with ``N_*`` already all-reduced over ranks.
             global_step: the optimizer step about to run.
             training: False in eval mode (buffer bypassed).
         """
@@ -371,13 +372,15 @@ class RolloutBuffer:
         if decision.reuse:
             return self.reuse(decision, raws)
         batches, _, _ = _untag(raws)
-        prepared, n_ce, n_coord = build(batches)
+        prepared, n_ce, n_coord, *rest = build(batches)
+        n_fp = int(rest[0]) if rest else 0
         prepared = list(prepared)
-        self.store(decision, raws, prepared, n_ce, n_coord, global_step=global_step)
+        self.store(decision, raws, prepared, n_ce, n_coord, global_step=global_step, n_fp=n_fp)
         return PreparedStep(
             prepared=prepared,
             n_ce=int(n_ce),
             n_coord=int(n_coord),
             decision=decision,
             window_step0=global_step,
+            n_fp=n_fp,
         )

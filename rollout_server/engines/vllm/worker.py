@@ -139,16 +139,19 @@ def load_in_place(model: Any, staged: Sequence[tuple[str, Any]], plan: Any = Non
     """
     import torch
 
-    from rollout_server.engines.vllm.copy_plan import CopyPlan
+    from rollout_server.engines.vllm.copy_plan import CopyPlan, CopyPlanRejected
 
-    if plan is not None and plan.matches(staged):
-        plan.apply(staged)
-        via = "plan"
-    else:
+    via = "load_weights"
+    if plan is not None:
+        try:
+            plan.apply(staged)  # checks the update's signature once, before writing anything
+            via = "plan"
+        except CopyPlanRejected:
+            pass  # another names / shapes / dtypes: record this update's writes instead
+    if via == "load_weights":
         plan, reason = CopyPlan.record(model, staged)
         if reason:
             logger.warning("in-place commit keeps going through load_weights: %s", reason)
-        via = "load_weights"
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return plan, via

@@ -143,6 +143,19 @@ def test_m_step_reuses_without_building_and_copies() -> None:
     assert build.calls == 2
 
 
+def test_an_m_step_reuses_the_false_positive_count_too() -> None:
+    """A planner that also counts penalized false-positive tokens (§13.5): the M-step normalizes by them."""
+
+    def build_with_fp(raws):
+        prepared, n_ce, n_coord = Builder()(raws)
+        return prepared, n_ce, n_coord, 7
+
+    buf = RolloutBuffer(m_steps=2, gas=2)
+    e = buf.prepare_step(_step_raws(0, 0), build_with_fp, global_step=0)
+    m1 = buf.prepare_step(_step_raws(0, 1), build_with_fp, global_step=1)
+    assert e.n_fp == 7 and m1.decision.reuse and m1.n_fp == 7
+
+
 def test_fingerprint_divergence_raises() -> None:
     buf, build = RolloutBuffer(m_steps=2, gas=2), Builder()
     buf.prepare_step(_step_raws(0, 0), build, global_step=0)
