@@ -75,6 +75,13 @@ arm, ``grpo.png`` (reward, KL, completion length per step). One rollout server (
 in-process; a run's first rollout step syncs its weights, so runs can share a server. Finished runs are reused
 (delete the run directory to redo one).
 
+Runs side by side on one GPU (one process per seed, e.g. with ``--vllm-gpu-memory 0.06 --vllm-sleep-level
+0``: vLLM's start fails when another process frees GPU memory meanwhile, as a sleeping engine does) slow
+each other unevenly; ``--price-seed S`` prices every run's seconds at what its arm's step cost on seed
+``S``'s runs, run alone first (`_ab.step_prices`): run ``--seeds S`` alone, then the other seeds side by
+side with ``--price-seed S``, then ``--summarize-only --seeds S,... --price-seed S`` (or ``--from-runs
+--price-seed S`` on the folders copied back).
+
 This file is the command line; the parts live in ``bench/_ab/``, one module per concern (its ``__init__``).
 """
 
@@ -118,6 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     backends = ["auto", "vllm", "hf"]
     backend_help = "--colocate's engine (vLLM, or the HF fallback); auto: vllm with CUDA and vLLM, else hf"
     parser.add_argument("--colocate-backend", choices=backends, default="auto", help=backend_help)
+    parser.add_argument(
+        "--vllm-gpu-memory",
+        type=float,
+        default=None,
+        help="colocated vLLM's gpu_memory_utilization (default 0.35; lower it for runs side by side)",
+    )
+    parser.add_argument(
+        "--vllm-sleep-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=None,
+        help="colocated vLLM's sleep_level (default 1); 0 for runs side by side (no memory freed mid-run)",
+    )
+    parser.add_argument(
+        "--price-seed",
+        type=int,
+        default=None,
+        help="price every run's seconds at this seed's runs' seconds per step (those ran alone)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 steps, 8 eval rows")
     parser.add_argument(
         "--order-samples",
@@ -157,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_runs:
         out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
         arms = args.arms.split(",") if args.arms else None
-        return summarize_copied_runs(args.task, out, args.steps, args.at_step, arms, args.canonical_steps)
+        return summarize_copied_runs(
+            args.task, out, args.steps, args.at_step, arms, args.canonical_steps, args.price_seed
+        )
     if args.smoke:
         args.seeds, args.base_steps, args.steps = "0", 2, 2
         args.eval_every, args.eval_samples = 2, 8
@@ -170,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--base-steps {args.base_steps} and --steps {args.steps} must be multiples of --eval-every"
             f" {args.eval_every} (the shared base is every run's evaluation at 0 s; the arms end on one)"
+        )
+    if args.vllm_gpu_memory is not None and not 0 < args.vllm_gpu_memory < 1:
+        parser.error(
+            f"--vllm-gpu-memory {args.vllm_gpu_memory} must be in (0, 1): a share of the GPU's memory"
         )
     if args.canonical_steps is not None and args.canonical_steps < 1:
         parser.error(f"--canonical-steps {args.canonical_steps} must be >= 1")

@@ -13,6 +13,7 @@ from _ab.canonical_budget import read_budget
 from _ab.order import read_order
 from _ab.plots import plot, plot_grpo
 from _ab.run_folder import eval_curve, with_seconds
+from _ab.step_prices import arm_prices, priced
 from _ab.summary import summarize
 from _ab.tables import ARMS, CANONICAL, GRPO_ARMS
 
@@ -24,6 +25,7 @@ def summarize_copied_runs(
     at_step: int | None,
     arms: Sequence[str] | None = None,
     canonical_steps: int | None = None,
+    price_seed: int | None = None,
 ) -> int:
     """``--from-runs``: the summary, ``ab.png`` and ``grpo.png`` of the run folders ``<arm>-s<seed>-<steps>``
     in ``out`` as they are — runs copied back from another host (their ``run.yaml`` names that host's paths,
@@ -34,7 +36,9 @@ def summarize_copied_runs(
     must start from one base (the same first held-out F1 in every arm), else the pairing would compare
     different bases: that is an error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` /
     ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation. The
-    ``sft-canonical`` runs are :func:`canonical_folders`'s.
+    ``sft-canonical`` runs are :func:`canonical_folders`'s. With ``price_seed`` the runs of every other seed
+    are read at their arm's price (`_ab.step_prices`: they ran side by side, the pricing seed's alone), and a
+    run that stopped before its last step is left out (said), never read as a shorter run.
     """
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
     units: dict[tuple[str, int], str] = {}
@@ -55,6 +59,12 @@ def summarize_copied_runs(
         if not curve or (at_step is not None and curve[-1]["step"] != at_step):
             print(f"[ab] {run_dir.name}: no evaluation at step {at_step}, left out", flush=True)
             continue
+        if price_seed is not None and at_step is None and curve[-1]["step"] < run_steps:
+            print(
+                f"[ab] {run_dir.name}: stopped at step {curve[-1]['step']} of {run_steps}, left out",
+                flush=True,
+            )
+            continue
         # training seconds from the first evaluation (the base) on
         curves[(arm, int(seed))], units[(arm, int(seed))] = with_seconds(curve, run_dir, curve[0]["step"])
         if arm == CANONICAL and read_order(run_dir) is not None:
@@ -66,8 +76,18 @@ def summarize_copied_runs(
             budgets[int(seed)] = read_budget(run_dir)  # type: ignore[assignment]
     if not curves:
         raise SystemExit(f"no run folders *-s<seed>-{steps} with evaluations in {out}")
-    for seed in sorted({s for _, s in curves}):
-        starts = {arm: c[0]["f1"] for (arm, s), c in curves.items() if s == seed}
+    if price_seed is not None:  # the other seeds ran side by side: their steps at the pricing seed's prices
+        prices = arm_prices(out, price_seed, steps, sorted({arm for arm, _ in curves}))
+        for (arm, seed), curve in curves.items():
+            if seed != price_seed:
+                curves[(arm, seed)] = priced(curve, prices["seconds_per_step"][arm])
+        print(f"[ab] step prices from seed {price_seed}: {json.dumps(prices)}", flush=True)
+    for seed, grpo in sorted({(s, arm in GRPO_ARMS) for arm, s in curves}):
+        # a GRPO run evaluates through its own engine (GRPO colocates only HF; the others may roll out on
+        # vLLM): its base F1 may differ by the engines' numerics, so each group is checked on its own
+        starts = {
+            arm: c[0]["f1"] for (arm, s), c in curves.items() if s == seed and (arm in GRPO_ARMS) == grpo
+        }
         if len(set(starts.values())) > 1:
             raise SystemExit(
                 f"seed {seed}: the runs in {out} start from different bases (first held-out F1 by arm: "

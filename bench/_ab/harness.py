@@ -28,6 +28,7 @@ from _ab.run_configs import (
     stage2_run_config,
 )
 from _ab.run_folder import BASE_STAMP, DEVICE_STAMP, eval_curve, finished, with_seconds
+from _ab.step_prices import arm_prices, contention, priced, priced_budget, stamped_prices, write_prices
 from _ab.summary import summarize
 from _ab.tables import ARMS, CANONICAL, GRPO_ARMS, REPO, TASKS, grpo_override
 
@@ -63,8 +64,13 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
     if url is None and not args.colocate:
         server, url = start_server(task_config, Path(task["model"]), out)
     shm_dir = SHM_DIR if server is not None else None
+    backend = colocate_backend(args.colocate_backend)
     rollout = rollout_section(
-        colocate=args.colocate, url=url, shm_dir=shm_dir, backend=colocate_backend(args.colocate_backend)
+        colocate=args.colocate,
+        url=url,
+        shm_dir=shm_dir,
+        backend=backend,
+        gpu_memory_utilization=args.vllm_gpu_memory,
     )
     curves: dict[Key, list[dict[str, float]]] = {}
     units: dict[Key, str] = {}
@@ -74,16 +80,27 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
     visible = visible_gpus()
     gpus = held_gpus(visible, server_gpus(out / "server.yaml", visible) if server is not None else None)
     results = out / "ab.jsonl"
+    seeds = [int(s) for s in args.seeds.split(",")]
+    prices = None  # --price-seed: each arm's seconds per step measured on that seed's runs alone
+    if (
+        args.price_seed is not None and args.price_seed not in seeds
+    ):  # priced by that seed's earlier invocation
+        prices = stamped_prices(out, args.price_seed, arms)
     try:
         with results.open("a") as fh:
-            for seed in [int(s) for s in args.seeds.split(",")]:
+            for seed in seeds:
                 # the seed's base: the sft run's weights at the base steps (saved for them), else the task's
                 base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
                 base = str(base_dir) if args.base_steps > 0 else None
                 for arm in arms:
                     steps = args.steps
-                    if arm == CANONICAL:  # the seed's on-policy arms have run: their seconds size it
-                        budgets[seed] = budget_for_seed(curves, units, seed, args.steps, args.canonical_steps)
+                    if arm == CANONICAL:  # sized by the seed's arms' seconds (priced: known before they ran)
+                        if prices is not None and args.canonical_steps is None:
+                            budgets[seed] = priced_budget(prices, args.steps)
+                        else:
+                            budgets[seed] = budget_for_seed(
+                                curves, units, seed, args.steps, args.canonical_steps
+                            )
                         steps = budgets[seed]["steps"]
                         print(
                             f"[ab] {args.task} seed {seed}: {CANONICAL} {json.dumps(budgets[seed])}",
@@ -165,6 +182,9 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     else:
                         curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
                         curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)
+                    if prices is not None:  # ran beside others: its steps at the arm's price, not its wall
+                        curve = priced(curve, prices["seconds_per_step"][arm])
+                        print(f"[ab] {run_dir.name}: wall ÷ priced seconds {contention(curve)}", flush=True)
                     if arm == CANONICAL:  # the order measured and the annotation order it trained on
                         orders[(arm, seed)] = {
                             **(read_order(run_dir) or {}),
@@ -175,6 +195,10 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     for point in curve:
                         fh.write(json.dumps({"task": args.task, "arm": arm, "seed": seed, **point}) + "\n")
                         fh.flush()
+                if seed == args.price_seed:  # its runs ran alone: they price every later seed's steps
+                    prices = arm_prices(out, seed, args.steps, arms)
+                    write_prices(out, prices)
+                    print(f"[ab] step prices from seed {seed}: {json.dumps(prices)}", flush=True)
             summary = summarize(args.task, curves, samples, units, orders, budgets)
             for line in summary:
                 fh.write(json.dumps({"summary": True, **line}) + "\n")

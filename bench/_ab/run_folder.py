@@ -31,6 +31,12 @@ def eval_curve(metrics: Path) -> list[dict[str, float]]:
     ]
 
 
+LAYOUT_ONLY = ("gpu_memory_utilization", "sleep_level")
+"""``rollout.vllm`` keys that place the colocated engine on the GPU without changing what it generates (its
+memory share, whether it sleeps between rollouts): a run that differs only there is the same run (the
+pricing seed runs alone with the one-GPU split, the other seeds side by side with a small share)."""
+
+
 BASE_STAMP = "base.sha256"
 """File in a run folder: the sha256 of the task's base weights the run started from."""
 
@@ -38,7 +44,8 @@ BASE_STAMP = "base.sha256"
 def finished(run_dir: Path, cfg: dict[str, Any], total: int, base: str = "") -> bool:
     """Whether ``run_dir`` holds this run already: its last evaluation is at step ``total``, its
     ``run.yaml`` is ``cfg`` apart from where rollouts came from (the server's address and staging dir change
-    from one harness invocation to the next; the runs are deterministic whichever server serves them), and it
+    from one harness invocation to the next; the runs are deterministic whichever server serves them) and
+    where a colocated engine sat (:data:`LAYOUT_ONLY`), and it
     started from the base whose fingerprint is ``base`` (a run folder without a stamp predates stamping and
     is taken as it is)."""
     metrics, path = run_dir / "metrics.jsonl", run_dir / "run.yaml"
@@ -54,6 +61,8 @@ def finished(run_dir: Path, cfg: dict[str, Any], total: int, base: str = "") -> 
 
     def comparable(config: dict[str, Any]) -> dict[str, Any]:
         rollout = {k: v for k, v in config.get("rollout", {}).items() if k not in ("servers", "sync")}
+        if isinstance(rollout.get("vllm"), dict):  # the engine's memory share and sleep: same rollouts
+            rollout["vllm"] = {k: v for k, v in rollout["vllm"].items() if k not in LAYOUT_ONLY}
         return {**config, "rollout": rollout}
 
     return comparable(yaml.safe_load(path.read_text())) == comparable(cfg)

@@ -329,7 +329,7 @@ def test_the_base_steps_must_be_an_evaluation(capsys) -> None:
     assert "must be multiples of --eval-every 3" in capsys.readouterr().err
 
 
-def test_colocated_arms_roll_out_on_the_chosen_engine() -> None:
+def test_colocated_arms_roll_out_on_the_chosen_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--colocate-backend`: vLLM prices rollouts as a one-GPU user pays for them; `auto` falls back to HF
     where CUDA or vLLM is missing (this CPU host); the server arms are unchanged."""
     vllm = run_configs.rollout_section(colocate=True, url=None, shm_dir=None, backend="vllm")
@@ -339,3 +339,12 @@ def test_colocated_arms_roll_out_on_the_chosen_engine() -> None:
     assert run_configs.colocate_backend("auto") == "hf" and run_configs.colocate_backend("vllm") == "vllm"
     server = run_configs.rollout_section(colocate=False, url="http://h:1", shm_dir=None, backend="vllm")
     assert server == {"servers": [{"base_url": "http://h:1"}], "sync": {"transport": "http"}}
+    # on a GPU: the one-GPU split, or the memory share and sleep level of runs side by side
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = run_configs.rollout_section(colocate=True, url=None, shm_dir=None, backend="vllm")
+    assert gpu["vllm"] == run_configs.COLOCATED_VLLM
+    side_by_side = {"gpu_memory_utilization": 0.06, "sleep_level": 0}
+    gpu = run_configs.rollout_section(colocate=True, url=None, shm_dir=None, backend="vllm", **side_by_side)
+    assert gpu["vllm"] == {**run_configs.COLOCATED_VLLM, **side_by_side}

@@ -1,0 +1,144 @@
+"""bench/ab_learning.py's ``--price-seed``: runs that shared a GPU are read at the seconds their arm's step
+cost alone (the pricing seed's runs), the control is sized on those seconds, and bad input names the fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import ab_learning  # noqa: E402
+from _ab import canonical_budget, run_folder, step_prices, tables  # noqa: E402
+
+CANONICAL = tables.CANONICAL
+
+
+def _run(out: Path, name: str, step_wall: list[float], gpus: int = 1) -> None:
+    """A finished run folder: an evaluation at step 0, one training line per step at ``step_wall`` seconds,
+    an evaluation after the last step (evaluations take 5 s each: they must not count)."""
+    run = out / name
+    run.mkdir(parents=True)
+    rows = [{"step": 0, "wall_s": 1.0, "eval_rollout_f1": 0.4, "eval_rollout_pred_objects": 9.0}]
+    shift = 1.0  # the first evaluation's line: each training line's wall_s is logged after its step
+    rows += [{"step": i + 1, "wall_s": shift + t, "loss": 1.0} for i, t in enumerate(step_wall)]
+    last = len(step_wall)
+    rows.append(
+        {
+            "step": last,
+            "wall_s": shift + step_wall[-1] + 5.0,
+            "eval_rollout_f1": 0.5,
+            "eval_rollout_pred_objects": 9.0,
+        }
+    )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / run_folder.DEVICE_STAMP).write_text(json.dumps({"gpus": gpus}))
+
+
+def test_each_arm_is_priced_at_its_own_step_and_the_control_at_sfts(tmp_path: Path) -> None:
+    _run(tmp_path, "sft-s0-4", [0.25, 0.5, 0.75, 1.0])  # 0.25 s a step, measured alone
+    _run(tmp_path, "rm-reorder-s0-4", [1.5, 3.0, 4.5, 6.0])  # 1.5 s a step
+    prices = step_prices.arm_prices(tmp_path, 0, 4, ["sft", "rm-reorder", CANONICAL])
+    assert prices["unit"] == "gpu" and prices["seed"] == 0
+    assert prices["seconds_per_step"] == pytest.approx({"sft": 0.25, "rm-reorder": 1.5, CANONICAL: 0.25})
+    step_prices.write_prices(tmp_path, prices)
+    assert step_prices.read_prices(tmp_path) == prices
+    # a control launched on its own reads every arm's price from the stamp
+    assert step_prices.stamped_prices(tmp_path, 0, [CANONICAL]) == prices
+    with pytest.raises(SystemExit, match=r"arms \['rm-keep'\] were not run on seed 0"):
+        step_prices.stamped_prices(tmp_path, 0, ["rm-keep"])
+    with pytest.raises(SystemExit, match="holds no prices from seed 1"):
+        step_prices.stamped_prices(tmp_path, 1, ["sft"])
+
+
+def test_a_run_beside_others_is_read_at_its_price_and_its_wall_is_kept() -> None:
+    # a reorder run that took 3 x its price beside seven others: 4 steps at 1.5 s are 6 priced seconds
+    curve = [{"step": 150, "f1": 0.4, "seconds": 0.0}, {"step": 152, "f1": 0.45, "seconds": 9.0}]
+    curve.append({"step": 154, "f1": 0.5, "seconds": 18.0})
+    got = step_prices.priced(curve, 1.5)
+    assert [p["seconds"] for p in got] == [0.0, 3.0, 6.0]
+    assert [p["wall_seconds"] for p in got] == [0.0, 9.0, 18.0]
+    assert step_prices.contention(got) == pytest.approx(3.0)
+
+
+def test_the_control_is_sized_on_priced_seconds() -> None:
+    """Priced seconds size `sft-canonical` at arm steps x (arm price ÷ sft price), whatever the wall was."""
+    sft = step_prices.priced(
+        [{"step": 0, "f1": 0.4, "seconds": 0}, {"step": 40, "f1": 0.5, "seconds": 99}], 0.25
+    )
+    arm = step_prices.priced(
+        [{"step": 0, "f1": 0.4, "seconds": 0}, {"step": 40, "f1": 0.6, "seconds": 500}], 1.5
+    )
+    curves = {("sft", 3): sft, ("rm-reorder", 3): arm}
+    units = {("sft", 3): "gpu", ("rm-reorder", 3): "gpu"}
+    budget = canonical_budget.budget_for_seed(curves, units, 3, 40, None)
+    assert budget["steps"] == 240 and budget["arm"] == "rm-reorder"
+    # the same budget from the prices alone: a control launched beside its seed's arms
+    prices = {
+        "unit": "gpu",
+        "seconds_per_step": {"sft": 0.25, "rm-reorder": 1.5, "grpo-x": 1.0, CANONICAL: 0.25},
+    }
+    assert step_prices.priced_budget(prices, 40) == {**budget, "arm_seconds": 60.0, "sft_step_seconds": 0.25}
+
+
+def test_a_missing_pricing_run_names_the_folder_and_the_fix(tmp_path: Path) -> None:
+    _run(tmp_path, "sft-s0-4", [0.25, 0.5, 0.75, 1.0])
+    with pytest.raises(SystemExit, match=r"rm-reorder-s0-4 holds no finished run.*--seeds 0"):
+        step_prices.arm_prices(tmp_path, 0, 4, ["sft", "rm-reorder"])
+    with pytest.raises(SystemExit, match="add the sft arm"):
+        step_prices.arm_prices(tmp_path, 0, 4, ["rm-reorder", CANONICAL][1:])
+
+
+def test_a_memory_share_outside_zero_one_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        ab_learning.main(["--out", "/nonexistent/ab", "--vllm-gpu-memory", "1.5"])
+    assert "--vllm-gpu-memory 1.5 must be in (0, 1)" in capsys.readouterr().err
+
+
+def test_a_run_differing_only_in_where_the_engine_sat_is_reused(tmp_path: Path) -> None:
+    """The pricing seed runs with the one-GPU split, the others side by side with a small memory share and
+    no sleep: the summary over all seeds must take both as finished, but not a run that decoded otherwise."""
+    import yaml
+
+    _run(tmp_path, "rm-reorder-s0-4", [1.5, 3.0, 4.5, 6.0])
+    vllm = {"gpu_memory_utilization": 0.35, "sleep_level": 1, "max_model_len": 2048}
+    cfg = {"rollout": {"mode": "colocate", "vllm": vllm}, "training": {"max_steps": 4}}
+    run = tmp_path / "rm-reorder-s0-4"
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg))
+    side = {
+        "rollout": {"mode": "colocate", "vllm": {**vllm, "gpu_memory_utilization": 0.06, "sleep_level": 0}}
+    }
+    assert run_folder.finished(run, {**cfg, **side}, 4)
+    other = {"rollout": {"mode": "colocate", "vllm": {**vllm, "max_model_len": 1024}}}
+    assert not run_folder.finished(run, {**cfg, **other}, 4)
+
+
+def test_runs_copied_back_are_read_at_the_pricing_seeds_prices(tmp_path: Path, capsys) -> None:
+    """`--from-runs --price-seed 0`: seed 1's runs, 3 x slower beside others, are read at seed 0's prices,
+    seed 0's at their own seconds; a run that stopped before its last step is left out and said."""
+    _run(tmp_path, "sft-s0-4", [0.25, 0.5, 0.75, 1.0])
+    _run(tmp_path, "rm-reorder-s0-4", [1.5, 3.0, 4.5, 6.0])
+    _run(tmp_path, "sft-s1-4", [0.75, 1.5, 2.25, 3.0])
+    _run(tmp_path, "rm-reorder-s1-4", [4.5, 9.0, 13.5, 18.0])
+    _run(tmp_path, "sft-s2-4", [0.25, 0.5])  # stopped after 2 of its 4 steps
+    argv = [
+        "--task",
+        "text-random",
+        "--steps",
+        "4",
+        "--from-runs",
+        "--price-seed",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
+    assert ab_learning.main(argv) == 0
+    assert "sft-s2-4: stopped at step 2 of 4, left out" in capsys.readouterr().out
+    lines = [json.loads(x) for x in (tmp_path / "ab.jsonl").read_text().splitlines()]
+    final = {(x["arm"], x["seed"]): x["seconds"] for x in lines if not x.get("summary") and x["step"] == 4}
+    assert final == pytest.approx(
+        {("sft", 0): 1.0, ("rm-reorder", 0): 6.0, ("sft", 1): 1.0, ("rm-reorder", 1): 6.0}
+    )
+    assert {x["arm"]: x["seeds"] for x in lines if x.get("summary")} == {"sft": [0, 1], "rm-reorder": [0, 1]}
