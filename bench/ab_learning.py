@@ -32,7 +32,9 @@ steps, the arm seconds being the largest ``train_seconds`` of the seed's on-poli
 controls) and the seconds per step the seed's ``sft`` run's (the same plain-GT step; the sft run is added when
 it is not asked for). Its run is configured for those steps, so its learning-rate schedule ends at its own
 last step; the choice and its reason are stamped in its folder (``canonical_budget.json``) and in the summary
-(``canonical_budget``). ``--canonical-steps N`` fixes the length instead; with no on-policy arm it trains
+(``canonical_budget``). A control that still trained fewer seconds than the arm (its steps ran faster than the
+sft run's) is sized again at its own pace and run again (``top_up``, at most twice), so it runs until it has
+used the arm's seconds. ``--canonical-steps N`` fixes the length instead; with no on-policy arm it trains
 ``--steps``. Trained samples: a plain-GT or rollout-matching step trains ``per_device_train_batch_size x
 gradient_accumulation_steps`` samples; a GRPO step trains ``prompts x num_generations`` completions, and the
 arm uses ``(that batch) / GRPO_GENERATIONS`` prompts per step, so every arm trains the same number of samples

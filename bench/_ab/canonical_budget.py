@@ -5,7 +5,10 @@ would train for fewer seconds than the arm. Sized here, per seed, it trains ``ce
 seconds per step)`` steps: the arm's seconds are the largest ``train_seconds`` of the seed's on-policy arms
 (the slowest one), the seconds per step are the seed's ``sft`` run's (the same plain-GT step, measured after
 the shared base). Its run is configured for exactly those steps, so its learning-rate schedule ends at its own
-last step (never a longer schedule read mid-way)."""
+last step (never a longer schedule read mid-way). A control whose run still trained fewer seconds than the
+arm (its steps ran faster or slower than the sft run's: warm-up, a busy host) is sized again at its own
+measured pace and run again, at most :data:`MAX_TOP_UPS` times (`top_up`): the control runs until it has
+used the arm's seconds."""
 
 from __future__ import annotations
 
@@ -16,6 +19,14 @@ from typing import Any
 
 from _ab.seconds_grid import final_seconds
 from _ab.tables import CONTROLS
+
+TOP_UP_TOLERANCE = 0.02
+"""Share of the arm's seconds a control may fall short by without being run again (round-off, a step's
+jitter)."""
+
+MAX_TOP_UPS = 2
+"""Re-sizings of one seed's control at most: each is a whole run of its own length."""
+
 
 BUDGET_STAMP = "canonical_budget.json"
 """File in an ``sft-canonical`` run folder: :func:`size_canonical`'s record of how its steps were chosen."""
@@ -91,3 +102,25 @@ def budget_for_seed(
     }
     sft_seconds = final_seconds(sft) if sft and "seconds" in sft[-1] else None
     return size_canonical(arms, sft_seconds, steps, steps, unit)
+
+
+def top_up(budget: dict[str, Any], curve: list[dict[str, float]], steps: int) -> dict[str, Any] | None:
+    """The budget of a longer control when the run of ``budget`` (``steps`` steps, its ``curve``) trained
+    fewer than ``1 - TOP_UP_TOLERANCE`` of the arm's seconds: ``ceil(arm seconds ÷ the control's own seconds
+    per step)`` steps (at least one more), ``topped_up_from`` the short run's steps, ``top_up`` its count.
+    None when it reached them, was not sized by seconds, or was topped up :data:`MAX_TOP_UPS` times."""
+    arm_seconds = budget.get("arm_seconds")
+    if not arm_seconds or not curve or "seconds" not in curve[-1] or steps < 1:
+        return None
+    got = final_seconds(curve)
+    count = int(budget.get("top_up", 0)) + 1
+    if got >= arm_seconds * (1 - TOP_UP_TOLERANCE) or count > MAX_TOP_UPS or got <= 0:
+        return None
+    pace = got / steps
+    longer = max(steps + 1, math.ceil(arm_seconds / pace - 1e-9))
+    reason = (
+        f"top-up {count}: its {steps}-step run trained {got:.1f} of {budget['arm']}'s {arm_seconds:.1f} s at"
+        f" {pace:.4f} s a step; sized again at that pace"
+    )
+    extra = {"control_step_seconds": pace, "topped_up_from": steps, "top_up": count}
+    return {**budget, "steps": longer, "reason": reason, **extra}

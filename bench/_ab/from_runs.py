@@ -111,7 +111,8 @@ def summarize_copied_runs(
 def canonical_folders(out: Path, canonical_steps: int | None) -> list[tuple[Path, int]]:
     """The ``sft-canonical`` run folders in ``out`` with their steps: those of ``canonical_steps`` when given,
     else one per seed whatever its steps (sized by seconds, they differ by seed); of several for a seed, the
-    one stamped with its budget (`_ab.canonical_budget`), else it is an error naming them."""
+    one stamped with its budget (`_ab.canonical_budget`; of a control run again longer, its last top-up),
+    else it is an error naming them."""
     if canonical_steps is not None:
         return [(d, canonical_steps) for d in sorted(out.glob(f"{CANONICAL}-s*-{canonical_steps}"))]
     by_seed: dict[str, list[tuple[Path, int]]] = {}
@@ -122,6 +123,9 @@ def canonical_folders(out: Path, canonical_steps: int | None) -> list[tuple[Path
     chosen = []
     for seed, found in sorted(by_seed.items()):
         stamped = [f for f in found if read_budget(f[0]) is not None]
+        topped = [f for f in stamped if "topped_up_from" in (read_budget(f[0]) or {})]
+        if topped:  # a short control was run again, longer: the last top-up is the control
+            stamped = [max(topped, key=lambda f: read_budget(f[0])["top_up"])]  # type: ignore[index]
         if len(found) > 1 and len(stamped) != 1:
             names = [d.name for d, _ in found]
             raise SystemExit(f"seed {seed}: several {CANONICAL} runs {names}; pass --canonical-steps")

@@ -11,7 +11,7 @@ from typing import Any
 
 from launcher_utils import exit_on_signals
 
-from _ab.canonical_budget import budget_for_seed, write_budget
+from _ab.canonical_budget import budget_for_seed, top_up, write_budget
 from _ab.gpus import held_gpus, server_gpus, visible_gpus
 from _ab.order import canonical_ordering, measure_base_order, read_order
 from _ab.plots import plot, plot_grpo
@@ -92,10 +92,14 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                 # the seed's base: the sft run's weights at the base steps (saved for them), else the task's
                 base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
                 base = str(base_dir) if args.base_steps > 0 else None
-                for arm in arms:
+                queue, top_ups = list(arms), {}  # a control short of the arm's seconds runs again, longer
+                while queue:
+                    arm = queue.pop(0)
                     steps = args.steps
                     if arm == CANONICAL:  # sized by the seed's arms' seconds (priced: known before they ran)
-                        if prices is not None and args.canonical_steps is None:
+                        if seed in top_ups:
+                            budgets[seed] = top_ups.pop(seed)
+                        elif prices is not None and args.canonical_steps is None:
                             budgets[seed] = priced_budget(prices, args.steps)
                         else:
                             budgets[seed] = budget_for_seed(
@@ -185,6 +189,14 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     if prices is not None:  # ran beside others: its steps at the arm's price, not its wall
                         curve = priced(curve, prices["seconds_per_step"][arm])
                         print(f"[ab] {run_dir.name}: wall ÷ priced seconds {contention(curve)}", flush=True)
+                    longer = (
+                        top_up(budgets[seed], curve, steps) if arm == CANONICAL and prices is None else None
+                    )
+                    if longer is not None:  # trained fewer seconds than the arm: sized again at its own pace
+                        print(f"[ab] {args.task} seed {seed}: {CANONICAL} {longer['reason']}", flush=True)
+                        top_ups[seed] = longer
+                        queue.insert(0, CANONICAL)
+                        continue
                     if arm == CANONICAL:  # the order measured and the annotation order it trained on
                         orders[(arm, seed)] = {
                             **(read_order(run_dir) or {}),

@@ -18,6 +18,13 @@ ARMS: dict[str, dict[str, Any]] = {
     "rm-keep": {"targets": {"unmatched_prefix": "keep"}},
     # keep, plus a loss on what plain SFT never sees: the false positives (duplicates included) of the rollout
     "rm-keep-ul": {"targets": {"unmatched_prefix": "keep"}, "loss": {"fp_unlikelihood_weight": 1.0}},
+    # at weight 1.0 the loss cut recall by 0.22 (the model learned to emit less): a third of it, on every
+    # coordinate of a false positive or only on the first (where the model decided to place one)
+    "rm-keep-ul03": {"targets": {"unmatched_prefix": "keep"}, "loss": {"fp_unlikelihood_weight": 0.3}},
+    "rm-keep-ul03-first": {
+        "targets": {"unmatched_prefix": "keep"},
+        "loss": {"fp_unlikelihood_weight": 0.3, "fp_unlikelihood_tokens": "first_coord"},
+    },
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]}},
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists

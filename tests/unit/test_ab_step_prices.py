@@ -142,3 +142,28 @@ def test_runs_copied_back_are_read_at_the_pricing_seeds_prices(tmp_path: Path, c
         {("sft", 0): 1.0, ("rm-reorder", 0): 6.0, ("sft", 1): 1.0, ("rm-reorder", 1): 6.0}
     )
     assert {x["arm"]: x["seeds"] for x in lines if x.get("summary")} == {"sft": [0, 1], "rm-reorder": [0, 1]}
+
+
+def test_a_control_short_of_the_arms_seconds_is_sized_again_at_its_own_pace() -> None:
+    """The GPU run's seed 0: sized 108 steps at the sft run's 0.266 s, the control ran 0.201 s a step and
+    trained 21.7 of the arm's 28.5 s; it runs again for ceil(28.5 / 0.201) steps, at most twice."""
+    first = canonical_budget.size_canonical({"rm-reorder": 28.526}, 30 * 0.26603, 30, 30, "gpu")
+    assert first["steps"] == 108
+    curve = [{"step": 0, "f1": 0.4, "seconds": 0.0}, {"step": 108, "f1": 0.3, "seconds": 21.716}]
+    longer = canonical_budget.top_up(first, curve, 108)
+    assert longer is not None and longer["steps"] == 142 and longer["topped_up_from"] == 108
+    assert longer["top_up"] == 1 and "top-up 1" in longer["reason"]
+    reached = [{"step": 0, "f1": 0.4, "seconds": 0.0}, {"step": 142, "f1": 0.3, "seconds": 28.4}]
+    assert canonical_budget.top_up(longer, reached, 142) is None  # within the 2 % tolerance
+    again = canonical_budget.top_up({**longer, "top_up": canonical_budget.MAX_TOP_UPS}, curve, 108)
+    assert again is None
+    assert canonical_budget.top_up({"steps": 50, "reason": "--canonical-steps"}, curve, 50) is None
+
+
+def test_of_a_control_run_again_the_last_top_up_is_the_control(tmp_path: Path) -> None:
+    from _ab.from_runs import canonical_folders
+
+    for steps, budget in ((108, {"steps": 108}), (142, {"steps": 142, "topped_up_from": 108, "top_up": 1})):
+        _run(tmp_path, f"{CANONICAL}-s0-{steps}", [0.2 * (i + 1) for i in range(4)])
+        canonical_budget.write_budget(tmp_path / f"{CANONICAL}-s0-{steps}", budget)
+    assert canonical_folders(tmp_path, None) == [(tmp_path / f"{CANONICAL}-s0-142", 142)]
