@@ -21,6 +21,7 @@ ARMS: dict[str, dict[str, Any]] = {
     # at weight 1.0 the loss cut recall by 0.22 (the model learned to emit less): a third of it, on every
     # coordinate of a false positive or only on the first (where the model decided to place one)
     "rm-keep-ul03": {"targets": {"unmatched_prefix": "keep"}, "loss": {"fp_unlikelihood_weight": 0.3}},
+    "rm-keep-ul01": {"targets": {"unmatched_prefix": "keep"}, "loss": {"fp_unlikelihood_weight": 0.1}},
     "rm-keep-ul03-first": {
         "targets": {"unmatched_prefix": "keep"},
         "loss": {"fp_unlikelihood_weight": 0.3, "fp_unlikelihood_tokens": "first_coord"},
