@@ -100,7 +100,8 @@ from _ab.harness import run_ab  # noqa: E402
 from _ab.tables import ARMS, CANONICAL, CONTROLS, GRPO_ARMS, REPO, TASKS  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (checked further by :func:`main`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="text-random")
     parser.add_argument("--arms", default=None, help="default sft,rm-keep,rm-drop (--smoke: sft,rm-reorder)")
@@ -179,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --from-runs: compare the arms at this step (runs without an evaluation there left out)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.at_step is not None and not args.from_runs:
         parser.error("--at-step goes with --from-runs")

@@ -20,10 +20,9 @@ from _ab.processes import SHM_DIR, run_learner, start_server
 from _ab.run_configs import (
     base_model,
     canonical_run_config,
-    colocate_backend,
     common_config,
     grpo_run_config,
-    rollout_section,
+    run_rollout,
     samples_per_step,
     stage2_run_config,
 )
@@ -64,14 +63,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
     if url is None and not args.colocate:
         server, url = start_server(task_config, Path(task["model"]), out)
     shm_dir = SHM_DIR if server is not None else None
-    backend = colocate_backend(args.colocate_backend)
-    rollout = rollout_section(
-        colocate=args.colocate,
-        url=url,
-        shm_dir=shm_dir,
-        backend=backend,
-        gpu_memory_utilization=args.vllm_gpu_memory,
-    )
+    rollout = run_rollout(args, url, shm_dir)
     curves: dict[Key, list[dict[str, float]]] = {}
     units: dict[Key, str] = {}
     samples: dict[Key, int] = {}

@@ -217,3 +217,16 @@ def stage2_run_config(
             "save_final_model": False,
         },
     )
+
+
+def run_rollout(args: Any, url: str | None, shm_dir: str | None) -> dict[str, Any]:
+    """The supervised runs' ``rollout:`` from the command line (``args``): :func:`rollout_section` with
+    ``--colocate``, ``--colocate-backend``, ``--vllm-gpu-memory`` and ``--vllm-sleep-level``."""
+    return rollout_section(
+        colocate=args.colocate,
+        url=url,
+        shm_dir=shm_dir,
+        backend=colocate_backend(args.colocate_backend),
+        gpu_memory_utilization=args.vllm_gpu_memory,
+        sleep_level=args.vllm_sleep_level,
+    )

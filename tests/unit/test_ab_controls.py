@@ -348,3 +348,15 @@ def test_colocated_arms_roll_out_on_the_chosen_engine(monkeypatch: pytest.Monkey
     side_by_side = {"gpu_memory_utilization": 0.06, "sleep_level": 0}
     gpu = run_configs.rollout_section(colocate=True, url=None, shm_dir=None, backend="vllm", **side_by_side)
     assert gpu["vllm"] == {**run_configs.COLOCATED_VLLM, **side_by_side}
+    # the command line's flags reach it (a flag parsed but never passed on went unnoticed once)
+    flags = [
+        "--colocate",
+        "--colocate-backend",
+        "vllm",
+        "--vllm-gpu-memory",
+        "0.06",
+        "--vllm-sleep-level",
+        "0",
+    ]
+    args = ab_learning.build_parser().parse_args(flags)
+    assert run_configs.run_rollout(args, None, None)["vllm"] == {**run_configs.COLOCATED_VLLM, **side_by_side}
