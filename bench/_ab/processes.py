@@ -16,19 +16,42 @@ SHM_DIR = f"/dev/shm/rollmatch-ab-{os.getpid()}"
 """The harness's server and learners share this staging dir (shm syncs), apart from any other server's."""
 
 
+ENGINE_START_RACE = "Error in memory profiling"
+"""vLLM's assertion when another process on the GPU freed memory while the engine measured it at start: runs
+side by side on one GPU (their engines sleeping, or a run ending) hit it; the run has trained nothing yet."""
+
+ENGINE_START_RETRIES = 2
+"""Starts again of a run that failed with :data:`ENGINE_START_RACE` (each a fresh process)."""
+
+
 def run_learner(config: dict[str, Any], path: Path, log: Path) -> None:
+    """Trains one run (``python -m learner``) with ``config`` written to ``path``, its output in ``log``; a
+    run whose colocated vLLM lost the start race (:data:`ENGINE_START_RACE`) is started again, at most
+    :data:`ENGINE_START_RETRIES` times.
+
+    Raises:
+        SystemExit: the run failed (names its config and log, with the log's tail).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    with log.open("w") as fh:
-        rc = subprocess.run(
-            [PY, "-m", "learner", "--config", str(path)],
-            cwd=REPO,
-            env=env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        ).returncode
+    for attempt in range(ENGINE_START_RETRIES + 1):
+        with log.open("w") as fh:
+            rc = subprocess.run(
+                [PY, "-m", "learner", "--config", str(path)],
+                cwd=REPO,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            ).returncode
+        if (
+            rc == 0
+            or ENGINE_START_RACE not in log.read_text(errors="replace")
+            or attempt == ENGINE_START_RETRIES
+        ):
+            break
+        print(f"[ab] {path.parent.name}: vLLM lost its start race to another process; start {attempt + 2}")
     if rc != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
         raise SystemExit(f"learner run {path} failed with exit code {rc}; log {log}:\n{tail}")

@@ -1,5 +1,6 @@
-"""bench/ab_learning.py's ``--price-seed``: runs that shared a GPU are read at the seconds their arm's step
-cost alone (the pricing seed's runs), the control is sized on those seconds, and bad input names the fix."""
+"""bench/ab_learning.py's runs side by side on one GPU: ``--price-seed`` reads them at the seconds their arm's
+step cost alone (the pricing seed's runs), the control is sized on those seconds (and run again when short),
+a run that lost vLLM's start race starts again, and bad input names the fix."""
 
 from __future__ import annotations
 
@@ -167,3 +168,34 @@ def test_of_a_control_run_again_the_last_top_up_is_the_control(tmp_path: Path) -
         _run(tmp_path, f"{CANONICAL}-s0-{steps}", [0.2 * (i + 1) for i in range(4)])
         canonical_budget.write_budget(tmp_path / f"{CANONICAL}-s0-{steps}", budget)
     assert canonical_folders(tmp_path, None) == [(tmp_path / f"{CANONICAL}-s0-142", 142)]
+
+
+@pytest.mark.parametrize(
+    ("failures", "marker", "runs", "ok"), [(1, True, 2, True), (3, True, 3, False), (1, False, 1, False)]
+)
+def test_a_run_that_lost_vllms_start_race_is_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failures: int, marker: bool, runs: int, ok: bool
+) -> None:
+    """Beside other runs on one GPU, vLLM's start asserts when another process frees memory meanwhile: the
+    run (nothing trained yet) starts again, at most twice; any other failure is reported at once."""
+    import subprocess
+
+    from _ab import processes
+
+    calls: list[int] = []
+
+    def fake_run(command, stdout, **kwargs):
+        calls.append(1)
+        failed = len(calls) <= failures
+        race = f"AssertionError: {processes.ENGINE_START_RACE}. Initial free memory\n"
+        stdout.write((race if marker else "boom\n") if failed else "done\n")
+        return subprocess.CompletedProcess(command, 1 if failed else 0)
+
+    monkeypatch.setattr(processes.subprocess, "run", fake_run)
+    run = tmp_path / "rm-reorder-s6-30"
+    if ok:
+        processes.run_learner({"a": 1}, run / "run.yaml", run / "learner.log")
+    else:
+        with pytest.raises(SystemExit, match="failed with exit code 1"):
+            processes.run_learner({"a": 1}, run / "run.yaml", run / "learner.log")
+    assert len(calls) == runs
