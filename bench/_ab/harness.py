@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from launcher_utils import exit_on_signals
 
 from _ab.canonical_budget import budget_for_seed, top_up, write_budget
 from _ab.gpus import held_gpus, server_gpus, visible_gpus
-from _ab.order import canonical_ordering, measure_base_order, read_order
+from _ab.order import ORDER_DIR, canonical_ordering, measure_base_order, read_order
 from _ab.plots import plot, plot_grpo
 from _ab.prepare import base_fingerprint, build_data, build_model
 from _ab.processes import SHM_DIR, run_learner, start_server
@@ -74,9 +75,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
     results = out / "ab.jsonl"
     seeds = [int(s) for s in args.seeds.split(",")]
     prices = None  # --price-seed: each arm's seconds per step measured on that seed's runs alone
-    if (
-        args.price_seed is not None and args.price_seed not in seeds
-    ):  # priced by that seed's earlier invocation
+    if args.price_seed is not None and args.price_seed not in seeds:  # stamped by that seed's invocation
         prices = stamped_prices(out, args.price_seed, arms)
     try:
         with results.open("a") as fh:
@@ -85,6 +84,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                 base_dir = out / f"sft-s{seed}-{args.steps}" / f"checkpoint-{args.base_steps}"
                 base = str(base_dir) if args.base_steps > 0 else None
                 queue, top_ups = list(arms), {}  # a control short of the arm's seconds runs again, longer
+                short_run: Path | None = None  # the short control: the longer one reuses its base order
                 while queue:
                     arm = queue.pop(0)
                     steps = args.steps
@@ -104,6 +104,9 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                         )
                     run_dir = out / f"{arm}-s{seed}-{steps}"
                     metrics = run_dir / "metrics.jsonl"
+                    if arm == CANONICAL and short_run is not None and read_order(run_dir) is None:
+                        # the same base, rows and seed: its order measurement is this run's too
+                        shutil.copytree(short_run / ORDER_DIR, run_dir / ORDER_DIR, dirs_exist_ok=True)
                     # a run from the base counts its own steps; the curve is shifted onto the others' steps
                     # (sft-canonical resumes the sft run's base checkpoint: its steps go on from the base's)
                     own_steps = arm in GRPO_ARMS or (arm == CANONICAL and base is None)
@@ -149,7 +152,8 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                         t0 = time.time()
                         metrics.unlink(missing_ok=True)
                         if arm == CANONICAL:
-                            order = measure_base_order(
+                            order = read_order(run_dir) if short_run is not None else None
+                            order = order or measure_base_order(
                                 common,
                                 model=base or base_model(task_config, common),
                                 train=train,
@@ -186,7 +190,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                     )
                     if longer is not None:  # trained fewer seconds than the arm: sized again at its own pace
                         print(f"[ab] {args.task} seed {seed}: {CANONICAL} {longer['reason']}", flush=True)
-                        top_ups[seed] = longer
+                        top_ups[seed], short_run = longer, run_dir
                         queue.insert(0, CANONICAL)
                         continue
                     if arm == CANONICAL:  # the order measured and the annotation order it trained on

@@ -54,7 +54,8 @@ def arm_prices(out: Path, seed: int, steps: int, arms: list[str]) -> dict[str, A
         if price is None or unit is None:
             raise SystemExit(
                 f"--price-seed {seed}: {run_dir} holds no finished run to price {arm}'s step; run that seed's"
-                f" arms alone first (bench/ab_learning.py --seeds {seed} --arms {','.join(arms)})"
+                f" arms alone first (bench/ab_learning.py --seeds {seed} --price-seed {seed}"
+                f" --arms {','.join(arms)})"
             )
         prices[arm] = price
         units.add(unit)
