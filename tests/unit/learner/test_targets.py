@@ -7,17 +7,16 @@ import numpy as np
 import pydantic
 import pytest
 
-import learner.stage2.targets.y_train as targets_mod
+import learner.stage2.targets.prefix_coords as prefix_coords_mod
 from learner.stage2.format import serialize_entry
 from learner.stage2.gt import GTObject, extract_gt
 from learner.stage2.targets.ot import barycentric_batch, barycentric_padded, barycentric_projection
+from learner.stage2.targets.prefix_coords import prefix_coord_targets, prefix_coord_targets_batch
 from learner.stage2.targets.y_train import (
     TargetsConfig,
     YTrain,
     find_desc_value_spans,
     matching_rates,
-    prefix_coord_targets,
-    prefix_coord_targets_batch,
     serialize_append,
 )
 from tests.unit.learner.worked_example import (
@@ -302,7 +301,7 @@ def test_excluded_pair_becomes_fn(monkeypatch: pytest.MonkeyPatch) -> None:
         proj, ok, ns = barycentric_padded(p, g, **kw)
         return proj * np.nan, ok & False, ns
 
-    monkeypatch.setattr(targets_mod, "barycentric_padded", failing)
+    monkeypatch.setattr(prefix_coords_mod, "barycentric_padded", failing)
     bad = run_pipeline(ids, gt)
     assert bad.y_train.tp == () and len(bad.y_train.excluded) == 1
     assert bad.y_train.fn == (0,) and bad.y_train.fp == (0,)
