@@ -37,8 +37,9 @@ def summarize_copied_runs(
     different bases: that is an error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` /
     ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation. The
     ``sft-canonical`` runs are :func:`canonical_folders`'s. With ``price_seed`` the runs of every other seed
-    are read at their arm's price (`_ab.step_prices`: they ran side by side, the pricing seed's alone), and a
-    run that stopped before its last step is left out (said), never read as a shorter run.
+    are read at their arm's price (`_ab.step_prices`: they ran side by side, the pricing seed's alone).
+    Without ``at_step``, a run that stopped before its last step (:func:`last_step`) is left out (said),
+    never read as a shorter run.
     """
     curves: dict[tuple[str, int], list[dict[str, float]]] = {}
     units: dict[tuple[str, int], str] = {}
@@ -59,11 +60,9 @@ def summarize_copied_runs(
         if not curve or (at_step is not None and curve[-1]["step"] != at_step):
             print(f"[ab] {run_dir.name}: no evaluation at step {at_step}, left out", flush=True)
             continue
-        if price_seed is not None and at_step is None and curve[-1]["step"] < run_steps:
-            print(
-                f"[ab] {run_dir.name}: stopped at step {curve[-1]['step']} of {run_steps}, left out",
-                flush=True,
-            )
+        last = last_step(run_dir, run_steps)
+        if at_step is None and curve[-1]["step"] < last:
+            print(f"[ab] {run_dir.name}: stopped at step {curve[-1]['step']} of {last}, left out", flush=True)
             continue
         # training seconds from the first evaluation (the base) on
         curves[(arm, int(seed))], units[(arm, int(seed))] = with_seconds(curve, run_dir, curve[0]["step"])
@@ -106,6 +105,16 @@ def summarize_copied_runs(
         plot_grpo(grpo_runs, out / "grpo.png")
     print(f"[ab] {out / f'ab{suffix}.jsonl'} and {out / f'ab{suffix}.png'}", flush=True)
     return 0
+
+
+def last_step(run_dir: Path, run_steps: int) -> int:
+    """The learner step a finished run of ``run_dir`` evaluates last: its ``run.yaml``'s
+    ``training.max_steps`` (a supervised arm's shared base steps included; a GRPO run counts from its base
+    checkpoint), else ``run_steps`` (a folder without its config)."""
+    path = run_dir / "run.yaml"
+    config = yaml.safe_load(path.read_text()) if path.exists() else None
+    max_steps = (config or {}).get("training", {}).get("max_steps")
+    return int(max_steps) if max_steps else run_steps
 
 
 def canonical_folders(out: Path, canonical_steps: int | None) -> list[tuple[Path, int]]:

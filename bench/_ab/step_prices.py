@@ -83,7 +83,8 @@ def read_prices(out: Path) -> dict[str, Any] | None:
 
 def stamped_prices(out: Path, seed: int, arms: list[str]) -> dict[str, Any]:
     """The prices the pricing seed's own invocation stamped in ``out`` (every arm it ran, so that a control
-    launched on its own is sized by the on-policy arms' prices).
+    launched on its own is sized by the on-policy arms' prices). ``sft-canonical`` is priced wherever ``sft``
+    is (the same plain-GT step), whether or not the pricing seed's invocation ran it.
 
     Raises:
         SystemExit: no stamp from ``seed``, or an arm of ``arms`` it did not price (names the fix).
@@ -94,7 +95,10 @@ def stamped_prices(out: Path, seed: int, arms: list[str]) -> dict[str, Any]:
             f"--price-seed {seed}: {out / PRICES_STAMP} holds no prices from seed {seed}; run its arms"
             f" alone first (bench/ab_learning.py --seeds {seed} --price-seed {seed} --arms ...)"
         )
-    missing = sorted(set(arms) - set(prices["seconds_per_step"]))
+    priced_arms = set(prices["seconds_per_step"])
+    if "sft" in priced_arms:  # the control's step is the sft step (`arm_prices`), stamped or not
+        priced_arms.add(CANONICAL)
+    missing = sorted(set(arms) - priced_arms)
     if missing:
         raise SystemExit(
             f"--price-seed {seed}: arms {missing} were not run on seed {seed}; run them there first"

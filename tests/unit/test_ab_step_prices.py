@@ -54,6 +54,20 @@ def test_each_arm_is_priced_at_its_own_step_and_the_control_at_sfts(tmp_path: Pa
         step_prices.stamped_prices(tmp_path, 1, ["sft"])
 
 
+def test_a_control_is_priced_at_the_sft_step_when_the_pricing_run_left_it_out(tmp_path: Path) -> None:
+    """The pricing seed's arms ran without the control (it was launched later, beside the other seeds): the
+    control's step is still the sft step, so a control launched on its own is sized; without an sft price
+    it is not."""
+    _run(tmp_path, "sft-s0-4", [0.25, 0.5, 0.75, 1.0])
+    _run(tmp_path, "rm-reorder-s0-4", [1.5, 3.0, 4.5, 6.0])
+    step_prices.write_prices(tmp_path, step_prices.arm_prices(tmp_path, 0, 4, ["sft", "rm-reorder"]))
+    prices = step_prices.stamped_prices(tmp_path, 0, ["sft", CANONICAL])
+    assert step_prices.priced_budget(prices, 4)["steps"] == 24  # 4 reorder steps x 1.5 s / 0.25 s
+    step_prices.write_prices(tmp_path, step_prices.arm_prices(tmp_path, 0, 4, ["rm-reorder"]))
+    with pytest.raises(SystemExit, match=r"arms \['sft-canonical'\] were not run on seed 0"):
+        step_prices.stamped_prices(tmp_path, 0, [CANONICAL])
+
+
 def test_a_run_beside_others_is_read_at_its_price_and_its_wall_is_kept() -> None:
     # a reorder run that took 3 x its price beside seven others: 4 steps at 1.5 s are 6 priced seconds
     curve = [{"step": 150, "f1": 0.4, "seconds": 0.0}, {"step": 152, "f1": 0.45, "seconds": 9.0}]
@@ -143,6 +157,22 @@ def test_runs_copied_back_are_read_at_the_pricing_seeds_prices(tmp_path: Path, c
         {("sft", 0): 1.0, ("rm-reorder", 0): 6.0, ("sft", 1): 1.0, ("rm-reorder", 1): 6.0}
     )
     assert {x["arm"]: x["seeds"] for x in lines if x.get("summary")} == {"sft": [0, 1], "rm-reorder": [0, 1]}
+
+
+def test_a_run_copied_back_at_its_base_is_left_out_not_read_as_final(tmp_path: Path, capsys) -> None:
+    """A supervised arm trains its shared base steps itself: cut off after its base evaluation (step 150 of
+    200), its last evaluation is past the arm's own 50 steps but not its last step (``run.yaml``'s
+    ``max_steps``), so it is left out rather than read as a run that ended at its base."""
+    import yaml
+
+    for name in ("sft-s0-50", "rm-reorder-s0-50", "rm-reorder-s1-50"):
+        _run(tmp_path, name, [0.25 * (i + 1) for i in range(200 if name != "rm-reorder-s1-50" else 150)])
+        (tmp_path / name / "run.yaml").write_text(yaml.safe_dump({"training": {"max_steps": 200}}))
+    argv = ["--task", "image-random", "--steps", "50", "--from-runs", "--out", str(tmp_path)]
+    assert ab_learning.main(argv) == 0
+    assert "rm-reorder-s1-50: stopped at step 150 of 200, left out" in capsys.readouterr().out
+    lines = [json.loads(x) for x in (tmp_path / "ab.jsonl").read_text().splitlines()]
+    assert {x["arm"]: x["seeds"] for x in lines if x.get("summary")} == {"sft": [0], "rm-reorder": [0]}
 
 
 def test_a_control_short_of_the_arms_seconds_is_sized_again_at_its_own_pace() -> None:
