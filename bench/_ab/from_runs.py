@@ -82,8 +82,8 @@ def summarize_copied_runs(
                 curves[(arm, seed)] = priced(curve, prices["seconds_per_step"][arm])
         print(f"[ab] step prices from seed {price_seed}: {json.dumps(prices)}", flush=True)
     for seed, grpo in sorted({(s, arm in GRPO_ARMS) for arm, s in curves}):
-        # a GRPO run evaluates through its own engine (GRPO colocates only HF; the others may roll out on
-        # vLLM): its base F1 may differ by the engines' numerics, so each group is checked on its own
+        # a GRPO run evaluates through its own engine (the harness's GRPO arms colocate HF; the others may
+        # roll out on vLLM): its base F1 may differ by the engines' numerics, so each group is checked alone
         starts = {
             arm: c[0]["f1"] for (arm, s), c in curves.items() if s == seed and (arm in GRPO_ARMS) == grpo
         }

@@ -167,21 +167,23 @@ def rollout_mode(rollout: Mapping[str, Any]) -> str:
             "rollout.mode",
             f"{mode!r} is neither 'server' nor 'colocate'",
             "rule 1",
-            "set rollout.mode: server (a rollout server process) or colocate (rollouts by the learner's own"
-            " model, rollout.backend: hf)",
+            "set rollout.mode: server (a rollout server process) or colocate (rollouts in the learner's own"
+            " process, rollout.backend: hf or vllm)",
         )
     return str(mode)
 
 
 def check_colocate(rollout: Mapping[str, Any]) -> None:
-    """Colocate mode: the HF engine (the policy generates itself, so a sync moves nothing) and no overlap."""
+    """Colocate mode: the HF engine (the policy generates itself, so a sync moves nothing) or a vLLM engine
+    in the learner process (the policy's weights reach it after every step, as in rollout-matching), and no
+    overlap."""
     backend = rollout.get("backend", "vllm")
-    if backend != "hf":
+    if backend not in ("hf", "vllm"):
         raise fail(
             "rollout.backend",
-            f"{backend!r} in colocate mode: GRPO colocates only the HF engine",
+            f"{backend!r} in colocate mode: GRPO colocates the HF or the vLLM engine",
             "rule 1",
-            "set rollout.backend: hf, or rollout.mode: server with a vLLM rollout server",
+            "set rollout.backend: hf or vllm, or rollout.mode: server with a vLLM rollout server",
         )
     overlap = rollout.get("async") if isinstance(rollout.get("async"), Mapping) else {}
     if overlap.get("enabled"):

@@ -56,7 +56,12 @@ def _chain(*edits: Edit) -> Edit:
 
 FAILING = [
     ("rule1-mode", _set("rollout.mode", "remote"), "rollout.mode", "rule 1"),
-    ("rule1-colocate-vllm", _set("rollout.mode", "colocate"), "rollout.backend", "rule 1"),
+    (
+        "rule1-colocate-unknown-engine",
+        _chain(_set("rollout.mode", "colocate"), _set("rollout.backend", "sglang")),
+        "rollout.backend",
+        "rule 1",
+    ),
     (
         "rule1-colocate-async",
         _chain(
@@ -371,14 +376,15 @@ def test_async_rollouts_and_tis_knobs_resolve(server_raw: dict[str, Any]) -> Non
         validate_grpo_run(server_raw, REPO_ROOT)
 
 
-def test_colocate_mode_needs_no_server(server_raw: dict[str, Any], model_dir: Path) -> None:
-    """`rollout.mode: colocate` (HF engine in the learner): no server section, no server rules, one learner;
-    the sampling knobs still come from `grpo`, and a null decoding key (a config extending a rollout-matching
-    one) counts as unset."""
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_colocate_mode_needs_no_server(server_raw: dict[str, Any], model_dir: Path, backend: str) -> None:
+    """`rollout.mode: colocate` (the HF or a vLLM engine in the learner process): no server section, no server
+    rules, one learner; the sampling knobs still come from `grpo`, and a null decoding key (a config extending
+    a rollout-matching one) counts as unset."""
     del server_raw["server"], server_raw["batch_plan"]
     server_raw["rollout"] = {
         "mode": "colocate",
-        "backend": "hf",
+        "backend": backend,
         "decoding": {"temperature": None, "max_new_tokens": None, "rollout_generate_batch_size": 16},
     }
     server_raw["training"].update(per_device_train_batch_size=8, gradient_accumulation_steps=2)
@@ -386,6 +392,7 @@ def test_colocate_mode_needs_no_server(server_raw: dict[str, Any], model_dir: Pa
     assert run.train_gpus == (0,) and run.world_size == 1 and run.base_url == ""
     assert run.effective_batch_size == 16 and run.prompts_per_step == 4
     assert "server" not in run.learner_config and run.learner_config["rollout"]["mode"] == "colocate"
+    assert run.learner_config["rollout"]["backend"] == backend
     decoding = run.learner_config["rollout"]["decoding"]
     assert decoding["temperature"] == 0.7 and decoding["max_new_tokens"] == 4096
     assert decoding["rollout_generate_batch_size"] == 16
