@@ -21,8 +21,9 @@ equivalent runs, so 256 and three seeds are the minimum for a 0.03 claim).
 GRPO arms (``GRPO_ARMS``, ``--colocate`` only: e.g. ``grpo-detection``, GRPO with ``grpo.reward_preset:
 detection``) start from the same base: the sft run of the seed saves its weights at ``--base-steps``
 (``checkpoint-<base>``, the plain-GT phase every arm shares; with ``--base-steps 0`` the task's model), and
-GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF engine in-process; constant
-``--grpo-learning-rate``, a fresh optimizer), evaluated by the rollout-matching evaluator on the same held-out
+GRPO trains ``--steps`` steps from there (``learner.grpo``, rollouts by the HF engine in-process, or a
+colocated vLLM with ``--grpo-colocate-backend vllm``; constant ``--grpo-learning-rate``, a fresh
+optimizer), evaluated by the rollout-matching evaluator on the same held-out
 rows with the same greedy decoding (``learner.grpo.evaluation``); its steps are shifted by the base steps in
 ``ab.jsonl``. ``sft-canonical`` resumes that checkpoint instead (optimizer and data position of the sft run:
 in the task's own order and ``--steps`` steps it is the sft run; its annotation order is not the shared
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     backends = ["auto", "vllm", "hf"]
     backend_help = "--colocate's engine (vLLM, or the HF fallback); auto: vllm with CUDA and vLLM, else hf"
     parser.add_argument("--colocate-backend", choices=backends, default="auto", help=backend_help)
+    parser.add_argument(
+        "--grpo-colocate-backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="the GRPO arms' colocated engine (vllm: as the supervised arms', with --vllm-gpu-memory and"
+        " --vllm-sleep-level)",
+    )
     parser.add_argument(
         "--vllm-gpu-memory",
         type=float,

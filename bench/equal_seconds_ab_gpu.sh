@@ -14,11 +14,12 @@
 # 3. The summary over every seed: runs/ab/<TASK>-gpu/ab.jsonl, ab.png (F1 by step and by GPU-seconds) and,
 #    with a GRPO arm, grpo.png.
 #
-# Knobs (environment): TASK (image-random), SEEDS, ARMS (sft,rm-reorder,grpo-detection-iou50,sft-canonical: sft
-# and sft-canonical are always run), BACKEND (the colocated engine of the supervised arms: vllm or hf; GRPO
-# colocates HF), BASE_STEPS (150: plain-GT steps every arm of a seed shares), STEPS (50), EVAL_EVERY (50),
-# EVAL_SAMPLES (128), VLLM_GPU_MEMORY (0.06: each colocated vLLM's share of the GPU, for runs side by side),
-# OUT (runs/ab/<TASK>-gpu). Finished runs are reused: run it again after a cut-off to train only what is missing.
+# Knobs (environment): TASK (image-random), SEEDS, ARMS (sft,rm-reorder,grpo-detection-iou50,sft-canonical:
+# sft and sft-canonical are always run), BACKEND (the colocated engine of the supervised arms: vllm or hf),
+# GRPO_BACKEND (the GRPO arms': hf, or vllm with the supervised arms' engine keys), BASE_STEPS (150:
+# plain-GT steps every arm of a seed shares), STEPS (50), EVAL_EVERY (50), EVAL_SAMPLES (128),
+# VLLM_GPU_MEMORY (0.06: each colocated vLLM's share of the GPU, for runs side by side), OUT
+# (runs/ab/<TASK>-gpu). Finished runs are reused: run it again after a cut-off to train only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-image-random}
@@ -30,7 +31,8 @@ PY=${PY:-python3}
 price_seed=${SEEDS%%,*}
 common=(--task "$TASK" --colocate --colocate-backend "$BACKEND" --base-steps "${BASE_STEPS:-150}"
         --steps "${STEPS:-50}" --eval-every "${EVAL_EVERY:-50}" --eval-samples "${EVAL_SAMPLES:-128}"
-        --out "$OUT" --price-seed "$price_seed" --vllm-sleep-level 0)
+        --out "$OUT" --price-seed "$price_seed" --vllm-sleep-level 0
+        --grpo-colocate-backend "${GRPO_BACKEND:-hf}")
 side_by_side=(--vllm-gpu-memory "${VLLM_GPU_MEMORY:-0.06}")
 arms=$(echo "sft,${ARMS},sft-canonical" | tr , '\n' | awk '!seen[$0]++' | paste -sd,)
 grpo_arms=$(echo "$arms" | tr , '\n' | grep '^grpo-' || true)

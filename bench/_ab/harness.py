@@ -22,6 +22,7 @@ from _ab.run_configs import (
     base_model,
     canonical_run_config,
     common_config,
+    grpo_rollout,
     grpo_run_config,
     run_rollout,
     samples_per_step,
@@ -122,6 +123,7 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                             steps=args.steps,
                             eval_every=args.eval_every,
                             learning_rate=GRPO_ARMS[arm].get("learning_rate", args.grpo_learning_rate),
+                            rollout=grpo_rollout(args),
                         )
                     elif arm == CANONICAL:
                         canonical = {"model": base, "run_dir": run_dir, "seed": seed, "steps": steps}

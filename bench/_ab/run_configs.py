@@ -82,11 +82,13 @@ def grpo_run_config(
     steps: int,
     eval_every: int,
     learning_rate: float,
+    rollout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The YAML of a GRPO arm from ``model``: the task config with the harness's data and batch (``common``)
     turned into a GRPO run by `learner.grpo.config.grpo_config_from_sft` (``GRPO_GENERATIONS`` per prompt,
     the task's samples per step), evaluated first at its start (the base checkpoint's F1: the other arms' at
-    the base step), with the harness's steps, seed, evaluation period and constant ``learning_rate``.
+    the base step), with the harness's steps, seed, evaluation period and constant ``learning_rate``;
+    ``rollout`` keys over its colocated HF engine (:func:`grpo_rollout`: a colocated vLLM instead).
 
     Raises:
         SystemExit: the task's samples per step are not a multiple of ``GRPO_GENERATIONS``.
@@ -104,8 +106,26 @@ def grpo_run_config(
             "training": {**training, "learning_rate": learning_rate},
             "stage2": {"eval": {"at_start": True}},
             "save_final_model": False,
+            **({"rollout": rollout} if rollout else {}),
         },
     )
+
+
+def grpo_rollout(args: Any) -> dict[str, Any] | None:
+    """The GRPO arms' ``rollout:`` keys from ``--grpo-colocate-backend``: None keeps the HF engine
+    `grpo_config_from_sft` colocates; ``vllm`` colocates vLLM as the supervised arms do
+    (:func:`run_rollout`'s engine keys, with its memory share and sleep level)."""
+    if args.grpo_colocate_backend != "vllm":
+        return None
+    engine = rollout_section(
+        colocate=True,
+        url=None,
+        shm_dir=None,
+        backend="vllm",
+        gpu_memory_utilization=args.vllm_gpu_memory,
+        sleep_level=args.vllm_sleep_level,
+    )
+    return {"backend": "vllm", "vllm": engine["vllm"]}
 
 
 def common_config(

@@ -360,3 +360,28 @@ def test_colocated_arms_roll_out_on_the_chosen_engine(monkeypatch: pytest.Monkey
     ]
     args = ab_learning.build_parser().parse_args(flags)
     assert run_configs.run_rollout(args, None, None)["vllm"] == {**run_configs.COLOCATED_VLLM, **side_by_side}
+    # the GRPO arms keep their HF engine unless asked; with vLLM they take the same engine keys
+    assert run_configs.grpo_rollout(args) is None
+    args = ab_learning.build_parser().parse_args([*flags, "--grpo-colocate-backend", "vllm"])
+    grpo = run_configs.grpo_rollout(args)
+    assert grpo == {"backend": "vllm", "vllm": {**run_configs.COLOCATED_VLLM, **side_by_side}}
+
+
+def test_a_grpo_arm_on_colocated_vllm_is_a_valid_grpo_run(tmp_path: Path) -> None:
+    """`--grpo-colocate-backend vllm`: the GRPO arm's config passes GRPO's own validation with the colocated
+    vLLM engine, and keeps the decoding and batch `grpo_config_from_sft` derived."""
+    from learner.grpo.config.validate import validate_grpo_run
+
+    task = tables.TASKS["image-random"]
+    common = {"extends": str(tables.REPO / task["config"]), "model": {"path": str(tmp_path)}}
+    engine = {"enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}
+    kwargs = {"grpo": {"reward_preset": "detection_iou50"}, "model": str(tmp_path), "run_dir": tmp_path / "g"}
+    kwargs |= {"seed": 0, "steps": 2, "eval_every": 2, "learning_rate": 1e-4}
+    cfg = run_configs.grpo_run_config(
+        tables.REPO / task["config"], common, rollout={"backend": "vllm", "vllm": engine}, **kwargs
+    )
+    assert cfg["rollout"]["mode"] == "colocate" and cfg["rollout"]["backend"] == "vllm"
+    assert cfg["rollout"]["vllm"] == engine
+    assert cfg["rollout"]["decoding"]["rollout_generate_batch_size"] == 16  # the step's completions
+    run = validate_grpo_run(yaml.safe_load(yaml.safe_dump(cfg)), tables.REPO)
+    assert run.learner_config["rollout"]["backend"] == "vllm" and run.world_size == 1

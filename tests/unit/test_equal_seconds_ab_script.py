@@ -63,8 +63,8 @@ def test_the_pricing_seed_runs_every_arm_first_and_the_chains_wait_for_sft(tmp_p
 
 
 def test_the_backend_and_lengths_reach_every_run(tmp_path: Path) -> None:
-    calls = _calls(tmp_path, SEEDS="0,1", ARMS="rm-reorder", BACKEND="hf", BASE_STEPS="100", STEPS="30")
+    calls = _calls(tmp_path, SEEDS="0,1", ARMS="rm-reorder", BACKEND="hf", GRPO_BACKEND="vllm", STEPS="30")
     for call in calls[:-1]:
-        assert _arg(call, "--colocate-backend") == "hf"
-        assert _arg(call, "--base-steps") == "100" and _arg(call, "--steps") == "30"
+        assert _arg(call, "--colocate-backend") == "hf" and _arg(call, "--grpo-colocate-backend") == "vllm"
+        assert _arg(call, "--base-steps") == "150" and _arg(call, "--steps") == "30"
     assert _arg(calls[-1], "--steps") == "30"
