@@ -26,6 +26,12 @@ ARMS: dict[str, dict[str, Any]] = {
         "targets": {"unmatched_prefix": "keep"},
         "loss": {"fp_unlikelihood_weight": 0.3, "fp_unlikelihood_tokens": "first_coord"},
     },
+    # every weight above cut recall the same way: the penalty only on duplicates (a repeat of an object
+    # another prediction found), which no correct answer holds
+    "rm-keep-ul-dup": {
+        "targets": {"unmatched_prefix": "keep"},
+        "loss": {"fp_unlikelihood_weight": 1.0, "fp_unlikelihood_objects": "duplicates"},
+    },
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]}},
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from learner.stage2.targets.false_positives import FpTokens
+from learner.stage2.targets.false_positives import FpObjects, FpTokens
 from shared_schemas.config import ConfigSection
 
 __all__ = [
@@ -93,6 +93,11 @@ class LossConfig(ConfigSection):
     """Which tokens of a false-positive object are penalized: ``coords`` every coordinate token,
     ``first_coord`` only its first (where the model commits to the object's place; the later ones follow
     from it)."""
+    fp_unlikelihood_objects: FpObjects = "all"
+    """Which false positives are penalized: ``all`` every unmatched prediction; ``duplicates`` only those
+    whose best-overlapping GT object another prediction already matched (the evaluator's ``duplicates``,
+    `learner.stage2.matching.breakdown`) — a repeat no correct answer holds, where ``all`` also penalizes
+    near misses and teaches the model to emit less."""
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:

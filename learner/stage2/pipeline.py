@@ -18,7 +18,7 @@ from learner.data.errors import DataRecordError
 from learner.data.messages import rollout_messages
 from learner.data.prompt_encoding import EncodedPrompt, PromptEncoder
 from learner.stage2.coords import CoordVocab
-from learner.stage2.gt import GtExtraction, extract_gt
+from learner.stage2.gt import GtExtraction, GTObject, extract_gt
 from learner.stage2.matching.breakdown import (
     DetectionBreakdown,
     detection_breakdown,
@@ -27,6 +27,7 @@ from learner.stage2.matching.breakdown import (
 )
 from learner.stage2.matching.match import MatchingConfig, MatchResult, match
 from learner.stage2.parse.parser import ParseResult, parse_rollout
+from learner.stage2.targets.false_positives import penalized_predictions
 from learner.stage2.targets.labels import build_answer_segment, encode_segment
 from learner.stage2.targets.order import measure_order, reorder_ground_truth
 from learner.stage2.targets.segment import Segment
@@ -81,6 +82,8 @@ class SampleContext:
     fp_unlikelihood_tokens: str | None = None
     """Which tokens of false positives the unlikelihood loss penalizes (`stage2.loss.fp_unlikelihood_tokens`),
     None when it is off (`fp_unlikelihood_weight` 0): nothing is recorded then."""
+    fp_unlikelihood_objects: str = "all"
+    """Which false positives it penalizes (`stage2.loss.fp_unlikelihood_objects`): all, or the duplicates."""
 
     def rollout_messages(self, sample: Mapping[str, Any]) -> list[dict[str, Any]]:
         """A sample's §3.3 rollout messages (what the backend receives and teacher forcing re-encodes)."""
@@ -222,6 +225,7 @@ def prepare_segment(
         fn_desc_ce=ctx.fn_desc_ce,
         prefix_structure_ce=ctx.prefix_structure_ce,
         fp_unlikelihood_tokens=ctx.fp_unlikelihood_tokens,  # type: ignore[arg-type]
+        fp_preds=_penalized_fps(ctx, parse, gt_objects, result_match),
     )
     lengths = {
         "rollout/prompt_len": float(len(result.prompt_token_ids)),
@@ -258,6 +262,22 @@ def prepare_segment(
     if segment is not None:
         lengths["rollout/encoded_len"] = float(segment.encoded_len)
     return segment, SampleOutcome(segment, counters, lengths)
+
+
+def _penalized_fps(
+    ctx: SampleContext, parse: ParseResult, gts: Sequence[GTObject], result_match: MatchResult
+) -> tuple[int, ...] | None:
+    """The false positives the unlikelihood loss penalizes (`stage2.loss.fp_unlikelihood_objects`); None
+    when the loss is off."""
+    if ctx.fp_unlikelihood_tokens is None:
+        return None
+    return penalized_predictions(
+        ctx.fp_unlikelihood_objects,  # type: ignore[arg-type]
+        [(o.geom_type, o.bins) for o in parse.valid_objects],
+        [(g.geom_type, g.bins) for g in gts],
+        result_match,
+        ctx.matching.maskiou_gate,
+    )
 
 
 def stage1_segment(sample: Mapping[str, Any], ctx: SampleContext) -> Segment:

@@ -216,6 +216,7 @@ def sample_context(cfg: RunConfig, tokenizer: Any, encoder: PromptEncoder | None
         eot_id=int(eot_id),
         newline_id=int(newline[0]),
         fp_unlikelihood_tokens=s2.loss.fp_unlikelihood_tokens if s2.loss.fp_unlikelihood_weight > 0 else None,
+        fp_unlikelihood_objects=s2.loss.fp_unlikelihood_objects,
     )
 
 

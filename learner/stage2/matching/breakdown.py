@@ -103,12 +103,25 @@ def detection_breakdown(
     gate_result = gate if gate is not None else match(preds, gts, cfg)
     at = {t: match(preds, gts, cfg.model_copy(update={"maskiou_gate": float(t)})) for t in thresholds}
     best = _best_gt(preds, gts)
+    duplicates = _duplicates(best, gate_result, cfg.maskiou_gate)
+    return DetectionBreakdown(gate_result, at, best, duplicates, len(preds), len(gts))
+
+
+def _duplicates(
+    best: Sequence[tuple[int, float]], gate_result: MatchResult, maskiou_gate: float
+) -> tuple[int, ...]:
+    """The module docstring's duplicates, from every prediction's best GT (:func:`_best_gt`)."""
     matched_gt = {g for _, g, _ in gate_result.pairs}
     # gate.fp holds the unmatched predictions, so a matched best GT is matched to another prediction.
-    duplicates = tuple(
-        p for p in gate_result.fp if best[p][0] in matched_gt and best[p][1] >= cfg.maskiou_gate
-    )
-    return DetectionBreakdown(gate_result, at, best, duplicates, len(preds), len(gts))
+    return tuple(p for p in gate_result.fp if best[p][0] in matched_gt and best[p][1] >= maskiou_gate)
+
+
+def duplicate_predictions(
+    preds: Sequence[Geom], gts: Sequence[Geom], gate_result: MatchResult, maskiou_gate: float
+) -> tuple[int, ...]:
+    """Indices (ascending) of the predictions that are duplicates (the module docstring) under the gate
+    matching ``gate_result`` of ``preds`` to ``gts`` at ``maskiou_gate``: what ``duplicates`` counts."""
+    return _duplicates(_best_gt(preds, gts), gate_result, maskiou_gate)
 
 
 def detection_counts(breakdown: DetectionBreakdown) -> dict[str, float]:

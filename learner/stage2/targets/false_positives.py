@@ -11,9 +11,11 @@ are exactly what the penalty is for. Not penalized:
   geometry to call wrong, and their tokens are a format slip that the appended tail already corrects;
 - anything after the cut or re-encoded at the token seam (those tokens are not the model's emissions).
 
-The penalized positions are the FP's coordinate tokens (``coords``) or only its first one (``first_coord``,
-where the model commits to the object's place): a coordinate token is never a CE target in the prefix, so no
-position gets both a likelihood and an unlikelihood term.
+With ``fp_unlikelihood_objects: duplicates`` only the FPs that repeat an object another prediction matched
+are penalized (the caller selects them). The penalized positions are the FP's coordinate tokens
+(``coords``) or only its first one (``first_coord``, where the model commits to the object's place): a
+coordinate token is never a CE target in the prefix, so no position gets both a likelihood and an
+unlikelihood term.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from learner.stage2.matching.breakdown import duplicate_predictions
+
 if TYPE_CHECKING:
+    from learner.stage2.matching.maskiou import Geom
+    from learner.stage2.matching.match import MatchResult
     from learner.stage2.parse.parser import ParseResult
 
-__all__ = ["FpTokens", "fp_penalized_positions"]
+__all__ = ["FpObjects", "FpTokens", "fp_penalized_positions", "penalized_predictions"]
 
 FpTokens = Literal["coords", "first_coord"]
 """Which tokens of an FP object are penalized (``stage2.loss.fp_unlikelihood_tokens``)."""
+
+FpObjects = Literal["all", "duplicates"]
+"""Which FP objects are penalized (``stage2.loss.fp_unlikelihood_objects``): every one, or the duplicates
+(`learner.stage2.matching.breakdown.duplicate_predictions`)."""
 
 
 def fp_penalized_positions(
@@ -51,3 +61,15 @@ def fp_penalized_positions(
         slots = [int(p) for p in objects[i].coord_token_indices]
         positions.extend(p for p in (slots[:1] if tokens == "first_coord" else slots) if p < kept_len)
     return sorted(set(positions))
+
+
+def penalized_predictions(
+    objects: FpObjects, preds: Sequence[Geom], gts: Sequence[Geom], match: MatchResult, maskiou_gate: float
+) -> tuple[int, ...]:
+    """The FP predictions (indices into the valid predictions ``preds``, ascending) to penalize: every
+    unmatched one (``all``: ``match.fp``) or the duplicates among them (``duplicates``: an unmatched
+    prediction whose best-overlapping GT object, at maskIoU >= ``maskiou_gate``, another prediction matched;
+    `learner.stage2.matching.breakdown.duplicate_predictions`, what the evaluator counts)."""
+    if objects == "all":
+        return tuple(match.fp)
+    return duplicate_predictions(preds, gts, match, maskiou_gate)

@@ -201,6 +201,7 @@ def build_y_train(
     fn_desc_ce: bool = False,
     prefix_structure_ce: bool = False,
     fp_unlikelihood_tokens: FpTokens | None = None,
+    fp_preds: Sequence[int] | None = None,
 ) -> YTrain:
     """Build Y_train and its masks for one sample (§8.3, §9, §10, §12.2, §12.3).
 
@@ -215,6 +216,8 @@ def build_y_train(
         prefix_structure_ce: ``stage2.loss.prefix_structure_ce``.
         fp_unlikelihood_tokens: which tokens of the unmatched predictions to record for the unlikelihood
             loss (``stage2.loss.fp_unlikelihood_tokens``); None records none (the loss is off).
+        fp_preds: the unmatched predictions (indices into ``parse.valid_objects``) to penalize; None: every
+            one (``match.fp``; ``stage2.loss.fp_unlikelihood_objects: all``).
 
     Raises:
         ValueError: the appended coord ids disagree with the serialized coordinates (tokenizer
@@ -245,8 +248,9 @@ def build_y_train(
     tp_preds = [i for i, _, _ in tp]
     prefix_ce = prefix_ce_positions(parse, tp_preds, coord_vocab) if prefix_structure_ce else []
     prefix_ce = [p for p in prefix_ce if p < seam]  # the seam's tokens are tail now (supervised there)
+    penalized = match.fp if fp_preds is None else fp_preds
     fp_pos = (
-        fp_penalized_positions(parse, match.fp, fp_unlikelihood_tokens, seam)
+        fp_penalized_positions(parse, penalized, fp_unlikelihood_tokens, seam)
         if fp_unlikelihood_tokens is not None
         else []
     )

@@ -162,15 +162,36 @@ def test_worked_example_penalizes_the_unmatched_prediction_only(tokens: str, exp
     assert run_pipeline(ROLLOUT_IDS, GT_RAW).segment.fp_pos == ()  # off: nothing recorded
 
 
-def test_a_duplicate_of_a_matched_object_is_penalized() -> None:
+@pytest.mark.parametrize("objects", ["all", "duplicates"])
+def test_a_duplicate_of_a_matched_object_is_penalized(objects: str) -> None:
     from tests.unit.learner.worked_example import rollout_of
 
     box = [100, 80, 300, 620]
     ids = rollout_of([("1", "person", box), ("2", "person", [102, 80, 300, 620])])
-    p = run_pipeline(ids, GT_RAW[:1], fp_unlikelihood_tokens="coords")
+    p = run_pipeline(ids, GT_RAW[:1], fp_unlikelihood_tokens="coords", fp_unlikelihood_objects=objects)
     assert len(p.match.pairs) == 1 and len(p.match.fp) == 1
     dup = p.parse.valid_objects[p.match.fp[0]]
     assert p.y_train.prefix_fp_pos == tuple(dup.coord_token_indices)
+
+
+def test_duplicates_only_spares_a_false_positive_that_repeats_nothing() -> None:
+    """`fp_unlikelihood_objects: duplicates`: §21's false positive (a dog box no GT object overlaps) is not a
+    second answer for a found object, so nothing is penalized; a repeat of the matched person is, and the
+    wrong box beside it is not."""
+    from tests.unit.learner.worked_example import rollout_of
+
+    dups = {"fp_unlikelihood_tokens": "coords", "fp_unlikelihood_objects": "duplicates"}
+    p = run_pipeline(ROLLOUT_IDS, GT_RAW, **dups)
+    assert p.match.fp == (1,) and p.y_train.prefix_fp_pos == () and p.segment.fp_pos == ()
+
+    person = [100, 80, 300, 620]
+    repeat, stray = [102, 80, 300, 620], [600, 100, 700, 200]
+    ids = rollout_of([("1", "person", person), ("2", "person", repeat), ("3", "person", stray)])
+    every = run_pipeline(ids, GT_RAW[:1], fp_unlikelihood_tokens="coords")
+    only = run_pipeline(ids, GT_RAW[:1], **dups)
+    assert every.match.fp == (1, 2) == only.match.fp
+    assert only.y_train.prefix_fp_pos == tuple(only.parse.valid_objects[1].coord_token_indices)
+    assert set(only.y_train.prefix_fp_pos) < set(every.y_train.prefix_fp_pos)
 
 
 @pytest.mark.parametrize(
@@ -179,6 +200,7 @@ def test_a_duplicate_of_a_matched_object_is_penalized() -> None:
         ({"fp_unlikelihood_weight": -1.0}, "stage2.loss.fp_unlikelihood_weight"),
         ({"fp_unlikelihood_weight": "much"}, "stage2.loss.fp_unlikelihood_weight"),
         ({"fp_unlikelihood_tokens": "desc"}, "stage2.loss.fp_unlikelihood_tokens"),
+        ({"fp_unlikelihood_objects": "near_misses"}, "stage2.loss.fp_unlikelihood_objects"),
     ],
 )
 def test_bad_values_are_config_errors_naming_the_key(loss: dict, key: str) -> None:

@@ -16,6 +16,7 @@ from learner.stage2.coords import CoordVocab
 from learner.stage2.gt import extract_gt
 from learner.stage2.matching.match import MatchingConfig, MatchResult, gt_geoms, match, pred_geoms
 from learner.stage2.parse.parser import ParseResult, parse_rollout
+from learner.stage2.targets.false_positives import penalized_predictions
 from learner.stage2.targets.labels import build_segment
 from learner.stage2.targets.segment import Segment
 from learner.stage2.targets.y_train import TargetsConfig, YTrain, build_y_train
@@ -109,15 +110,21 @@ def run_pipeline(
     matching: MatchingConfig | None = None,
     targets: TargetsConfig | None = None,
     fp_unlikelihood_tokens: str | None = None,
+    fp_unlikelihood_objects: str = "all",
 ) -> Pipeline:
     """Run parse, match, build_y_train and build_segment on the toy tokenizer with the 300-token prompt."""
     coords = _coords(tokenizer)
     pr = parse_rollout(rollout_ids, tokenizer, coords)
     gts = extract_gt(list(gt_raw), sample_id=0).objects
-    m = match(
-        pred_geoms(pr.valid_objects, pr.response_token_ids, coords),
-        gt_geoms(gts),
-        matching or MatchingConfig(fn_cost=2.0),
+    matching = matching or MatchingConfig(fn_cost=2.0)
+    preds, gt_geometries = pred_geoms(pr.valid_objects, pr.response_token_ids, coords), gt_geoms(gts)
+    m = match(preds, gt_geometries, matching)
+    fp_preds = penalized_predictions(
+        fp_unlikelihood_objects,  # type: ignore[arg-type]
+        preds,
+        gt_geometries,
+        m,
+        matching.maskiou_gate,
     )
     y = build_y_train(
         pr,
@@ -129,6 +136,7 @@ def run_pipeline(
         fn_desc_ce=fn_desc_ce,
         prefix_structure_ce=prefix_structure_ce,
         fp_unlikelihood_tokens=fp_unlikelihood_tokens,  # type: ignore[arg-type]
+        fp_preds=fp_preds,
     )
     seg = build_segment(
         PROMPT_IDS, y, tokenizer.id_of("<|im_end|>"), tokenizer.id_of("\n"), coords,
