@@ -268,8 +268,8 @@ def _penalized_fps(
     ctx: SampleContext, parse: ParseResult, gts: Sequence[GTObject], result_match: MatchResult
 ) -> tuple[int, ...] | None:
     """The false positives the unlikelihood loss penalizes (`stage2.loss.fp_unlikelihood_objects`); None
-    when the loss is off."""
-    if ctx.fp_unlikelihood_tokens is None:
+    for every one (`build_y_train` takes `match.fp`: no geometry is rebuilt per sample) or the loss off."""
+    if ctx.fp_unlikelihood_tokens is None or ctx.fp_unlikelihood_objects == "all":
         return None
     return penalized_predictions(
         ctx.fp_unlikelihood_objects,  # type: ignore[arg-type]
