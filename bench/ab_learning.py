@@ -98,7 +98,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ab.from_runs import summarize_copied_runs  # noqa: E402
 from _ab.harness import run_ab  # noqa: E402
-from _ab.tables import ARMS, CANONICAL, CONTROLS, GRPO_ARMS, REPO, TASKS  # noqa: E402
+from _ab.tables import ARMS, CANONICAL, CONTROLS, GRPO_ARMS, REPO, TASKS, resumes_base  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{grpo_arms} run with --colocate only (GRPO rolls out with its own HF engine in-process)"
         )
-    from_base = [a for a in arms if a in GRPO_ARMS or a == CANONICAL]  # start from the seed's base checkpoint
+    from_base = [a for a in arms if resumes_base(a)]  # start from the seed's base checkpoint
     on_policy = [a for a in arms if a not in CONTROLS]
     # sized by seconds, the control needs the sft run's seconds per step and the on-policy arms' seconds
     sized = CANONICAL in arms and args.canonical_steps is None and bool(on_policy)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         arms = ["sft", *[a for a in arms if a != "sft"]]
     if CANONICAL in arms:  # last: after the arms whose seconds it is given
         arms = [*[a for a in arms if a != CANONICAL], CANONICAL]
-    return run_ab(args, arms, saves_base=bool(from_base))
+    return run_ab(args, arms)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import yaml
 from _ab.canonical_budget import read_budget
 from _ab.order import read_order
 from _ab.plots import plot, plot_grpo
-from _ab.run_folder import eval_curve, with_seconds
+from _ab.run_folder import base_steps_of, last_step, recipe_curve
 from _ab.step_prices import arm_prices, priced
 from _ab.summary import summarize
 from _ab.tables import ARMS, CANONICAL, GRPO_ARMS
@@ -30,12 +30,14 @@ def summarize_copied_runs(
     """``--from-runs``: the summary, ``ab.png`` and ``grpo.png`` of the run folders ``<arm>-s<seed>-<steps>``
     in ``out`` as they are — runs copied back from another host (their ``run.yaml`` names that host's paths,
     so they are not checked against this invocation's config) or cut off by a time limit. ``at_step`` (the
-    learner's step; a GRPO or ``sft-canonical`` arm's steps count from its base checkpoint) cuts every curve
+    learner's step; a GRPO arm's steps count from its base checkpoint) cuts every curve
     there and leaves out the runs that did not evaluate there, so that a comparison of equal samples covers
     every seed that got that far; ``arms`` keeps those arms only (default: every arm found). A seed's runs
     must start from one base (the same first held-out F1 in every arm), else the pairing would compare
     different bases: that is an error naming the runs. Writes ``ab.jsonl`` (``ab_at<step>.jsonl`` /
-    ``ab_at<step>.png`` with ``at_step``); a run's training seconds count from its first evaluation. The
+    ``ab_at<step>.png`` with ``at_step``); every curve starts at the seed's base
+    (`_ab.run_folder.recipe_curve`: the base steps a supervised arm trained itself are neither counted nor
+    timed; a GRPO run's steps are moved onto the others' by the seed's base steps). The
     ``sft-canonical`` runs are :func:`canonical_folders`'s. With ``price_seed`` the runs of every other seed
     are read at their arm's price (`_ab.step_prices`: they ran side by side, the pricing seed's alone).
     Without ``at_step``, a run that stopped before its last step (:func:`last_step`) is left out (said),
@@ -46,6 +48,7 @@ def summarize_copied_runs(
     orders: dict[tuple[str, int], dict[str, Any]] = {}
     grpo_runs: dict[tuple[str, int], Path] = {}
     budgets: dict[int, dict[str, Any]] = {}
+    bases: dict[int, int] = {}  # seed → its supervised runs' shared base steps
     folders = [(d, steps) for d in sorted(out.glob(f"*-s*-{steps}")) if not d.name.startswith(CANONICAL)]
     folders += canonical_folders(out, canonical_steps)
     for run_dir, run_steps in folders:
@@ -56,16 +59,21 @@ def summarize_copied_runs(
             continue
         if arms is not None and arm not in arms:
             continue
-        curve = [p for p in eval_curve(metrics) if at_step is None or p["step"] <= at_step]
+        # from the base's evaluation on, with the seconds of the recipe's steps only
+        base = base_steps_of(run_dir, run_steps)
+        curve, units[(arm, int(seed))] = recipe_curve(run_dir, base)
+        curve = [p for p in curve if at_step is None or p["step"] <= at_step]
         if not curve or (at_step is not None and curve[-1]["step"] != at_step):
             print(f"[ab] {run_dir.name}: no evaluation at step {at_step}, left out", flush=True)
+            del units[(arm, int(seed))]
             continue
         last = last_step(run_dir, run_steps)
         if at_step is None and curve[-1]["step"] < last:
             print(f"[ab] {run_dir.name}: stopped at step {curve[-1]['step']} of {last}, left out", flush=True)
+            del units[(arm, int(seed))]
             continue
-        # training seconds from the first evaluation (the base) on
-        curves[(arm, int(seed))], units[(arm, int(seed))] = with_seconds(curve, run_dir, curve[0]["step"])
+        curves[(arm, int(seed))] = curve
+        bases[int(seed)] = max(bases.get(int(seed), 0), base)
         if arm == CANONICAL and read_order(run_dir) is not None:
             ordering = yaml.safe_load((run_dir / "run.yaml").read_text())["data"]["object_ordering"]
             orders[(arm, int(seed))] = {**read_order(run_dir), "ordering": ordering}  # type: ignore[dict-item]
@@ -75,6 +83,9 @@ def summarize_copied_runs(
             budgets[int(seed)] = read_budget(run_dir)  # type: ignore[assignment]
     if not curves:
         raise SystemExit(f"no run folders *-s<seed>-{steps} with evaluations in {out}")
+    for (arm, seed), curve in curves.items():  # a GRPO run counts from its base: onto the others' steps
+        if arm in GRPO_ARMS and bases.get(seed):
+            curves[(arm, seed)] = [{**p, "step": p["step"] + bases[seed]} for p in curve]
     if price_seed is not None:  # the other seeds ran side by side: their steps at the pricing seed's prices
         prices = arm_prices(out, price_seed, steps, sorted({arm for arm, _ in curves}))
         for (arm, seed), curve in curves.items():
@@ -105,16 +116,6 @@ def summarize_copied_runs(
         plot_grpo(grpo_runs, out / "grpo.png")
     print(f"[ab] {out / f'ab{suffix}.jsonl'} and {out / f'ab{suffix}.png'}", flush=True)
     return 0
-
-
-def last_step(run_dir: Path, run_steps: int) -> int:
-    """The learner step a finished run of ``run_dir`` evaluates last: its ``run.yaml``'s
-    ``training.max_steps`` (a supervised arm's shared base steps included; a GRPO run counts from its base
-    checkpoint), else ``run_steps`` (a folder without its config)."""
-    path = run_dir / "run.yaml"
-    config = yaml.safe_load(path.read_text()) if path.exists() else None
-    max_steps = (config or {}).get("training", {}).get("max_steps")
-    return int(max_steps) if max_steps else run_steps
 
 
 def canonical_folders(out: Path, canonical_steps: int | None) -> list[tuple[Path, int]]:

@@ -28,21 +28,23 @@ from _ab.run_configs import (
     samples_per_step,
     stage2_run_config,
 )
-from _ab.run_folder import BASE_STAMP, DEVICE_STAMP, eval_curve, finished, with_seconds
+from _ab.run_folder import BASE_STAMP, DEVICE_STAMP, finished, recipe_curve
 from _ab.step_prices import arm_prices, contention, priced, priced_budget, stamped_prices, write_prices
 from _ab.summary import summarize
-from _ab.tables import ARMS, CANONICAL, GRPO_ARMS, REPO, TASKS, grpo_override
+from _ab.tables import ARMS, CANONICAL, GRPO_ARMS, REPO, TASKS, grpo_override, reuses_rollouts
 
 Key = tuple[str, int]
 """(arm, seed) of one run."""
 
 
-def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> int:
+def run_ab(args: argparse.Namespace, arms: list[str]) -> int:
     """Runs ``arms`` (in order) for every seed of ``args`` (the command line's), then summarizes and plots.
 
-    ``saves_base``: a GRPO or ``sft-canonical`` arm starts from the seed's base, the ``sft`` run's weights at
-    the base steps (it runs first and saves them). ``sft-canonical`` runs after the seed's other arms: without
-    ``--canonical-steps`` its steps are sized from their seconds (`_ab.canonical_budget`)."""
+    The arms that resume the seed's base (`_ab.tables.resumes_base`) start from the ``sft`` run's checkpoint
+    at the base steps: every ``sft`` run saves it, whichever invocation runs it, so an arm launched later
+    (``bench/equal_seconds_ab_gpu.sh``'s chains) finds it and the sft run is one run in every invocation.
+    ``sft-canonical`` runs after the seed's other arms: without ``--canonical-steps`` its steps are sized
+    from their seconds (`_ab.canonical_budget`)."""
     task = TASKS[args.task]
     out = (args.out or REPO / "runs" / "ab" / args.task).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +145,8 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                             steps=args.steps,
                             eval_every=args.eval_every,
                             learning_rate=args.learning_rate,
-                            saves_base=saves_base,
+                            saves_base=True,
+                            base=base if reuses_rollouts(arm) else None,
                         )
                     if not finished(run_dir, cfg, total, base_sha) or (
                         arm == CANONICAL and read_order(run_dir) is None
@@ -175,15 +178,10 @@ def run_ab(args: argparse.Namespace, arms: list[str], *, saves_base: bool) -> in
                         (run_dir / BASE_STAMP).write_text(base_sha + "\n")
                         (run_dir / DEVICE_STAMP).write_text(json.dumps({"gpus": gpus}) + "\n")
                         print(f"[ab] {args.task} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
+                    # from the base on; a run that counts its own steps is moved onto the others' steps
+                    curve, units[(arm, seed)] = recipe_curve(run_dir, 0 if own_steps else args.base_steps)
                     if own_steps:
-                        curve, units[(arm, seed)] = with_seconds(eval_curve(metrics), run_dir)
                         curve = [{**p, "step": p["step"] + args.base_steps} for p in curve]
-                    elif arm == CANONICAL:  # resumed: its start-of-run evaluation (the base) is logged at 0
-                        curve = [{**p, "step": max(p["step"], args.base_steps)} for p in eval_curve(metrics)]
-                        curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)
-                    else:
-                        curve = [p for p in eval_curve(metrics) if p["step"] >= args.base_steps]
-                        curve, units[(arm, seed)] = with_seconds(curve, run_dir, args.base_steps)
                     if prices is not None:  # ran beside others: its steps at the arm's price, not its wall
                         curve = priced(curve, prices["seconds_per_step"][arm])
                         print(f"[ab] {run_dir.name}: wall ÷ priced seconds {contention(curve)}", flush=True)

@@ -213,21 +213,26 @@ def stage2_run_config(
     steps: int,
     eval_every: int,
     saves_base: bool,
+    base: str | None = None,
 ) -> dict[str, Any]:
     """The YAML of a supervised arm (``stage2`` its :data:`~_ab.tables.ARMS` override): plain GT for
     ``base_steps`` (the same run for a seed), then its recipe for ``steps``; ``sft`` stays on plain GT and,
-    with ``saves_base``, saves its checkpoint at the base steps (the base of the GRPO and canonical arms)."""
+    with ``saves_base``, saves its checkpoint at the base steps (the base of the GRPO and canonical arms).
+    With ``base`` (that checkpoint) the arm RESUMES it, as ``sft-canonical`` does, instead of training the
+    base steps itself (`_ab.tables.resumes_base`); its first evaluation is then the base's."""
     total = base_steps + steps
     training: dict[str, Any] = {"max_steps": total, "seed": seed, "eval_strategy": "steps"}
     training["eval_steps"] = eval_every
     if learning_rate is not None:
         training["learning_rate"] = learning_rate
-    # the base's F1 once it is the stage-1 itself (no shared plain-GT phase)
-    stage2 = deep_merge(stage2, {"eval": {"at_start": base_steps == 0}})
+    if base is not None:
+        training["resume_from_checkpoint"] = base
+    # the base's F1 once it is the stage-1 itself (no shared plain-GT phase), or the resumed checkpoint
+    stage2 = deep_merge(stage2, {"eval": {"at_start": base_steps == 0 or base is not None}})
     stage2["sft_warmup_steps"] = total if sft else base_steps
     if sft and saves_base and base_steps > 0:  # optimizer, schedule and RNG too: sft-canonical resumes it
         training |= {"save_strategy": "steps", "save_steps": base_steps}
-    return deep_merge(
+    cfg = deep_merge(
         common,
         {
             "output_dir": str(run_dir),
@@ -237,6 +242,7 @@ def stage2_run_config(
             "save_final_model": False,
         },
     )
+    return deep_merge(cfg, {"model": {"path": base}}) if base is not None else cfg
 
 
 def run_rollout(args: Any, url: str | None, shm_dir: str | None) -> dict[str, Any]:

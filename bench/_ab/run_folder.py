@@ -113,3 +113,29 @@ def with_seconds(
         done = [t for step, t in cumulative.items() if step <= point["step"]]
         out.append({**point, "seconds": round(factor * max(done, default=0.0), 3)})
     return out, unit
+
+
+def last_step(run_dir: Path, run_steps: int) -> int:
+    """The learner step a finished run of ``run_dir`` evaluates last: its ``run.yaml``'s
+    ``training.max_steps`` (a supervised arm's shared base steps included; a GRPO run counts from its base
+    checkpoint), else ``run_steps`` (a folder without its config)."""
+    path = run_dir / "run.yaml"
+    config = yaml.safe_load(path.read_text()) if path.exists() else None
+    max_steps = (config or {}).get("training", {}).get("max_steps")
+    return int(max_steps) if max_steps else run_steps
+
+
+def base_steps_of(run_dir: Path, run_steps: int) -> int:
+    """The plain-GT base steps before the ``run_steps`` of its recipe that a run's step count includes
+    (:func:`last_step` − ``run_steps``): the shared base of a supervised arm, trained or resumed; 0 for a run
+    that counts its own steps from its base checkpoint (GRPO, a control from a stage-1)."""
+    return max(last_step(run_dir, run_steps) - run_steps, 0)
+
+
+def recipe_curve(run_dir: Path, base_steps: int) -> tuple[list[dict[str, float]], str]:
+    """A run's evaluations from its base on, with the seconds of its recipe's steps (:func:`with_seconds`
+    after ``base_steps``) and their unit: the base's evaluation (at ``base_steps``; a run that resumed the
+    base checkpoint logs it at step 0) and every later one. The seconds and steps of the base phase a
+    supervised arm trained itself are left out: they are the same for every arm of a seed."""
+    curve = [{**p, "step": p["step"] or base_steps} for p in eval_curve(run_dir / "metrics.jsonl")]
+    return with_seconds([p for p in curve if p["step"] >= base_steps], run_dir, base_steps)

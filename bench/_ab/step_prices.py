@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from _ab.canonical_budget import size_canonical
-from _ab.run_folder import eval_curve, with_seconds
+from _ab.run_folder import base_steps_of, recipe_curve
 from _ab.tables import CANONICAL, CONTROLS
 
 PRICES_STAMP = "step_prices.json"
@@ -45,11 +45,9 @@ def arm_prices(out: Path, seed: int, steps: int, arms: list[str]) -> dict[str, A
     units: set[str] = set()
     for arm in [a for a in arms if a != CANONICAL]:
         run_dir = out / f"{arm}-s{seed}-{steps}"
-        metrics = run_dir / "metrics.jsonl"
-        curve = eval_curve(metrics) if metrics.exists() else []
         price, unit = None, None
-        if curve:
-            curve, unit = with_seconds(curve, run_dir, int(curve[0]["step"]))
+        if (run_dir / "metrics.jsonl").exists():  # its recipe's steps: a base it trained is not its price
+            curve, unit = recipe_curve(run_dir, base_steps_of(run_dir, steps))
             price = seconds_per_step(curve)
         if price is None or unit is None:
             raise SystemExit(

@@ -34,12 +34,26 @@ ARMS: dict[str, dict[str, Any]] = {
     },
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]}},
+    # the same targets with each rollout reused for 3 more optimizer steps (1 E-step + 3 M-steps): a quarter
+    # of the generation per step, the price that decides the A/B at equal GPU-seconds
+    "rm-reorder-m4": {
+        "targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]},
+        "rollout_buffer": {"enabled": True, "m_steps": 4},
+    },
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists
     "rm-reorder-sorted": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed", "sorted"]}},
 }
 """Arm name → ``stage2`` override (deep-merged over the task config's stage2). Every arm trains on the plain
 GT for ``--base-steps`` (identical across arms for a seed: the runs are deterministic), then ``sft`` continues
 on the plain GT and the others roll out."""
+
+
+def reuses_rollouts(arm: str) -> bool:
+    """Whether supervised arm ``arm`` reuses each rollout for further steps (``stage2.rollout_buffer``). Such
+    an arm resumes the seed's base checkpoint instead of training the base itself: the buffer repeats every
+    window of the dataloader, the plain-GT ones of the base phase too, which would give it another base."""
+    buffer = ARMS.get(arm, {}).get("rollout_buffer", {})
+    return bool(buffer.get("enabled")) and buffer.get("m_steps", 1) > 1
 
 
 CANONICAL = "sft-canonical"
@@ -82,6 +96,13 @@ not a ``grpo`` key."""
 
 GRPO_GENERATIONS = 4
 """Completions per prompt of the GRPO arms."""
+
+
+def resumes_base(arm: str) -> bool:
+    """Whether ``arm`` starts from the seed's base checkpoint (the ``sft`` run's at the base steps) rather
+    than training the shared plain-GT base itself: the GRPO arms, the control and the arms that reuse
+    rollouts."""
+    return arm in GRPO_ARMS or arm == CANONICAL or reuses_rollouts(arm)
 
 
 def grpo_override(arm: str) -> dict[str, Any]:

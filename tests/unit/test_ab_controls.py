@@ -385,3 +385,40 @@ def test_a_grpo_arm_on_colocated_vllm_is_a_valid_grpo_run(tmp_path: Path) -> Non
     assert cfg["rollout"]["decoding"]["rollout_generate_batch_size"] == 16  # the step's completions
     run = validate_grpo_run(yaml.safe_load(yaml.safe_dump(cfg)), tables.REPO)
     assert run.learner_config["rollout"]["backend"] == "vllm" and run.world_size == 1
+
+
+def test_an_arm_that_reuses_rollouts_resumes_the_base_instead_of_training_it(tmp_path: Path) -> None:
+    """The rollout buffer repeats every dataloader window, the base phase's too: the reuse arm resumes the
+    sft run's base checkpoint (evaluated first, as the base) and keeps the buffer; the others train it."""
+    from learner.config import load_run_config
+
+    assert tables.reuses_rollouts("rm-reorder-m4") and not tables.reuses_rollouts("rm-reorder")
+    assert tables.resumes_base("rm-reorder-m4") and tables.resumes_base(CANONICAL)
+    assert not tables.resumes_base("rm-reorder") and not tables.resumes_base("sft")
+    common = {"extends": str(tables.REPO / tables.TASKS["image-random"]["config"]), "training": {}}
+    common["data"] = {"train": ["t.jsonl"], "eval": ["e.jsonl"]}
+    rollout = {"servers": [{"base_url": "http://127.0.0.1:1"}], "sync": {"transport": "http"}}
+    base = str(tmp_path / "sft-s0-50" / "checkpoint-150")
+    kwargs = {
+        "sft": False,
+        "seed": 0,
+        "learning_rate": None,
+        "base_steps": 150,
+        "steps": 50,
+        "eval_every": 50,
+    }
+    cfg = run_configs.stage2_run_config(
+        common, rollout, tables.ARMS["rm-reorder-m4"], run_dir=tmp_path / "m4", saves_base=True, base=base,
+        **kwargs,
+    )  # fmt: skip
+    (tmp_path / "m4.yaml").write_text(yaml.safe_dump(cfg))
+    run = load_run_config(tmp_path / "m4.yaml")
+    assert cfg["training"]["resume_from_checkpoint"] == base and run.model.path == base
+    assert run.stage2.rollout_buffer.enabled and run.stage2.rollout_buffer.m_steps == 4
+    assert (
+        run.stage2.eval.at_start and run.stage2.sft_warmup_steps == 150 and run.training["max_steps"] == 200
+    )
+    trains = run_configs.stage2_run_config(
+        common, rollout, tables.ARMS["rm-reorder"], run_dir=tmp_path / "r", saves_base=True, **kwargs
+    )
+    assert "resume_from_checkpoint" not in trains["training"] and not trains["stage2"]["eval"]["at_start"]

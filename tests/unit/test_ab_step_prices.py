@@ -229,3 +229,57 @@ def test_a_run_that_lost_vllms_start_race_is_started_again(
         with pytest.raises(SystemExit, match="failed with exit code 1"):
             processes.run_learner({"a": 1}, run / "run.yaml", run / "learner.log")
     assert len(calls) == runs
+
+
+def _resumed_run(out: Path, name: str, base: int, step_wall: list[float]) -> None:
+    """A run that resumed the base checkpoint at step ``base``: its start-of-run evaluation (the base) is
+    logged at step 0, its training lines at steps ``base + 1`` on."""
+    run = out / name
+    run.mkdir(parents=True)
+    rows = [{"step": 0, "wall_s": 1.0, "eval_rollout_f1": 0.4, "eval_rollout_pred_objects": 9.0}]
+    rows += [{"step": base + i + 1, "wall_s": 1.0 + t, "loss": 1.0} for i, t in enumerate(step_wall)]
+    last = {"step": base + len(step_wall), "wall_s": 6.0 + step_wall[-1], "eval_rollout_f1": 0.5}
+    rows.append({**last, "eval_rollout_pred_objects": 9.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / run_folder.DEVICE_STAMP).write_text(json.dumps({"gpus": 1}))
+
+
+def _max_steps(run: Path, max_steps: int) -> None:
+    import yaml
+
+    (run / "run.yaml").write_text(yaml.safe_dump({"training": {"max_steps": max_steps}}))
+
+
+def test_an_arm_is_priced_at_its_recipes_steps_not_at_the_base_it_trained(tmp_path: Path) -> None:
+    """A supervised arm trains the seed's 4 plain base steps itself (0.25 s each), then 4 rollout steps of
+    1.5 s: its price is 1.5 s, not the mean over 8 steps; an arm that resumed the base is priced the same."""
+    _run(tmp_path, "sft-s0-4", [0.25 * (i + 1) for i in range(8)])
+    _run(
+        tmp_path,
+        "rm-reorder-s0-4",
+        [0.25 * (i + 1) for i in range(4)] + [1.0 + 1.5 * (i + 1) for i in range(4)],
+    )
+    _resumed_run(tmp_path, "rm-reorder-m4-s0-4", 4, [1.5 * (i + 1) for i in range(4)])
+    for name in ("sft-s0-4", "rm-reorder-s0-4", "rm-reorder-m4-s0-4"):
+        _max_steps(tmp_path / name, 8)
+    prices = step_prices.arm_prices(tmp_path, 0, 4, ["sft", "rm-reorder", "rm-reorder-m4"])
+    assert prices["seconds_per_step"] == pytest.approx({"sft": 0.25, "rm-reorder": 1.5, "rm-reorder-m4": 1.5})
+
+
+def test_runs_from_a_base_are_read_on_one_step_axis_from_the_base(tmp_path: Path) -> None:
+    """`--from-runs` with a shared base of 4 steps: the arm that trained it, the arm that resumed it and the
+    GRPO run (which counts its own 4 steps) all start at step 4 with 0 s and end at step 8."""
+    _run(tmp_path, "sft-s0-4", [0.25 * (i + 1) for i in range(8)])
+    _resumed_run(tmp_path, "rm-reorder-m4-s0-4", 4, [0.5 * (i + 1) for i in range(4)])
+    _run(tmp_path, "grpo-detection-iou50-s0-4", [1.0 * (i + 1) for i in range(4)])
+    for name, max_steps in (("sft-s0-4", 8), ("rm-reorder-m4-s0-4", 8), ("grpo-detection-iou50-s0-4", 4)):
+        _max_steps(tmp_path / name, max_steps)
+    argv = ["--task", "image-random", "--steps", "4", "--from-runs", "--out", str(tmp_path)]
+    assert ab_learning.main(argv) == 0
+    lines = [json.loads(x) for x in (tmp_path / "ab.jsonl").read_text().splitlines() if '"summary"' not in x]
+    by_arm = {
+        a: [(x["step"], x["seconds"]) for x in lines if x["arm"] == a] for a in {x["arm"] for x in lines}
+    }
+    assert by_arm["sft"][0] == (4, 0.0) and by_arm["sft"][-1] == (8, pytest.approx(1.0))
+    assert by_arm["rm-reorder-m4"] == [(4, 0.0), (8, pytest.approx(2.0))]
+    assert by_arm["grpo-detection-iou50"] == [(4, 0.0), (8, pytest.approx(4.0))]

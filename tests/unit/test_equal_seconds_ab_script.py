@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+CANONICAL = "sft-canonical"
 
 RECORDER = """#!/usr/bin/env bash
 # stands in for python3: one line per harness invocation (its arguments), the pricing stamp where asked
@@ -68,3 +69,12 @@ def test_the_backend_and_lengths_reach_every_run(tmp_path: Path) -> None:
         assert _arg(call, "--colocate-backend") == "hf" and _arg(call, "--grpo-colocate-backend") == "vllm"
         assert _arg(call, "--base-steps") == "150" and _arg(call, "--steps") == "30"
     assert _arg(calls[-1], "--steps") == "30"
+
+
+def test_the_arms_that_resume_the_base_wait_for_sft_and_the_default_arms_have_one(tmp_path: Path) -> None:
+    """rm-reorder-m4 reuses rollouts, so it resumes the sft run's base checkpoint: in the chain after sft."""
+    calls = _calls(tmp_path, SEEDS="0,1")
+    assert _arg(calls[0], "--arms") == "sft,rm-reorder,rm-reorder-m4,grpo-detection-iou50,sft-canonical"
+    mine = [_arg(c, "--arms") for c in calls[1:-1]]
+    assert sorted(mine) == sorted(["sft", "rm-reorder", "rm-reorder-m4", "grpo-detection-iou50", CANONICAL])
+    assert mine.index("sft") < mine.index("rm-reorder-m4")
