@@ -61,18 +61,16 @@ def summarize_copied_runs(
             continue
         # from the base's evaluation on, with the seconds of the recipe's steps only
         base = base_steps_of(run_dir, run_steps)
-        curve, units[(arm, int(seed))] = recipe_curve(run_dir, base)
+        curve, unit = recipe_curve(run_dir, base)
         curve = [p for p in curve if at_step is None or p["step"] <= at_step]
         if not curve or (at_step is not None and curve[-1]["step"] != at_step):
             print(f"[ab] {run_dir.name}: no evaluation at step {at_step}, left out", flush=True)
-            del units[(arm, int(seed))]
             continue
         last = last_step(run_dir, run_steps)
         if at_step is None and curve[-1]["step"] < last:
             print(f"[ab] {run_dir.name}: stopped at step {curve[-1]['step']} of {last}, left out", flush=True)
-            del units[(arm, int(seed))]
             continue
-        curves[(arm, int(seed))] = curve
+        curves[(arm, int(seed))], units[(arm, int(seed))] = curve, unit
         bases[int(seed)] = max(bases.get(int(seed), 0), base)
         if arm == CANONICAL and read_order(run_dir) is not None:
             ordering = yaml.safe_load((run_dir / "run.yaml").read_text())["data"]["object_ordering"]
