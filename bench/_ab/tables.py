@@ -40,6 +40,14 @@ ARMS: dict[str, dict[str, Any]] = {
         "targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]},
         "rollout_buffer": {"enabled": True, "m_steps": 4},
     },
+    # the reuse knob either side of 4: fresher rollouts at a higher price, or staler ones at a lower
+    **{
+        f"rm-reorder-m{m}": {
+            "targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]},
+            "rollout_buffer": {"enabled": True, "m_steps": m},
+        }
+        for m in (2, 8)
+    },
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists
     "rm-reorder-sorted": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed", "sorted"]}},
 }

@@ -392,7 +392,9 @@ def test_an_arm_that_reuses_rollouts_resumes_the_base_instead_of_training_it(tmp
     sft run's base checkpoint (evaluated first, as the base) and keeps the buffer; the others train it."""
     from learner.config import load_run_config
 
-    assert tables.reuses_rollouts("rm-reorder-m4") and not tables.reuses_rollouts("rm-reorder")
+    assert all(tables.reuses_rollouts(f"rm-reorder-m{m}") for m in (2, 4, 8))
+    assert not tables.reuses_rollouts("rm-reorder")
+    assert tables.ARMS["rm-reorder-m8"]["rollout_buffer"]["m_steps"] == 8
     assert tables.resumes_base("rm-reorder-m4") and tables.resumes_base(CANONICAL)
     assert not tables.resumes_base("rm-reorder") and not tables.resumes_base("sft")
     common = {"extends": str(tables.REPO / tables.TASKS["image-random"]["config"]), "training": {}}
