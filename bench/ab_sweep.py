@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     summaries = {}
     for item in args.summary:
-        label, sep, path = item.partition("=")
+        label, sep, path = item.rpartition("=")  # a label may hold "=" (m=2), a path not
         if not sep or not Path(path).is_file():
             parser.error(f"--summary {item!r}: give LABEL=PATH of an existing ab.jsonl")
         summaries[label] = Path(path)
