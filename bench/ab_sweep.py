@@ -59,7 +59,10 @@ def sweep_rows(summaries: dict[str, Path], arms: list[str] | None = None) -> lis
             if any(r["arm"] == arm for r in rows):  # one folder's later summaries repeat its earlier arms
                 continue
             seeds = line[f"{PAIRED}seeds"]
-            price = dict(zip(line["seeds"], line["paired_seconds_ratio"], strict=True))
+            # the ratios run over the seeds the arm and sft both timed (paired at seconds or missing there)
+            timed = {*line.get("paired_at_seconds_seeds", []), *line.get("paired_at_seconds_missing", [])}
+            timed_seeds = [s for s in line["seeds"] if s in timed] if timed else line["seeds"]
+            price = dict(zip(timed_seeds, line["paired_seconds_ratio"], strict=True))
             f1, precision = line[f"{PAIRED}f1"], line[f"{PAIRED}precision"]
             rows.append(
                 {

@@ -52,6 +52,11 @@ def test_rows_take_each_arms_last_line_once_with_the_paired_seeds_prices(tmp_pat
     assert [r["arm"] for r in ab_sweep.sweep_rows({"m4": first, "m8": second}, ["rm-reorder-m8"])] == [
         "rm-reorder-m8"
     ]
+    # sft timed only seeds 0 and 2 (seed 1's sft run was cut off): the ratios run over those
+    untimed = _arm_line("rm-reorder-m2", [0.1, 0.2], [2.5, 2.7])
+    untimed |= {"paired_at_seconds_seeds": [2], "paired_at_seconds_missing": [0]}
+    row = ab_sweep.sweep_rows({"m2": _write(tmp_path / "c.jsonl", untimed)})[0]
+    assert row["price"] == [2.5, 2.7]
     table = ab_sweep.markdown(rows)
     assert "| m8 | `rm-reorder-m8` | 1.40–1.60 × | +0.020 [-0.080, +0.120] | 2 of 2 | +0.020 |" in table
 
