@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ab.summary import PAIRING_PREFIX  # noqa: E402
 from _ab.tables import CANONICAL, CONTROLS  # noqa: E402
 
-PAIRED = "canonical_paired_at_seconds_"
+PAIRED = f"{PAIRING_PREFIX[CANONICAL]}_at_seconds_"
 """Prefix of an arm's paired differences against :data:`CANONICAL` at its final seconds."""
+PRICED = PAIRING_PREFIX["sft"]
+"""Prefix of an arm's pairing with ``sft``, which holds its step price (``<PRICED>_seconds_ratio``)."""
 
 
 def last_lines(path: Path) -> dict[str, dict[str, Any]]:
@@ -51,7 +54,7 @@ def sweep_rows(summaries: dict[str, Path], arms: list[str] | None = None) -> lis
     for label, path in summaries.items():
         found = False
         for arm, line in last_lines(path).items():
-            if arm in CONTROLS or arm == CANONICAL or f"{PAIRED}f1" not in line:
+            if arm in CONTROLS or f"{PAIRED}f1" not in line:
                 continue
             found = True
             if arms is not None and arm not in arms:
@@ -60,9 +63,12 @@ def sweep_rows(summaries: dict[str, Path], arms: list[str] | None = None) -> lis
                 continue
             seeds = line[f"{PAIRED}seeds"]
             # the ratios run over the seeds the arm and sft both timed (paired at seconds or missing there)
-            timed = {*line.get("paired_at_seconds_seeds", []), *line.get("paired_at_seconds_missing", [])}
+            timed = {
+                *line.get(f"{PRICED}_at_seconds_seeds", []),
+                *line.get(f"{PRICED}_at_seconds_missing", []),
+            }
             timed_seeds = [s for s in line["seeds"] if s in timed] if timed else line["seeds"]
-            price = dict(zip(timed_seeds, line["paired_seconds_ratio"], strict=True))
+            price = dict(zip(timed_seeds, line[f"{PRICED}_seconds_ratio"], strict=True))
             f1, precision = line[f"{PAIRED}f1"], line[f"{PAIRED}precision"]
             rows.append(
                 {
@@ -115,7 +121,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r, color in zip(rows, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4, strict=False):
+    for i, r in enumerate(rows):
+        color = f"C{i % 10}"
         x = statistics.mean(r["price"])
         for ax, key in zip(axes, ("f1", "precision"), strict=True):
             ax.scatter(r["price"], r[f"{key}_diff"], color=color, alpha=0.45, s=18)

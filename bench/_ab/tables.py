@@ -34,19 +34,14 @@ ARMS: dict[str, dict[str, Any]] = {
     },
     "rm-drop": {"targets": {"unmatched_prefix": "drop"}},
     "rm-reorder": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]}},
-    # the same targets with each rollout reused for 3 more optimizer steps (1 E-step + 3 M-steps): a quarter
-    # of the generation per step, the price that decides the A/B at equal GPU-seconds
-    "rm-reorder-m4": {
-        "targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]},
-        "rollout_buffer": {"enabled": True, "m_steps": 4},
-    },
-    # the reuse knob either side of 4: fresher rollouts at a higher price, or staler ones at a lower
+    # the same targets with each rollout reused for m optimizer steps (1 E-step + m - 1 M-steps): 1/m of the
+    # generation per step, the price that decides the A/B at equal GPU-seconds, on 1/m the distinct samples
     **{
         f"rm-reorder-m{m}": {
             "targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed"]},
             "rollout_buffer": {"enabled": True, "m_steps": m},
         }
-        for m in (2, 8)
+        for m in (2, 4, 8)
     },
     # the crowded tasks' base saw sorted answers: its rollouts follow the anchor order whatever the GT lists
     "rm-reorder-sorted": {"targets": {"unmatched_prefix": "reorder", "reorder_orders": ["listed", "sorted"]}},
