@@ -62,7 +62,9 @@ seed, mean, sd) with its pairing to each control of the same seed, ``paired_*`` 
   ``min``, ``max``, ``ci95`` (Student's t 95 % interval of the mean, two seeds or more), ``arm`` and
   ``control`` (the values); ``<P>_at_fractions_f1``: the same F1 pairing at 0.25, 0.5, 0.75 and 1 of the
   arm's final seconds (keys ``"0.25"`` … ``"1"``); ``<P>_seconds_ratio``: the arm's final seconds ÷ the
-  control's.
+  control's; ``canonical_paired_stretched``: the seeds whose control was sized to a slower arm (more than
+  10 % more seconds), left out of the pairing at seconds (run such an arm with a control of its own:
+  ``bench/equal_seconds_ab_gpu.sh`` gives every arm its own folder).
 
 The ``sft-canonical`` line also holds the base order measured per seed (``base_order``), how its steps were
 chosen (``canonical_budget``: ``steps``, ``reason``, ``arm``, ``arm_seconds``, ``sft_step_seconds``,

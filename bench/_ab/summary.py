@@ -110,12 +110,36 @@ def pair_at_seconds(
     return out
 
 
+STRETCH_TOLERANCE = 0.10
+"""Share of an arm's seconds by which the arm that sized its seed's ``sft-canonical`` may have trained longer
+(a top-up's pace, a priced step's round-off). Beyond it the control's schedule was sized for a slower arm:
+read at this arm's seconds it is mid-way through a longer schedule, not this arm's control."""
+
+
+def stretched_seeds(
+    curves: dict[tuple[str, int], list[dict[str, float]]], arm: str, budgets: dict[int, dict[str, Any]]
+) -> list[int]:
+    """The seeds whose ``sft-canonical`` was sized (``budgets``, `_ab.canonical_budget`) for another arm
+    that trained more than ``1 + STRETCH_TOLERANCE`` times ``arm``'s seconds: those pairs at ``arm``'s
+    seconds are left out (the fix: run ``arm`` in a folder of its own, as ``bench/equal_seconds_ab_gpu.sh``
+    does, so that its control is sized to it)."""
+    out = []
+    for (a, seed), curve in sorted(curves.items()):
+        budget = budgets.get(seed) or {}
+        if a != arm or not curve or "seconds" not in curve[-1] or budget.get("arm") in (None, arm):
+            continue
+        if budget.get("arm_seconds", 0.0) > final_seconds(curve) * (1 + STRETCH_TOLERANCE):
+            out.append(seed)
+    return out
+
+
 def pair_with(
     curves: dict[tuple[str, int], list[dict[str, float]]],
     arm: str,
     control: str,
     prefix: str,
     units: dict[tuple[str, int], str] | None = None,
+    stretched: Sequence[int] = (),
 ) -> dict[str, Any]:
     """``arm`` against ``control`` over the seeds both finished, as ``<prefix>_*`` keys of a summary line.
 
@@ -123,7 +147,8 @@ def pair_with(
     arm's (a control of another length is on another learning-rate schedule: read mid-way it would not be
     the control): ``<prefix>_diff``, the final F1 minus the control's final F1 of the same seed, and its
     :func:`paired_stats`; ``<prefix>_samples_unpaired`` lists the seeds left out for that. By seconds (the
-    seeds of :func:`timed_seeds`): :func:`pair_at_seconds`'s keys under ``<prefix>_``, and
+    seeds of :func:`timed_seeds`, less the ``stretched`` ones, listed as ``<prefix>_stretched``:
+    :func:`stretched_seeds`): :func:`pair_at_seconds`'s keys under ``<prefix>_``, and
     ``<prefix>_seconds_ratio`` (the arm's final seconds ÷ the control's).
     """
     seeds = sorted(s for a, s in curves if a == arm and (control, s) in curves)
@@ -138,7 +163,9 @@ def pair_with(
         out |= {f"{prefix}_{k}": v for k, v in paired_stats(diffs).items()}
     if len(same_length) < len(seeds):
         out[f"{prefix}_samples_unpaired"] = [s for s in seeds if s not in same_length]
-    timed = timed_seeds(curves, arm, control, seeds, units or {})
+    timed = [s for s in timed_seeds(curves, arm, control, seeds, units or {}) if s not in stretched]
+    if stretched:
+        out[f"{prefix}_stretched"] = sorted(set(stretched) & set(seeds))
     if timed:
         out |= {f"{prefix}_{k}": v for k, v in pair_at_seconds(curves, arm, control, timed).items()}
         out[f"{prefix}_seconds_ratio"] = [
@@ -169,7 +196,9 @@ def summarize(
     ``sft-canonical`` line also carries the base order measured per seed (``base_order``; ``orders``), how its
     steps were chosen per seed (``canonical_budget``; ``budgets``, `_ab.canonical_budget`) and the seeds where
     it trained fewer seconds than the slowest on-policy arm (``canonical_seconds_short``,
-    :func:`seconds_short`: those pairs at the arm's seconds are missing, not read early)."""
+    :func:`seconds_short`: those pairs at the arm's seconds are missing, not read early). An arm whose
+    control was sized to a slower arm is not paired with it at seconds on those seeds
+    (``canonical_paired_stretched``, :func:`stretched_seeds`)."""
     arms = sorted({a for a, _ in curves})
     lines = []
     for arm in arms:
@@ -202,8 +231,9 @@ def summarize(
             short = seconds_short(curves, units or {})
             if short:
                 line["canonical_seconds_short"] = short
-        for control in CONTROLS:
-            line |= pair_with(curves, arm, control, PAIRING_PREFIX[control], units)
+        stretched = stretched_seeds(curves, arm, budgets or {}) if arm not in CONTROLS else []
+        line |= pair_with(curves, arm, "sft", PAIRING_PREFIX["sft"], units)
+        line |= pair_with(curves, arm, CANONICAL, PAIRING_PREFIX[CANONICAL], units, stretched)
         lines.append(line)
     return lines
 

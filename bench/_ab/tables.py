@@ -84,6 +84,9 @@ GRPO_ARMS: dict[str, dict[str, Any]] = {
     "grpo-count-lr1e-5": {"reward_preset": "detection_count", "learning_rate": 1e-5},
     # with the count right, GRPO still lost box tightness to plain SFT: F1 at maskIoU 0.5, not at the gate
     "grpo-detection-iou50": {"reward_preset": "detection_iou50"},
+    # continuing a base mid-schedule (--base-steps 150), GRPO at 1e-4 fell below its base on 2026-12-07's
+    # seed 0 (0.385 -> 0.339 in 50 steps): the same reward at a third of the rate
+    "grpo-iou50-lr3e-5": {"reward_preset": "detection_iou50", "learning_rate": 3e-5},
     # sampling at T 1.0 spreads ~600-token completions mostly by noise; a cooler policy gives groups whose
     # rewards differ by the detections
     "grpo-dedup-t07": {"reward_preset": "detection_dedup", "temperature": 0.7},

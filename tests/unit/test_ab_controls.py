@@ -313,6 +313,28 @@ def test_a_control_trained_longer_is_paired_by_seconds_not_mid_way_by_samples() 
     assert set(line) >= {f"canonical_paired_at_seconds_{k}" for k in ("recall", "pred_gt_ratio")}
 
 
+def test_a_control_sized_to_a_slower_arm_is_not_the_cheaper_arms_control() -> None:
+    """Seed 0's control was sized to rm-reorder's 100 s: read at rm-reorder-m4's 40 s it is mid-way through
+    a schedule 2.5 x longer, so m4's pair at seconds is left out there (and said), while rm-reorder's own
+    run, timed at 95 s, is within the tolerance of the 100 s it was sized to. Seed 1's control was sized to
+    m4 itself: m4 is paired there, and rm-reorder's pair is missing (its control stops short of it)."""
+    curves, budgets = {}, {}
+    for seed, sized_for in ((0, "rm-reorder"), (1, "rm-reorder-m4")):
+        seconds = 100.0 if sized_for == "rm-reorder" else 40.0
+        budgets[seed] = {"steps": 300, "arm": sized_for, "arm_seconds": seconds}
+        curves[(CANONICAL, seed)] = _curve([0.5, 0.55, 0.6], [0.0, seconds / 2, seconds])
+        curves[("rm-reorder", seed)] = _curve([0.5, 0.6, 0.7], [0.0, 50.0, 95.0])
+        curves[("rm-reorder-m4", seed)] = _curve([0.5, 0.6, 0.7], [0.0, 20.0, 40.0])
+    units = dict.fromkeys(curves, "cpu")
+    lines = _lines(curves, units=units, budgets=budgets)
+    m4, reorder = lines["rm-reorder-m4"], lines["rm-reorder"]
+    assert m4["canonical_paired_stretched"] == [0] and m4["canonical_paired_at_seconds_seeds"] == [1]
+    assert "paired_stretched" not in m4  # the weak control is never sized
+    assert "canonical_paired_stretched" not in reorder
+    assert reorder["canonical_paired_at_seconds_seeds"] == [0]
+    assert reorder["canonical_paired_at_seconds_missing"] == [1]
+
+
 def test_the_base_steps_must_be_an_evaluation(capsys) -> None:
     argv = [
         "--out",

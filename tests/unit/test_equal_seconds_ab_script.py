@@ -1,6 +1,8 @@
 """bench/equal_seconds_ab_gpu.sh's flow, with a stand-in for the harness that records its command lines:
-the pricing seed runs every arm first and alone, each other seed's GRPO and control start after that seed's
-sft run (they resume its base checkpoint), and the summary reads every run at the pricing seed's prices."""
+every on-policy arm has a folder with its own sft run and control, the pricing seed runs each folder first
+and alone, each other seed's GRPO arm and control start after that seed's sft run (they resume its base
+checkpoint), and the summaries read every run at the pricing seed's prices before one sweep sets the arms
+side by side."""
 
 from __future__ import annotations
 
@@ -23,22 +25,25 @@ esac
 """
 
 
-def _calls(tmp_path: Path, **env: str) -> list[str]:
+def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     fake = tmp_path / "fake_python"
     fake.write_text(RECORDER)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    calls = tmp_path / "calls.txt"
-    full_env = {**os.environ, "PY": str(fake), "CALLS": str(calls), "OUT": str(tmp_path / "ab"), **env}
-    proc = subprocess.run(
+    paths = {"PY": str(fake), "CALLS": str(tmp_path / "calls.txt"), "OUT": str(tmp_path / "ab")}
+    return subprocess.run(
         ["bash", str(REPO / "bench" / "equal_seconds_ab_gpu.sh")],
-        env=full_env,
+        env={**os.environ, **paths, **env},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+def _calls(tmp_path: Path, **env: str) -> list[str]:
+    proc = _run(tmp_path, **env)
     assert proc.returncode == 0, proc.stderr
-    return calls.read_text().splitlines()
+    return (tmp_path / "calls.txt").read_text().splitlines()
 
 
 def _arg(call: str, flag: str) -> str:
@@ -46,35 +51,54 @@ def _arg(call: str, flag: str) -> str:
     return words[words.index(flag) + 1]
 
 
-def test_the_pricing_seed_runs_every_arm_first_and_the_chains_wait_for_sft(tmp_path: Path) -> None:
+def _folder(call: str) -> str:
+    return Path(_arg(call, "--out")).name
+
+
+def test_each_arm_has_its_own_folder_priced_first_and_its_chains_wait_for_sft(tmp_path: Path) -> None:
     calls = _calls(tmp_path, SEEDS="3,5,6", ARMS="rm-reorder,grpo-detection-iou50")
-    first = calls[0]
-    assert _arg(first, "--seeds") == "3" and _arg(first, "--price-seed") == "3"
-    assert _arg(first, "--arms") == "sft,rm-reorder,grpo-detection-iou50,sft-canonical"
-    assert "--vllm-gpu-memory" not in first  # alone: the one-GPU split
-    assert "--from-runs" in calls[-1] and _arg(calls[-1], "--price-seed") == "3"
-    side = calls[1:-1]
+    pricing, side, summaries, sweep = calls[:2], calls[2:-3], calls[-3:-1], calls[-1]
+    for call, arm in zip(pricing, ("rm-reorder", "grpo-detection-iou50"), strict=True):
+        assert _arg(call, "--seeds") == "3" and _arg(call, "--price-seed") == "3"
+        assert _arg(call, "--arms") == f"sft,{arm},{CANONICAL}" and _folder(call) == arm
+        assert "--vllm-gpu-memory" not in call  # alone: the one-GPU split
+    for call, arm in zip(summaries, ("rm-reorder", "grpo-detection-iou50"), strict=True):
+        assert "--from-runs" in call and _arg(call, "--price-seed") == "3" and _folder(call) == arm
+    assert "ab_sweep.py" in sweep
+    assert "--summary rm-reorder=" in sweep and "--summary grpo-detection-iou50=" in sweep
     assert all("--vllm-gpu-memory" in c and _arg(c, "--price-seed") == "3" for c in side)
     for seed in ("5", "6"):
-        mine = [_arg(c, "--arms") for c in side if _arg(c, "--seeds") == seed]
-        assert sorted(mine) == sorted(["sft", "rm-reorder", "grpo-detection-iou50", "sft-canonical"])
-        assert mine.index("sft") < mine.index("grpo-detection-iou50")
-        assert mine.index("sft") < mine.index("sft-canonical")
+        for arm in ("rm-reorder", "grpo-detection-iou50"):
+            mine = [_arg(c, "--arms") for c in side if _arg(c, "--seeds") == seed and _folder(c) == arm]
+            assert sorted(mine) == sorted(["sft", arm, CANONICAL])  # the control is the arm's own
+            assert mine.index("sft") < mine.index(CANONICAL)
+        grpo = [_arg(c, "--arms") for c in side if _arg(c, "--seeds") == seed and _folder(c) != "rm-reorder"]
+        assert grpo.index("sft") < grpo.index("grpo-detection-iou50")  # it resumes the base checkpoint
     assert not [c for c in side if _arg(c, "--seeds") == "3"]
 
 
 def test_the_backend_and_lengths_reach_every_run(tmp_path: Path) -> None:
     calls = _calls(tmp_path, SEEDS="0,1", ARMS="rm-reorder", BACKEND="hf", GRPO_BACKEND="vllm", STEPS="30")
-    for call in calls[:-1]:
+    for call in calls[:-2]:
         assert _arg(call, "--colocate-backend") == "hf" and _arg(call, "--grpo-colocate-backend") == "vllm"
         assert _arg(call, "--base-steps") == "150" and _arg(call, "--steps") == "30"
-    assert _arg(calls[-1], "--steps") == "30"
+    assert _arg(calls[-2], "--steps") == "30"
 
 
-def test_the_arms_that_resume_the_base_wait_for_sft_and_the_default_arms_have_one(tmp_path: Path) -> None:
-    """rm-reorder-m4 reuses rollouts, so it resumes the sft run's base checkpoint: in the chain after sft."""
+def test_the_default_arms_and_the_controls_named_in_arms(tmp_path: Path) -> None:
+    """sft and sft-canonical in ARMS are the controls every folder runs anyway, not arms of their own;
+    rm-reorder-m2 reuses rollouts, so it resumes the sft run's base checkpoint: in the chain after sft."""
     calls = _calls(tmp_path, SEEDS="0,1")
-    assert _arg(calls[0], "--arms") == "sft,rm-reorder,rm-reorder-m4,grpo-detection-iou50,sft-canonical"
-    mine = [_arg(c, "--arms") for c in calls[1:-1]]
-    assert sorted(mine) == sorted(["sft", "rm-reorder", "rm-reorder-m4", "grpo-detection-iou50", CANONICAL])
-    assert mine.index("sft") < mine.index("rm-reorder-m4")
+    pricing = [_arg(c, "--arms") for c in calls[:3]]
+    arms = ("rm-reorder", "rm-reorder-m2", "grpo-detection-iou50")
+    assert pricing == [f"sft,{a},{CANONICAL}" for a in arms]
+    mine = [_arg(c, "--arms") for c in calls[3:-4] if _folder(c) == "rm-reorder-m2"]
+    assert mine.index("sft") < mine.index("rm-reorder-m2")
+    (tmp_path / "named").mkdir()
+    named = _calls(tmp_path / "named", SEEDS="0", ARMS="sft,rm-reorder,sft-canonical")
+    assert _arg(named[0], "--arms") == f"sft,rm-reorder,{CANONICAL}" and len(named) == 3
+
+
+def test_arms_without_an_on_policy_arm_are_refused(tmp_path: Path) -> None:
+    proc = _run(tmp_path, ARMS="sft")
+    assert proc.returncode == 2 and "names no on-policy arm" in proc.stderr
