@@ -7,8 +7,8 @@ seconds per step)`` steps: the arm's seconds are the largest ``train_seconds`` o
 the shared base). Its run is configured for exactly those steps, so its learning-rate schedule ends at its own
 last step (never a longer schedule read mid-way). A control whose run still trained fewer seconds than the
 arm (its steps ran faster or slower than the sft run's: warm-up, a busy host) is sized again at its own
-measured pace and run again, at most :data:`MAX_TOP_UPS` times (`top_up`): the control runs until it has
-used the arm's seconds."""
+measured pace, with a margin, and run again, at most :data:`MAX_TOP_UPS` times (`top_up`): the control runs
+until it has used the arm's seconds."""
 
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ jitter)."""
 
 MAX_TOP_UPS = 2
 """Re-sizings of one seed's control at most: each is a whole run of its own length."""
+
+TOP_UP_MARGIN = 0.05
+"""Share of the arm's seconds a re-sized control is given beyond them: a CPU host's pace drifts between runs
+(a text A/B's control went 0.87 → 0.79 → 0.71 s a step over three runs as the host's load fell), and a
+control sized exactly at the last pace came out short again. Reading it at the arm's seconds is then reading
+it at 95 % of its own schedule, well inside ``summary.STRETCH_TOLERANCE``."""
 
 
 BUDGET_STAMP = "canonical_budget.json"
@@ -106,9 +112,10 @@ def budget_for_seed(
 
 def top_up(budget: dict[str, Any], curve: list[dict[str, float]], steps: int) -> dict[str, Any] | None:
     """The budget of a longer control when the run of ``budget`` (``steps`` steps, its ``curve``) trained
-    fewer than ``1 - TOP_UP_TOLERANCE`` of the arm's seconds: ``ceil(arm seconds ÷ the control's own seconds
-    per step)`` steps (at least one more), ``topped_up_from`` the short run's steps, ``top_up`` its count.
-    None when it reached them, was not sized by seconds, or was topped up :data:`MAX_TOP_UPS` times."""
+    fewer than ``1 - TOP_UP_TOLERANCE`` of the arm's seconds: ``ceil(arm seconds x (1 + TOP_UP_MARGIN) ÷
+    the control's own seconds per step)`` steps (at least one more), ``topped_up_from`` the short run's
+    steps, ``top_up`` its count. None when it reached them, was not sized by seconds, or was topped up
+    :data:`MAX_TOP_UPS` times."""
     arm_seconds = budget.get("arm_seconds")
     if not arm_seconds or not curve or "seconds" not in curve[-1] or steps < 1:
         return None
@@ -117,7 +124,7 @@ def top_up(budget: dict[str, Any], curve: list[dict[str, float]], steps: int) ->
     if got >= arm_seconds * (1 - TOP_UP_TOLERANCE) or count > MAX_TOP_UPS or got <= 0:
         return None
     pace = got / steps
-    longer = max(steps + 1, math.ceil(arm_seconds / pace - 1e-9))
+    longer = max(steps + 1, math.ceil(arm_seconds * (1 + TOP_UP_MARGIN) / pace - 1e-9))
     reason = (
         f"top-up {count}: its {steps}-step run trained {got:.1f} of {budget['arm']}'s {arm_seconds:.1f} s at"
         f" {pace:.4f} s a step; sized again at that pace"

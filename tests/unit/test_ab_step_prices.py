@@ -177,15 +177,16 @@ def test_a_run_copied_back_at_its_base_is_left_out_not_read_as_final(tmp_path: P
 
 def test_a_control_short_of_the_arms_seconds_is_sized_again_at_its_own_pace() -> None:
     """The GPU run's seed 0: sized 108 steps at the sft run's 0.266 s, the control ran 0.201 s a step and
-    trained 21.7 of the arm's 28.5 s; it runs again for ceil(28.5 / 0.201) steps, at most twice."""
+    trained 21.7 of the arm's 28.5 s; it runs again for ceil(28.5 x 1.05 / 0.201) steps (the margin: a pace
+    that drifts again must not leave it short once more), at most twice."""
     first = canonical_budget.size_canonical({"rm-reorder": 28.526}, 30 * 0.26603, 30, 30, "gpu")
     assert first["steps"] == 108
     curve = [{"step": 0, "f1": 0.4, "seconds": 0.0}, {"step": 108, "f1": 0.3, "seconds": 21.716}]
     longer = canonical_budget.top_up(first, curve, 108)
-    assert longer is not None and longer["steps"] == 142 and longer["topped_up_from"] == 108
+    assert longer is not None and longer["steps"] == 149 and longer["topped_up_from"] == 108
     assert longer["top_up"] == 1 and "top-up 1" in longer["reason"]
-    reached = [{"step": 0, "f1": 0.4, "seconds": 0.0}, {"step": 142, "f1": 0.3, "seconds": 28.4}]
-    assert canonical_budget.top_up(longer, reached, 142) is None  # within the 2 % tolerance
+    reached = [{"step": 0, "f1": 0.4, "seconds": 0.0}, {"step": 149, "f1": 0.3, "seconds": 28.4}]
+    assert canonical_budget.top_up(longer, reached, 149) is None  # within the 2 % tolerance
     again = canonical_budget.top_up({**longer, "top_up": canonical_budget.MAX_TOP_UPS}, curve, 108)
     assert again is None
     assert canonical_budget.top_up({"steps": 50, "reason": "--canonical-steps"}, curve, 50) is None
