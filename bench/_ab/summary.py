@@ -231,9 +231,11 @@ def summarize(
             short = seconds_short(curves, units or {})
             if short:
                 line["canonical_seconds_short"] = short
+        # only the sized control can be stretched, and only for an on-policy arm (sft is read inside it)
         stretched = stretched_seeds(curves, arm, budgets or {}) if arm not in CONTROLS else []
-        line |= pair_with(curves, arm, "sft", PAIRING_PREFIX["sft"], units)
-        line |= pair_with(curves, arm, CANONICAL, PAIRING_PREFIX[CANONICAL], units, stretched)
+        for control in CONTROLS:
+            skip = stretched if control == CANONICAL else ()
+            line |= pair_with(curves, arm, control, PAIRING_PREFIX[control], units, skip)
         lines.append(line)
     return lines
 
